@@ -1,0 +1,16 @@
+"""octavo: a readable LLM inference engine with a paged KV cache."""
+
+from octavo.outputs import CompletionOutput, Logprob, RequestOutput
+from octavo.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code; import it only when asked for.
+    if name == "LLM":
+        from octavo.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'octavo' has no attribute {name!r}")

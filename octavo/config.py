@@ -1,0 +1,73 @@
+"""Frozen engine configs, validated once at construction.
+
+Values found at run time (the number of KV blocks, say) live in the objects that own them,
+not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and the memory budget that sizes the pool.
+
+    Exactly one budget applies, in this order: `num_kv_blocks` if given, else
+    `kv_cache_memory` bytes if given, else `gpu_memory_utilization` of the GPU (CUDA) or
+    a default of 1 GiB (CPU).
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            _check_positive("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory is not None:
+            _check_positive("kv_cache_memory", self.kv_cache_memory)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step budgets: at most `max_num_seqs` running requests and
+    `max_num_batched_tokens` tokens computed in one step; prompts up to `max_model_len`."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive("max_model_len", self.max_model_len)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len when chunked prefill is off"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism; a size of 1 runs without any process group."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)

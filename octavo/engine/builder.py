@@ -1,0 +1,156 @@
+"""From user options to a running Engine: resolve the model, size the KV cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib import resources
+
+import torch
+
+from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig
+from octavo.engine.engine import Engine
+from octavo.model.embedded import embedded_model_path
+from octavo.model.hf_config import load_hf_config
+from octavo.model.tokenizer import eos_token_ids, load_tokenizer
+from octavo.runner.model_runner import ModelRunner, kv_bytes_per_block
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+_LOAD_FORMATS = ("auto", "dummy")
+
+
+def bundled_config_names() -> list[str]:
+    """Benchmark configs shipped in the package (octavo/configs/<name>/config.json)."""
+    root = resources.files("octavo") / "configs"
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def resolve_model(model: str | None) -> str:
+    """None -> the embedded SmolLM2 GGUF; a bundled config name -> its directory."""
+    if model is None:
+        return embedded_model_path()
+    if model in bundled_config_names():
+        return str(resources.files("octavo") / "configs" / model)
+    if not os.path.exists(model):
+        raise ValueError(
+            f"model {model!r} is neither a path nor a bundled config "
+            f"({', '.join(bundled_config_names())})"
+        )
+    return model
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a torch device") from e
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on CUDA and float32 on the CPU."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {list(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def num_kv_blocks_for(cache: CacheConfig, runner: ModelRunner) -> int:
+    """Sizes the block pool from the budget in CacheConfig."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    per_block = kv_bytes_per_block(runner.hf_config, cache.block_size, runner.dtype)
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif runner.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(runner.device)
+        used_by_others = total - free
+        budget = int(total * cache.gpu_memory_utilization) - used_by_others
+    else:
+        budget = _CPU_DEFAULT_KV_BYTES
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget} bytes) is smaller than one block ({per_block} bytes)"
+        )
+    return num_blocks
+
+
+def build_engine(
+    model: str | None = None,
+    tokenizer: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str = "auto",
+    max_model_len: int | None = None,
+    block_size: int = 16,
+    num_kv_blocks: int | None = None,
+    kv_cache_memory: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
+    enable_prefix_caching: bool = True,
+    enforce_eager: bool = False,
+    tensor_parallel_size: int = 1,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> Engine:
+    """Builds an Engine from LLM()'s options (see DESIGN.md for their meaning)."""
+    if load_format not in _LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}")
+    if tensor_parallel_size != 1:
+        raise ValueError("tensor_parallel_size > 1 is not supported yet")
+    cache = CacheConfig(
+        block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching
+    )
+    ParallelConfig(tensor_parallel_size)
+    model_path = resolve_model(model)
+    hf_config = load_hf_config(model_path)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    tok = load_tokenizer(tokenizer or model_path)
+    runner = ModelRunner(model_path, hf_config, torch_dtype, dev, block_size, load_format, seed)
+    num_blocks = num_kv_blocks_for(cache, runner)
+    sched = SchedulerConfig(
+        max_num_seqs,
+        max_num_batched_tokens,
+        _max_model_len(hf_config, max_model_len, num_blocks * block_size),
+    )
+    config_eos = getattr(hf_config, "eos_token_id", None)
+    eos = eos_token_ids(tok, config_eos) if tok is not None else _as_list(config_eos)
+    return Engine(runner, tok, cache, sched, num_blocks, eos)
+
+
+def _max_model_len(hf_config, requested: int | None, kv_capacity: int) -> int:
+    """The model's limit, and never more than the KV cache holds (else a long request
+    could never be admitted). An explicit request beyond either is an error."""
+    model_limit = getattr(hf_config, "max_position_embeddings", None) or kv_capacity
+    if requested is not None:
+        if requested > model_limit:
+            raise ValueError(f"max_model_len={requested} exceeds the model's {model_limit}")
+        if requested > kv_capacity:
+            raise ValueError(
+                f"max_model_len={requested} does not fit in the KV cache ({kv_capacity} "
+                "tokens): raise the cache budget or lower max_model_len"
+            )
+        return requested
+    if kv_capacity < model_limit:
+        logger.info("max_model_len limited to the KV cache's %d tokens", kv_capacity)
+    return min(model_limit, kv_capacity)
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)

@@ -1,0 +1,223 @@
+"""The scheduler: which requests run this step, and how many tokens each computes.
+
+One rule covers prefill, chunked prefill, decode and prefix-cache hits: every request has
+`num_computed_tokens` and `num_tokens`, and a step lets computed catch up with total under
+two budgets, `max_num_batched_tokens` tokens and `max_num_seqs` running requests. Running
+requests go first (oldest first); waiting requests are admitted only if nobody had to be
+preempted this step. When the KV cache runs out of blocks, the newest running request is
+preempted by recompute: it frees its blocks and goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from octavo.config import SchedulerConfig
+from octavo.engine.kv_cache_manager import KVCacheManager
+from octavo.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids`, which sit at positions
+    `num_computed_tokens ..` of its sequence, into the blocks `block_ids`."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    # True when this step reaches the request's last known token, so it samples the next one.
+    sample: bool
+    request: Request = field(repr=False)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_computed_tokens + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """A plain description of one step, passed to the model runner."""
+
+    scheduled: list[ScheduledRequest]
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests finished since the previous step, so runner-side state can be dropped.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; plain Python, no torch."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+
+    # ---- queue management -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Removes a request (finished or aborted) and frees its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        self._finished_ids.append(request_id)
+        return request
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = [self.finish_request(rid, RequestStatus.FINISHED_ABORTED) for rid in request_ids]
+        return [r for r in aborted if r is not None]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- scheduling -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's work. See the module docstring for the rule."""
+        budget = self.config.max_num_batched_tokens
+        scheduled, preempted, budget = self._schedule_running(budget)
+        if not preempted:
+            scheduled += self._schedule_waiting(budget)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(scheduled, preempted, finished)
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], list[str], int]:
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # newest admitted goes first
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # it preempted itself: nobody after it can run either
+            scheduled.append(self._make_scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+        return scheduled, preempted, budget
+
+    def _schedule_waiting(self, budget: int) -> list[ScheduledRequest]:
+        scheduled: list[ScheduledRequest] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, hit_blocks):
+                break  # out of blocks: wait for running requests to finish
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit
+            self.running.append(request)
+            scheduled.append(self._make_scheduled(request, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            sample=start + num_new == request.num_tokens,
+            request=request,
+        )
+
+    # ---- after the step ---------------------------------------------------------------
+
+    def update(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advances computed tokens, appends sampled tokens and applies the token-level
+        stop rules. Returns the requests that got a new token (finished ones included)."""
+        updated: list[Request] = []
+        for item in output.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += item.num_new_tokens
+            token = sampled_token_ids.get(item.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            updated.append(request)
+            status = self.check_stop(request)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+        return updated
+
+    def check_stop(self, request: Request) -> RequestStatus | None:
+        """EOS, stop token ids, max_tokens and the context limit (stop strings need text
+        and are checked by the engine's detokenizer)."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                request.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        max_tokens = params.max_tokens
+        if max_tokens is not None and request.num_output_tokens >= max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

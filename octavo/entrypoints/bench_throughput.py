@@ -1,0 +1,147 @@
+"""`octavo bench throughput`: offline generation throughput against a peer in the same run.
+
+Workloads:
+- `cpu`: the embedded model (float32), 32 prompts of mixed length, mixed max_tokens,
+  greedy, ignore_eos. Peer `hf`: transformers' left-padded batched `generate`, which must
+  run every sequence to the batch's longest max_tokens; only each request's own max_tokens
+  count as output for both.
+- `nanovllm`: the nano-vllm workload of BENCHMARKS.md (256 requests, random token ids,
+  temperature 0.6, ignore_eos), for a dummy-weight model such as the bundled `qwen3-0.6b`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    temperature: float
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+
+def cpu_workload(vocab_size: int, num_prompts: int = 32, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts = [
+        [rng.randint(100, vocab_size - 1) for _ in range(rng.randint(16, 256))]
+        for _ in range(num_prompts)
+    ]
+    return Workload(prompts, [rng.randint(16, 128) for _ in range(num_prompts)], 0.0)
+
+
+def nanovllm_workload(num_seqs: int = 256) -> Workload:
+    """Exactly nano-vllm's bench.py: prompts first, then output lengths, from seed 0."""
+    random.seed(0)
+    max_input_len = max_output_len = 1024
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))]
+        for _ in range(num_seqs)
+    ]
+    max_tokens = [random.randint(100, max_output_len) for _ in range(num_seqs)]
+    return Workload(prompts, max_tokens, 0.6)
+
+
+@dataclass
+class Result:
+    engine: str
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def run_octavo(llm, w: Workload) -> Result:
+    from octavo.sampling_params import SamplingParams
+
+    params = [
+        SamplingParams(temperature=w.temperature, ignore_eos=True, max_tokens=m)
+        for m in w.max_tokens
+    ]
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == w.num_output_tokens, (produced, w.num_output_tokens)
+    return Result("octavo", produced, seconds)
+
+
+def run_hf_generate(model_path: str, w: Workload) -> Result:
+    """transformers' batched generate with left padding, greedy, float32 on the CPU."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {}
+    if model_path.endswith(".gguf"):
+        kwargs["gguf_file"] = os.path.basename(model_path)
+        model_path = os.path.dirname(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **kwargs)
+    model.eval()
+    pad = 0
+    width = max(len(p) for p in w.prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in w.prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in w.prompts])
+    gen = dict(do_sample=False, pad_token_id=pad, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=4, **gen)
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=max(w.max_tokens), **gen)
+        seconds = time.perf_counter() - start
+    return Result("hf-generate", w.num_output_tokens, seconds)
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    from octavo.entrypoints.llm import LLM
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    vocab = llm.engine.vocab_size
+    w = nanovllm_workload() if args.workload == "nanovllm" else cpu_workload(vocab, args.num_prompts)
+    results = [run_octavo(llm, w)]
+    if args.peer == "hf":
+        from octavo.engine.builder import resolve_model
+
+        results.append(run_hf_generate(resolve_model(args.model), w))
+    print(f"{'engine':<14}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
+    for r in results:
+        print(f"{r.engine:<14}{r.output_tokens:>12}{r.seconds:>10.2f}{r.tok_per_s:>10.1f}")
+    if len(results) > 1:
+        print(f"octavo / {results[1].engine}: {results[0].tok_per_s / results[1].tok_per_s:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) | {"tok_per_s": r.tok_per_s} for r in results], f, indent=2)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("throughput", help="offline generation throughput")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--workload", default="cpu", choices=["cpu", "nanovllm"])
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--peer", default=None, choices=["hf"])
+    p.add_argument("--json", default=None, help="write the results here")
+    p.set_defaults(func=cmd_throughput)

@@ -1,0 +1,144 @@
+"""The offline API: LLM(...).generate / .chat, as in vLLM."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from octavo.engine.builder import build_engine
+from octavo.model.tokenizer import apply_chat_template
+from octavo.outputs import RequestOutput
+from octavo.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    `LLM()` loads the embedded SmolLM2-135M-Instruct; see DESIGN.md for every option.
+    """
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.engine = build_engine(model, **options)
+        self._request_counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates completions for all prompts and returns them in input order.
+
+        prompts: a str, a list of str, or a list of {"prompt_token_ids": [...]}.
+        sampling_params: one for all prompts, or one per prompt (default SamplingParams()).
+        Raises ValueError for a bad prompt or parameters before anything runs.
+        """
+        prompt_list = _normalize_prompts(prompts)
+        params = _normalize_params(sampling_params, len(prompt_list))
+        ids = self._add_all(prompt_list, params)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then
+        generates. A conversation is a list of {"role": ..., "content": ...}."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template, and this model has none")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of conversations or messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {"prompt_token_ids": apply_chat_template(tokenizer, conv, add_generation_prompt)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_stats(self) -> dict[str, int | float]:
+        """Engine counters: num_preemptions, prefix_cache_queries / prefix_cache_hits
+        (tokens), kv_blocks_total / kv_blocks_free, and throughput counters."""
+        return self.engine.get_stats()
+
+    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id = f"llm-{self._request_counter}"
+                self._request_counter += 1
+                self.engine.add_request(_prompt_input(prompt), p, request_id)
+                ids.append(request_id)
+        except ValueError:
+            self.engine.abort_request(ids)  # all or nothing: drop what was queued
+            raise
+        return ids
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm)
+        start, num_out = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    num_out += 1
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"out {num_out / elapsed:.1f} tok/s", refresh=False)
+        except BaseException:
+            self.engine.abort_request(
+                [rid for rid in request_ids if rid not in finished]
+            )
+            raise
+        finally:
+            bar.close()
+        return [finished[rid] for rid in request_ids]
+
+
+def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(p, int) for p in prompts):
+        raise ValueError('pass token ids as {"prompt_token_ids": [...]}, not a bare list of int')
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
+        raise ValueError("prompts must be a str, a list of str, or a list of dicts")
+    return list(prompts)
+
+
+def _normalize_params(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+    return params
+
+
+def _prompt_input(prompt: PromptType) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt["prompt_token_ids"]
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError('a dict prompt needs "prompt_token_ids" (or "prompt")')
+    raise ValueError(f"a prompt must be a str or a dict, got {type(prompt).__name__}")

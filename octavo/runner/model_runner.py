@@ -1,0 +1,138 @@
+"""The model runner: turns a SchedulerOutput into flat tensors, runs the model, samples.
+
+It owns the model, the KV cache tensors and the sampler; it knows nothing of queues.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from octavo.attention.backend import AttentionMetadata, build_metadata, get_attention_backend
+from octavo.attention.layer import bind_kv_caches
+from octavo.engine.scheduler import SchedulerOutput
+from octavo.model.hf_config import get_head_dim
+from octavo.model.loader import load_model
+from octavo.runner.sampler import Sampler, SamplingMetadata
+
+# (token id, log-prob, rank) for the sampled token first, then the top-k alternatives.
+TokenLogprobs = list[tuple[int, float, int]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request that sampled this step: its new token, and log-probs if asked for."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+    """layers x (K and V) x block_size x kv_heads x head_dim x dtype bytes."""
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    elem = torch.empty((), dtype=dtype).element_size()
+    return (
+        hf_config.num_hidden_layers * 2 * block_size * num_kv_heads * get_head_dim(hf_config) * elem
+    )
+
+
+class ModelRunner:
+    """Loads the model, allocates the paged KV cache, and executes scheduled steps."""
+
+    def __init__(
+        self,
+        model_path: str,
+        hf_config,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        load_format: str = "auto",
+        seed: int = 0,
+        attention_backend: str | None = None,
+    ) -> None:
+        self.hf_config = hf_config
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        self.vocab_size = hf_config.vocab_size
+        self.model = load_model(model_path, hf_config, dtype, device, load_format, seed)
+        backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
+        self.attn_backend = get_attention_backend(backend)
+        self.sampler = Sampler(seed=seed)
+        self.kv_caches: list[torch.Tensor] = []
+        self.eos_token_ids: list[int] = []
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocates one [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer,
+        once, and binds them to the model's attention layers."""
+        cfg = self.hf_config
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        shape = (2, num_blocks, self.block_size, num_kv_heads, get_head_dim(cfg))
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step: the forward pass over all scheduled tokens, then sampling for the
+        requests whose step reached their last known token."""
+        input_ids, positions, md = self._prepare_inputs(so)
+        hidden = self.model(input_ids, positions, md)  # [T, hidden]
+        samplers = [s for s in so.scheduled if s.sample]
+        if not samplers:
+            return ModelRunnerOutput({})
+        last_token = [
+            md.query_start_loc_cpu[i + 1] - 1 for i, s in enumerate(so.scheduled) if s.sample
+        ]
+        logits = self.model.compute_logits(hidden[last_token])  # [B, V] float32
+        sampling_md = SamplingMetadata.build(
+            [s.request.sampling_params for s in samplers],
+            [s.request.prompt_token_ids for s in samplers],
+            [s.request.output_token_ids for s in samplers],
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            device=self.device,
+        )
+        out = self.sampler(logits, sampling_md)
+        token_ids = out.sampled_token_ids.tolist()
+        result = ModelRunnerOutput(
+            {s.request_id: t for s, t in zip(samplers, token_ids, strict=True)}
+        )
+        if out.logprobs is not None:
+            self._collect_logprobs(samplers, out, result)
+        return result
+
+    def _prepare_inputs(
+        self, so: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for s in so.scheduled:
+            input_ids += s.token_ids
+            positions += range(s.num_computed_tokens, s.seq_len)
+        md = build_metadata(
+            [s.num_new_tokens for s in so.scheduled],
+            [s.seq_len for s in so.scheduled],
+            [s.block_ids for s in so.scheduled],
+            self.block_size,
+            self.device,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return ids, pos, md
+
+    @staticmethod
+    def _collect_logprobs(samplers, out, result: ModelRunnerOutput) -> None:
+        token_ids = out.logprob_token_ids.tolist()
+        values = out.logprobs.tolist()
+        ranks = out.sampled_token_ranks.tolist()
+        for row, s in enumerate(samplers):
+            k = s.request.sampling_params.logprobs
+            if k is None:
+                continue
+            entries = [(token_ids[row][0], values[row][0], ranks[row])]
+            entries += [(token_ids[row][j], values[row][j], j) for j in range(1, k + 1)]
+            result.logprobs[s.request_id] = entries
