@@ -1,0 +1,198 @@
+"""The KV cache manager: per-request block tables on top of the block pool, and prefix caching.
+
+Plain Python, no torch. A request's block table lists the physical blocks that hold its
+tokens, in order:
+
+    block_table[req] = [7, 2, 9]      block_size = 4
+    token 9 of req -> block 9 // 4 = 2 -> physical 9 -> slot 9*4 + 9 % 4 = 37
+
+Only full blocks are hashed, each chained to the one before it (`hash_block_tokens`), so a
+hash names a whole prefix; a lookup walks the chain and stops at the first miss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from octavo.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from octavo.engine.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix cache counters, in tokens: `prefix_cache_queries` tokens looked up at admission,
+    `prefix_cache_hits` of them found in the cache."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class KVCacheManager:
+    """Gives requests blocks (reusing cached prefixes) and takes them back."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.stats = PrefixCacheStats()
+        self._block_tables: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each table have been offered to the hash map already.
+        self._num_cached_blocks: dict[str, int] = {}
+
+    # ---- admission ----------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Finds the longest cached prefix of a request that is not admitted yet.
+
+        Fills `request.block_hashes` for every full block of `all_token_ids` and counts the
+        lookup in `stats`. Does not take references: pass the blocks to `allocate_slots`.
+
+        Returns:
+            (hit blocks in order, number of hit tokens); ([], 0) with prefix caching off.
+        """
+        assert request.num_computed_tokens == 0, f"{request} is already admitted"
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._hash_full_blocks(request, request.num_tokens // self.block_size)
+        # NOTE: the last token is always recomputed, even when the whole prompt is cached:
+        # the model needs it as input to produce the next token's logits.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.stats.prefix_cache_queries += request.num_tokens
+        self.stats.prefix_cache_hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+    ) -> bool:
+        """Grows the request's block table to hold its computed tokens, the prefix hits and
+        `num_new_tokens` more.
+
+        Args:
+            request: the request; `num_computed_tokens` excludes `new_computed_blocks`.
+            num_new_tokens: tokens to be computed this step.
+            new_computed_blocks: prefix hits from `get_computed_blocks` (admission only);
+                they are referenced and become the front of the block table.
+
+        Returns:
+            True on success; False, changing nothing, if too few blocks are free.
+        """
+        assert num_new_tokens >= 0, f"num_new_tokens={num_new_tokens}"
+        hits = new_computed_blocks or []
+        table = self._block_tables.get(request.request_id, [])
+        assert not (hits and table), f"{request} got prefix hits after admission"
+        num_total_tokens = (
+            request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        )
+        num_blocks_needed = -(-num_total_tokens // self.block_size)
+        num_new_blocks = max(num_blocks_needed - len(table) - len(hits), 0)
+        # NOTE: unused hit blocks sit in the free queue; touching them takes them out, so they
+        # cannot also serve as new blocks. Touch first, so `allocate` cannot evict them.
+        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            return False
+        if request.request_id not in self._block_tables:
+            self.pool.touch(hits)
+            table = self._block_tables[request.request_id] = list(hits)
+            self._num_cached_blocks[request.request_id] = len(hits)
+        table.extend(self.pool.allocate(num_new_blocks))
+        if self.enable_prefix_caching:
+            # NOTE: blocks are registered before this step writes their KV. A request admitted
+            # later in the same step may hit them; that is safe because each attention layer
+            # writes all of the step's KV before any token attends to it.
+            num_full = min(num_total_tokens, request.num_tokens) // self.block_size
+            self._cache_full_blocks(request, table, num_full)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Releases a request's blocks (finished, aborted or preempted). Unknown requests
+        (never admitted) are ignored.
+
+        NOTE: the blocks are freed tail first, so the tail, least likely to be shared by
+        another prompt, is evicted before the prefix it extends.
+        """
+        table = self._block_tables.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if table is not None:
+            self.pool.free(reversed(table))
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Gives `child` the parent's block table, sharing every block (n > 1, beam search).
+        The child's tokens must start with the parent's; it inherits their block hashes.
+
+        NOTE: a shared partial last block must be copied before either sequence writes into
+        it (copy-on-write); until that exists, fork only at a block boundary.
+        """
+        assert child.request_id not in self._block_tables, f"{child} already has blocks"
+        table = self._block_tables[parent.request_id]
+        num_cached = self._num_cached_blocks[parent.request_id]
+        self.pool.incref(table)
+        self._block_tables[child.request_id] = list(table)
+        self._num_cached_blocks[child.request_id] = num_cached
+        child.block_hashes = parent.block_hashes[:num_cached]
+
+    # ---- hashing ------------------------------------------------------------------------
+
+    def _hash_full_blocks(self, request: Request, num_blocks: int) -> None:
+        """Extends `request.block_hashes` to cover its first `num_blocks` full blocks.
+
+        NOTE: hashes survive preemption: `all_token_ids` only grows, so they stay valid.
+        """
+        hashes, size = request.block_hashes, self.block_size
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else None
+            hashes.append(
+                hash_block_tokens(parent, request.all_token_ids[i * size : (i + 1) * size])
+            )
+
+    def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_full: int) -> None:
+        start = self._num_cached_blocks[request.request_id]
+        if num_full <= start:
+            return
+        self._hash_full_blocks(request, num_full)
+        for i in range(start, num_full):
+            self.pool.cache_block(table[i], request.block_hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    # ---- views --------------------------------------------------------------------------
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as physical block ids."""
+        return [block.block_id for block in self._block_tables[request_id]]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets all cached blocks not in use; True if the prefix cache is now empty."""
+        return self.pool.reset_prefix_cache()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_total_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.stats.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.stats.prefix_cache_hits

