@@ -1,0 +1,142 @@
+"""The model's HF config, from an HF directory, a config.json, or a GGUF file's metadata.
+
+Also small accessors that read the same fact from transformers 4.x configs (`rope_theta`,
+`rope_scaling`) and 5.x configs (one `rope_parameters` dict).
+"""
+
+from __future__ import annotations
+
+import os
+
+from transformers import AutoConfig, PretrainedConfig
+
+from octavo.model.registry import get_architecture, hf_architecture_for_gguf
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    """Loads the config of `model`: a `.gguf` file, an HF directory or a config.json path.
+
+    Raises:
+        ValueError: the path does not exist, or names an unsupported architecture.
+    """
+    if not os.path.exists(model):
+        raise ValueError(f"model path {model!r} does not exist")
+    if model.endswith(".gguf"):
+        config = gguf_to_hf_config(model)
+    else:
+        if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"model directory {model!r} has no config.json")
+        try:
+            config = AutoConfig.from_pretrained(model)
+        except (OSError, KeyError) as e:  # transformers' errors for unreadable/unknown configs
+            raise ValueError(f"cannot read an HF config from {model!r}: {e}") from e
+    get_architecture(config)  # raises ValueError if unsupported
+    return config
+
+
+def get_head_dim(config: PretrainedConfig) -> int:
+    """`head_dim` when the config sets it (Qwen3), else hidden_size // num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def get_rope_theta(config: PretrainedConfig) -> float:
+    """The rope base frequency (10000 when the config names none)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    theta = getattr(config, "rope_theta", None)
+    return float(theta) if theta is not None else 10000.0
+
+
+def get_rope_scaling(config: PretrainedConfig) -> dict | None:
+    """The rope-scaling dict (with a `rope_type` key), or None for plain rope."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        params = getattr(config, "rope_scaling", None)
+    if not params:
+        return None
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    rope_type = scaling.pop("type", None)  # old name of the key
+    scaling.setdefault("rope_type", rope_type or "default")
+    return None if scaling["rope_type"] == "default" else scaling
+
+
+_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def gguf_to_hf_config(path: str) -> PretrainedConfig:
+    """Builds an HF config from a GGUF file's metadata and tensor list.
+
+    NOTE: the lm_head is tied exactly when the file has no `output.weight`. A `rope_freqs`
+    tensor (llama.cpp's form of Llama 3.1 rope scaling) becomes `config.rope_freq_factors`.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    meta = _Metadata(reader)
+    arch = meta.get("general.architecture")
+    hf_arch = hf_architecture_for_gguf(str(arch))
+    tensors = {t.name: t for t in reader.tensors}
+
+    def get(key: str, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    num_heads = int(get("attention.head_count"))
+    try:
+        num_kv_heads = int(get("attention.head_count_kv", num_heads))
+    except TypeError as e:  # a list: one count per layer
+        raise ValueError(f"{path}: per-layer KV head counts are not supported") from e
+    hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // num_heads)))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"{path}: partial rotary embeddings are not supported")
+    kwargs = {
+        "architectures": [hf_arch],
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }
+    if arch == "llama":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        kwargs["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
+    scaling = _gguf_rope_scaling(get)
+    if scaling is not None:
+        kwargs["rope_scaling"] = scaling
+    config = AutoConfig.for_model(_GGUF_MODEL_TYPES[arch], **kwargs)
+    if "rope_freqs.weight" in tensors:
+        config.rope_freq_factors = [float(x) for x in tensors["rope_freqs.weight"].data]
+    return config
+
+
+def _gguf_rope_scaling(get) -> dict | None:
+    """GGUF `rope.scaling.*` keys as an HF rope-scaling dict (None for plain rope)."""
+    rope_type = get("rope.scaling.type")
+    if rope_type in (None, "none"):
+        return None
+    scaling = {"rope_type": str(rope_type), "factor": float(get("rope.scaling.factor", 1.0))}
+    original = get("rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+class _Metadata:
+    """Reads GGUF metadata fields on demand (the tokenizer's are large and not needed here)."""
+
+    def __init__(self, reader) -> None:
+        self.fields = reader.fields
+
+    def get(self, key: str, default=None):
+        field = self.fields.get(key)
+        return default if field is None else field.contents()

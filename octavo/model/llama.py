@@ -1,0 +1,237 @@
+"""Llama-family decoders: Llama (SmolLM2, Llama 3.x), Qwen2 / Qwen2.5 and Qwen3.
+
+The three share one implementation; class attributes and the config pick the differences:
+
+    Llama   qkv bias from `attention_bias` (usually off)
+    Qwen2   qkv bias always on; untied lm_head in most sizes
+    Qwen3   RMSNorm on each q and k head before rope; explicit head_dim
+
+Input is a flat batch of T tokens (no padding); the attention layer reads the paged KV
+cache through the explicit AttentionMetadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from octavo.attention.backend import AttentionMetadata
+from octavo.attention.layer import Attention
+from octavo.model.hf_config import get_head_dim, get_rope_scaling, get_rope_theta
+from octavo.model.layers import (
+    Linear,
+    LMHead,
+    MergedLinear,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    VocabEmbedding,
+    default_weight_loader,
+)
+
+# Checkpoint projection name -> (fused parameter's module, shard id).
+STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+# Checkpoint tensors that hold no weights of ours (HF recomputes these buffers).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: fused qkv projection, optional q/k norm, rope, paged attention."""
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = get_head_dim(config)
+        hidden = config.hidden_size
+        self.qkv_proj = QKVLinear(
+            hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim,
+            config.max_position_embeddings,
+            get_rope_theta(config),
+            get_rope_scaling(config),
+            getattr(config, "rope_freq_factors", None),
+        )
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        x = norm(x.view(num_tokens, -1, self.head_dim))  # [T, heads, D]
+        return x.view(num_tokens, -1)  # [T, heads * D]
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v.contiguous(), md)  # [T, H * D]
+        return self.o_proj(out)  # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, h]
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual add is fused into the next norm."""
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        md: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, md)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm: token ids [T] -> hidden states [T, hidden]."""
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, md)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a flat, unpadded batch.
+
+    Parameters are created in the default dtype and device, which the loader sets.
+    """
+
+    force_qkv_bias = False  # Qwen2 always has q/k/v biases, whatever the config says
+    qk_norm = False  # Qwen3 normalizes each q/k head
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
+        self.config = config
+        qkv_bias = self.force_qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden] (before the LM head)."""
+        return self.model(input_ids, positions, md)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies HF-named checkpoint tensors into the parameters, routing q/k/v and
+        gate/up into their fused parameters through STACKED_PARAMS.
+
+        Returns the names of the parameters that got all their pieces.
+        Raises ValueError for a checkpoint name this model has no parameter for.
+        """
+        params = dict(self.named_parameters())
+        shards_seen: dict[str, set] = {}
+        for name, tensor in weights:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # tied: the head is the embedding, some checkpoints store both
+            param_name, shard_id = _route(name)
+            if param_name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
+            param = params[param_name]
+            if shard_id is None:
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+            shards_seen.setdefault(param_name, set()).add(shard_id)
+        return {
+            name
+            for name, seen in shards_seen.items()
+            if seen >= set(getattr(params[name], "shard_ids", (None,)))
+        }
+
+
+def _route(name: str) -> tuple[str, str | int | None]:
+    """'model.layers.0.self_attn.k_proj.weight' -> ('model.layers.0.self_attn.qkv_proj.weight',
+    'k'); names of unfused parameters come back unchanged with shard id None."""
+    for ckpt_name, (fused_name, shard_id) in STACKED_PARAMS.items():
+        if f".{ckpt_name}." in name:
+            return name.replace(f".{ckpt_name}.", f".{fused_name}."), shard_id
+    return name, None
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: Llama with q/k/v biases."""
+
+    force_qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with per-head RMSNorm on q and k (qkv bias only if attention_bias)."""
+
+    qk_norm = True

@@ -1,0 +1,117 @@
+"""Builds a model and fills its weights: HF safetensors, GGUF, or random ("dummy")."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from octavo.model.layers import RMSNorm
+from octavo.model.registry import get_model_class
+
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_STD = 0.02
+
+
+def load_model(
+    model: str,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> nn.Module:
+    """Builds the model class of `hf_config` on `device` in `dtype` and loads its weights.
+
+    Args:
+        model: an HF directory (or a path inside it, e.g. its config.json) or a `.gguf` file.
+        load_format: "auto" reads the weights from `model`; "dummy" fills them with random
+            values of a sane scale, the same for the same seed (on the same device).
+    Returns:
+        The model in eval mode, with requires_grad off.
+    Raises:
+        ValueError: unknown load_format, no weight files, or a checkpoint that misses or
+            has extra weights.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    device = torch.device(device)
+    with _default_dtype(dtype), device:
+        net = get_model_class(hf_config)(hf_config)
+    net.eval().requires_grad_(False)
+    with torch.no_grad():
+        if load_format == "dummy":
+            init_dummy_weights(net, seed)
+        else:
+            loaded = net.load_weights(iter_weights(model, hf_config))
+            _check_all_loaded(net, loaded, model)
+    return net
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Creates parameters in `dtype`; restores the previous default on exit."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Norm weights 1.0, everything else normal(0, 0.02): activations stay O(1) in bf16."""
+    norm_params = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _, param in model.named_parameters():  # shared (tied) parameters appear once
+        if id(param) in norm_params:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, DUMMY_STD, generator=generator)
+
+
+def iter_weights(model: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs from a `.gguf` file or an HF directory's weight files."""
+    if model.endswith(".gguf"):
+        from octavo.model.gguf_loader import iter_gguf_weights
+
+        yield from iter_gguf_weights(model, hf_config)
+        return
+    directory = model if os.path.isdir(model) else os.path.dirname(model)
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if files:
+        yield from _iter_safetensors(files)
+        return
+    bins = sorted(glob.glob(os.path.join(directory, "pytorch_model*.bin")))
+    if not bins:
+        raise ValueError(
+            f"no *.safetensors or pytorch_model*.bin files in {directory!r} "
+            "(use load_format='dummy' for random weights)"
+        )
+    for path in bins:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        yield from state.items()
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def _check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise ValueError(f"checkpoint {source!r} is missing weights: {shown}")

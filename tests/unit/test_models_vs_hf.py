@@ -1,0 +1,168 @@
+"""octavo's Llama / Qwen2 / Qwen3 give HF transformers' logits and greedy tokens.
+
+Tiny random HF models are saved as safetensors, loaded by octavo's loader and run over the
+paged KV cache: whole prompts, mixed batches, chunked prefill and decode must all agree with
+HF's full-sequence logits in float32.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from model_utils import PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from octavo.model.hf_config import get_rope_scaling, load_hf_config
+from octavo.model.loader import load_model
+
+TOL = 1e-4
+TINY = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # wavelengths of head_dim 16 at theta 1e4 span 6..~6e3: all three bands are present.
+    "original_max_position_embeddings": 16,
+}
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=True),
+    "llama3_rope": lambda: LlamaConfig(**TINY, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False),
+    "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
+    "qwen3": lambda: Qwen3Config(**TINY, head_dim=24, tie_word_embeddings=True),
+}
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that attention is sharp (HF's 0.02 init makes it nearly
+    uniform, which would hide rope and cache bugs); norm weights away from 1."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            else:
+                p.copy_(0.15 * noise)
+
+
+def _build(arch: str, path) -> tuple:
+    """(HF model, octavo model loaded from HF's safetensors in `path`, octavo's config)."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(
+        CONFIGS[arch](), attn_implementation="eager", dtype=torch.float32
+    )
+    _randomize(hf, seed=1)
+    hf.eval()
+    hf.save_pretrained(path)
+    cfg = load_hf_config(str(path))
+    return hf, load_model(str(path), cfg, torch.float32, torch.device("cpu")), cfg
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    """(HF model, octavo model, config) for one tiny architecture."""
+    return _build(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_single_prompt_prefill_matches_hf(pair):
+    hf, ours, cfg = pair
+    ids = _prompt(0, 20)
+    (logits,) = PagedRunner(ours, cfg).step([(0, ids)])
+    assert rel_err(logits, hf_logits(hf, ids)) < TOL
+
+
+def test_flat_batch_of_different_lengths_matches_hf(pair):
+    hf, ours, cfg = pair
+    prompts = [_prompt(i, n) for i, n in enumerate([7, 1, 13, 20])]
+    outs = PagedRunner(ours, cfg).step(list(enumerate(prompts)))
+    for ids, logits in zip(prompts, outs, strict=True):
+        assert rel_err(logits, hf_logits(hf, ids)) < TOL
+
+
+def test_chunked_prefill_then_decode_matches_hf(pair):
+    """Prefix in the cache, then the rest (batched with another sequence's decode), then
+    token-by-token decode: every position equals HF's full-sequence logits."""
+    hf, ours, cfg = pair
+    ids, other = _prompt(3, 26), _prompt(4, 5)
+    runner = PagedRunner(ours, cfg)
+    first, other_prefill = runner.step([(0, ids[:9]), (1, other)])
+    second, other_decode = runner.step([(0, ids[9:20]), (1, [7])])
+    pieces = [first, second]
+    for pos in range(20, 26):
+        pieces += runner.step([(0, [ids[pos]])])
+    ref = hf_logits(hf, ids)
+    assert rel_err(torch.cat(pieces), ref) < TOL
+    assert rel_err(torch.cat([other_prefill, other_decode]), hf_logits(hf, other + [7])) < TOL
+
+
+def test_greedy_tokens_match_hf_generate(pair):
+    hf, ours, cfg = pair
+    ids = _prompt(5, 12)
+    assert PagedRunner(ours, cfg).greedy(0, ids, 10, eos_ids(hf)) == hf_greedy(hf, ids, 10)
+
+
+def test_llama3_rope_scaling_changes_the_result(tmp_path):
+    """Guards the llama3 case itself: with plain rope, the logits would not match."""
+    hf, _, cfg = _build("llama3_rope", tmp_path)
+    assert get_rope_scaling(cfg)["rope_type"] == "llama3"
+    plain = copy.deepcopy(cfg)
+    plain.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    unscaled = load_model(str(tmp_path), plain, torch.float32, torch.device("cpu"))
+    ids = _prompt(6, 20)
+    (logits,) = PagedRunner(unscaled, plain).step([(0, ids)])
+    assert rel_err(logits, hf_logits(hf, ids)) > 1e-2
+
+
+def test_dummy_weights_are_finite_and_seeded(tmp_path):
+    cfg = Qwen3Config(**TINY, head_dim=24, architectures=["Qwen3ForCausalLM"])
+    ids = _prompt(7, 10)
+
+    def run(seed: int) -> torch.Tensor:
+        model = load_model(str(tmp_path), cfg, torch.float32, torch.device("cpu"), "dummy", seed)
+        return PagedRunner(model, cfg).step([(0, ids)])[0]
+
+    a, b, c = run(0), run(0), run(1)
+    assert torch.isfinite(a).all()
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
+
+
+def test_missing_and_unknown_weights_raise(pair, tmp_path):
+    hf, _, cfg = pair
+    hf.save_pretrained(tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    state = load_file(file)
+    name = "model.layers.1.mlp.up_proj.weight"
+    save_file({k: v for k, v in state.items() if k != name}, file)
+    with pytest.raises(ValueError, match="model.layers.1.mlp.gate_up_proj.weight"):
+        load_model(str(tmp_path), cfg, torch.float32, torch.device("cpu"))
+    save_file({**state, "model.layers.0.mystery.weight": torch.zeros(2)}, file)
+    with pytest.raises(ValueError, match="mystery"):
+        load_model(str(tmp_path), cfg, torch.float32, torch.device("cpu"))
+
+
+def test_unsupported_architecture_and_missing_path_raise(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_hf_config(str(tmp_path / "nope"))
+    cfg = LlamaConfig(**TINY)
+    cfg.architectures = ["MysteryForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="MysteryForCausalLM"):
+        load_hf_config(str(tmp_path))
