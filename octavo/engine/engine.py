@@ -143,7 +143,13 @@ class Engine:
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
-        result = self.runner.execute(so)
+        try:
+            result = self.runner.execute(so)
+        except Exception:
+            # NOTE: blocks registered in the prefix cache this step may hold garbage now.
+            self.abort_request([s.request_id for s in so.scheduled])
+            self.kv.reset_prefix_cache()
+            raise
         self.stats.num_steps += 1
         self.stats.num_tokens_computed += so.num_batched_tokens
         updated = self.scheduler.update(so, result.sampled_token_ids)

@@ -1,0 +1,161 @@
+"""SamplingParams: how to pick each next token and when to stop, validated at construction."""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+import numbers
+from dataclasses import dataclass
+
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this means greedy
+MAX_LOGPROBS = 20  # the most top log-probs a request may ask for per token
+
+
+class SamplingType(enum.Enum):
+    """How the sampler picks a row's token."""
+
+    GREEDY = enum.auto()  # argmax of the (penalized) logits
+    RANDOM = enum.auto()  # drawn with the engine's shared generator
+    RANDOM_SEED = enum.auto()  # drawn with noise derived from the request's own seed
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping settings of one request, with vLLM's fields and defaults.
+
+    `temperature` 0 means greedy. `top_k` None disables top-k (0 and vLLM's -1 are accepted
+    and normalized to None). `stop` becomes a list of strings and `stop_token_ids` a list of
+    ints. Every invalid value raises ValueError naming the field and the allowed values.
+
+    NOTE: validation runs once, in `__post_init__`; fields assigned later are not re-checked.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self._validate_sampling()
+        self._validate_stopping()
+        self._validate_outputs()
+
+    def _validate_sampling(self) -> None:
+        self.n = _as_int("n", self.n, "an integer >= 1", lo=1)
+        if self.n > 1:
+            raise ValueError(f"n={self.n}: parallel sampling (n > 1) is not supported yet")
+        self.temperature = _as_float("temperature", self.temperature, "a number >= 0", lo=0)
+        self.top_p = _as_float("top_p", self.top_p, "a number in (0, 1]", hi=1)
+        _check(self.top_p > 0, "top_p", "a number in (0, 1]", self.top_p)
+        if self.top_k is not None:
+            allowed = "a positive integer, or None / 0 / -1 to disable"
+            top_k = _as_int("top_k", self.top_k, allowed, lo=-1)
+            self.top_k = None if top_k in (0, -1) else top_k
+        self.min_p = _as_float("min_p", self.min_p, "a number in [0, 1]", lo=0, hi=1)
+        if self.seed is not None:
+            self.seed = _as_int("seed", self.seed, "an integer or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, _as_float(name, getattr(self, name), "in [-2, 2]", lo=-2, hi=2))
+        self.repetition_penalty = _as_float(
+            "repetition_penalty", self.repetition_penalty, "a number > 0", lo=0
+        )
+        value = self.repetition_penalty
+        _check(value > 0, "repetition_penalty", "a number > 0", value)
+
+    def _validate_stopping(self) -> None:
+        if self.max_tokens is not None:
+            allowed = "an integer >= 1, or None for the context limit"
+            self.max_tokens = _as_int("max_tokens", self.max_tokens, allowed, lo=1)
+        self.min_tokens = _as_int("min_tokens", self.min_tokens, "an integer >= 0", lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        self.stop = _as_list("stop", self.stop, "a non-empty string or a list of them")
+        for s in self.stop:
+            _check(isinstance(s, str) and s != "", "stop", "non-empty strings", s)
+        allowed = "a list of integers >= 0"
+        ids = _as_list("stop_token_ids", self.stop_token_ids, allowed, allow_str=False)
+        self.stop_token_ids = [_as_int("stop_token_ids", t, allowed, lo=0) for t in ids]
+        for name in ("include_stop_str_in_output", "ignore_eos"):
+            _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
+
+    def _validate_outputs(self) -> None:
+        if self.logprobs is not None:
+            allowed = f"an integer in [0, {MAX_LOGPROBS}] or None"
+            self.logprobs = _as_int("logprobs", self.logprobs, allowed, lo=0, hi=MAX_LOGPROBS)
+        value = self.skip_special_tokens
+        _check(isinstance(value, bool), "skip_special_tokens", "a bool", value)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """GREEDY when temperature < 1e-5, else RANDOM_SEED with a seed, else RANDOM."""
+        if self.temperature < GREEDY_TEMPERATURE:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether the token is the argmax of the (penalized) logits."""
+        return self.sampling_type is SamplingType.GREEDY
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of presence, frequency or repetition penalty changes the logits."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    def clone(self) -> SamplingParams:
+        """A deep copy: changing the copy's lists leaves this one unchanged."""
+        return copy.deepcopy(self)
+
+
+def _check(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _as_int(
+    name: str, value: object, allowed: str, lo: int | None = None, hi: int | None = None
+) -> int:
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    _check(ok, name, allowed, value)
+    result = int(value)  # type: ignore[arg-type]
+    _check((lo is None or result >= lo) and (hi is None or result <= hi), name, allowed, value)
+    return result
+
+
+def _as_float(
+    name: str, value: object, allowed: str, lo: float | None = None, hi: float | None = None
+) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    _check(ok and math.isfinite(value), name, allowed, value)  # type: ignore[arg-type]
+    result = float(value)  # type: ignore[arg-type]
+    _check((lo is None or result >= lo) and (hi is None or result <= hi), name, allowed, value)
+    return result
+
+
+def _as_list(name: str, value: object, allowed: str, allow_str: bool = True) -> list:
+    if value is None:
+        return []
+    if isinstance(value, str) and allow_str:
+        return [value]
+    _check(isinstance(value, (list, tuple)), name, allowed, value)
+    return list(value)  # type: ignore[arg-type]

