@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this means greedy
 MAX_LOGPROBS = 20  # the most top log-probs a request may ask for per token
+MAX_N = 128  # the most completions one request may ask for
+_SEED_MIX = 0x9E3779B97F4A7C15
 
 
 class SamplingType(enum.Enum):
@@ -55,9 +57,7 @@ class SamplingParams:
         self._validate_outputs()
 
     def _validate_sampling(self) -> None:
-        self.n = _as_int("n", self.n, "an integer >= 1", lo=1)
-        if self.n > 1:
-            raise ValueError(f"n={self.n}: parallel sampling (n > 1) is not supported yet")
+        self.n = _as_int("n", self.n, f"an integer in [1, {MAX_N}]", lo=1, hi=MAX_N)
         self.temperature = _as_float("temperature", self.temperature, "a number >= 0", lo=0)
         self.top_p = _as_float("top_p", self.top_p, "a number in (0, 1]", hi=1)
         _check(self.top_p > 0, "top_p", "a number in (0, 1]", self.top_p)
@@ -125,6 +125,15 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A deep copy: changing the copy's lists leaves this one unchanged."""
         return copy.deepcopy(self)
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The settings of completion `index` of an n > 1 request: n = 1 and, with a seed, a
+        seed of its own, so the n samples are reproducible and differ from each other."""
+        child = copy.copy(self)
+        child.n = 1
+        if self.seed is not None:
+            child.seed = (self.seed * _SEED_MIX + index + 1) % (1 << 63)
+        return child
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:

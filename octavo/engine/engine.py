@@ -10,23 +10,13 @@ import itertools
 from dataclasses import dataclass, field
 
 from octavo.config import CacheConfig, SchedulerConfig
-from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.kv_cache_manager import KVCacheManager
+from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.request import Request, RequestStatus
 from octavo.engine.scheduler import Scheduler
-from octavo.outputs import CompletionOutput, Logprob, RequestOutput
-from octavo.runner.model_runner import ModelRunner, ModelRunnerOutput
+from octavo.outputs import RequestOutput
+from octavo.runner.model_runner import ModelRunner
 from octavo.sampling_params import SamplingParams
-
-
-@dataclass
-class _OutputState:
-    """What the engine adds to a request on its way out: text and log-probs."""
-
-    detokenizer: IncrementalDetokenizer | None
-    logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float | None
-    text_sent: int = 0
 
 
 @dataclass
@@ -65,7 +55,7 @@ class Engine:
         )
         self.scheduler = Scheduler(scheduler_config, self.kv, eos_token_ids)
         self.stats = EngineStats()
-        self._states: dict[str, _OutputState] = {}
+        self.outputs = OutputProcessor(tokenizer)
         self._ids = itertools.count()
 
     # ---- requests ---------------------------------------------------------------------
@@ -88,23 +78,22 @@ class Engine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params, prompt=text)
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
-        wants_logprobs = params.logprobs is not None
-        self._states[request_id] = _OutputState(
-            detok, [] if wants_logprobs else None, 0.0 if wants_logprobs else None
-        )
+        self.outputs.add(request)
         self.scheduler.add_request(request)
         return request
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
-        """Aborts requests (unknown ids are ignored); their KV blocks are freed at once."""
+        """Aborts requests by the ids add_request returned (unknown ids are ignored), with
+        all their sequences; their KV blocks are freed at once."""
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        aborted = self.scheduler.abort_requests(ids)
-        outputs = [self._make_output(r) for r in aborted]
-        for request in aborted:
-            self._finish_bookkeeping(request)
+        outputs = []
+        for group_id in ids:
+            members = self.outputs.members(group_id)
+            aborted = self.scheduler.abort_requests([m.request_id for m in members])
+            for request in aborted:
+                self._count_outcome(request)
+            if members:
+                outputs.append(self.outputs.make_output(group_id))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -147,66 +136,28 @@ class Engine:
             result = self.runner.execute(so)
         except Exception:
             # NOTE: blocks registered in the prefix cache this step may hold garbage now.
-            self.abort_request([s.request_id for s in so.scheduled])
+            self.abort_request(list({s.request.group_id: None for s in so.scheduled}))
             self.kv.reset_prefix_cache()
             raise
         self.stats.num_steps += 1
         self.stats.num_tokens_computed += so.num_batched_tokens
         updated = self.scheduler.update(so, result.sampled_token_ids)
         self.stats.num_generated_tokens += len(updated)
-        outputs = []
+        groups: dict[str, None] = {}
         for request in updated:
-            self._process_token(request, result)
-            outputs.append(self._make_output(request))
-            if request.is_finished:
-                self._finish_bookkeeping(request)
-        return outputs
-
-    def _process_token(self, request: Request, result: ModelRunnerOutput) -> None:
-        state = self._states[request.request_id]
-        token = request.output_token_ids[-1]
-        entries = result.logprobs.get(request.request_id)
-        if state.logprobs is not None and entries is not None:
-            state.logprobs.append(
-                {t: Logprob(lp, rank, self._decode_one(t)) for t, lp, rank in entries}
+            logprobs = result.logprobs.get(request.request_id) or result.logprobs.get(
+                request.group_id
             )
-            state.cumulative_logprob += entries[0][1]
-        if state.detokenizer is None:
-            return
-        stop = state.detokenizer.update([token])
-        if stop is not None and not request.is_finished:
-            request.stop_reason = stop
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            stop = self.outputs.process_token(request, logprobs)
+            if stop is not None and not request.is_finished:
+                request.stop_reason = stop
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:
+                self._count_outcome(request)
+            groups[request.group_id] = None
+        return [self.outputs.make_output(g) for g in groups]
 
-    def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        state = self._states[request.request_id]
-        finished = request.is_finished
-        text = ""
-        if state.detokenizer is not None:
-            text = state.detokenizer.get_next_output_text(finished, delta=False)
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=state.cumulative_logprob,
-            logprobs=state.logprobs,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            num_cached_tokens=request.num_cached_tokens,
-        )
-
-    def _finish_bookkeeping(self, request: Request) -> None:
-        self._states.pop(request.request_id, None)
+    def _count_outcome(self, request: Request) -> None:
         reason = request.status.finish_reason or "unknown"
         by_outcome = self.stats.requests_by_outcome
         by_outcome[reason] = by_outcome.get(reason, 0) + 1
@@ -227,4 +178,7 @@ class Engine:
             "num_steps": self.stats.num_steps,
             "num_tokens_computed": self.stats.num_tokens_computed,
             "num_generated_tokens": self.stats.num_generated_tokens,
+            "kv_blocks_saved_by_sharing": self.kv.num_shared_block_refs,
+            "kv_blocks_peak_used": self.kv.sharing.peak_blocks_used,
+            "num_cow_copies": self.kv.sharing.num_cow_copies,
         }

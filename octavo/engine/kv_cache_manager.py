@@ -27,6 +27,14 @@ class PrefixCacheStats:
     prefix_cache_hits: int = 0
 
 
+@dataclass
+class SharingStats:
+    """Block sharing between sequences of one prompt (n > 1, beam search)."""
+
+    num_cow_copies: int = 0  # shared partial blocks copied before a write
+    peak_blocks_used: int = 0
+
+
 class KVCacheManager:
     """Gives requests blocks (reusing cached prefixes) and takes them back."""
 
@@ -39,6 +47,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.stats = PrefixCacheStats()
+        self.sharing = SharingStats()
+        # (source, destination) block ids the runner must copy before this step's writes.
+        self.pending_copies: list[tuple[int, int]] = []
         self._block_tables: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each table have been offered to the hash map already.
         self._num_cached_blocks: dict[str, int] = {}
@@ -99,16 +110,22 @@ class KVCacheManager:
         )
         num_blocks_needed = -(-num_total_tokens // self.block_size)
         num_new_blocks = max(num_blocks_needed - len(table) - len(hits), 0)
+        cow_index = self._shared_write_block(request, table, num_new_tokens)
         # NOTE: unused hit blocks sit in the free queue; touching them takes them out, so they
         # cannot also serve as new blocks. Touch first, so `allocate` cannot evict them.
         num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
-        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+        num_cow = 0 if cow_index is None else 1
+        if num_new_blocks + num_cow > self.pool.num_free_blocks - num_free_hits:
             return False
         if request.request_id not in self._block_tables:
             self.pool.touch(hits)
             table = self._block_tables[request.request_id] = list(hits)
             self._num_cached_blocks[request.request_id] = len(hits)
+        if cow_index is not None:
+            self._copy_on_write(table, cow_index)
         table.extend(self.pool.allocate(num_new_blocks))
+        used = self.pool.num_total_blocks - self.pool.num_free_blocks
+        self.sharing.peak_blocks_used = max(self.sharing.peak_blocks_used, used)
         if self.enable_prefix_caching:
             # NOTE: blocks are registered before this step writes their KV. A request admitted
             # later in the same step may hit them; that is safe because each attention layer
@@ -116,6 +133,35 @@ class KVCacheManager:
             num_full = min(num_total_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, table, num_full)
         return True
+
+    def _shared_write_block(
+        self, request: Request, table: list[KVBlock], num_new_tokens: int
+    ) -> int | None:
+        """Index of the block this step writes first, if another sequence shares it."""
+        if num_new_tokens == 0:
+            return None
+        index = request.num_computed_tokens // self.block_size
+        if index < len(table) and table[index].ref_cnt > 1:
+            return index
+        return None
+
+    def _copy_on_write(self, table: list[KVBlock], index: int) -> None:
+        """Gives this table a private copy of a shared partial block.
+
+        NOTE: only a partial block can be shared and written: full blocks hold only computed
+        tokens, and writes start at `num_computed_tokens`. The copy of its KV is queued in
+        `pending_copies`, which the runner performs before the step's forward pass.
+        """
+        shared = table[index]
+        (private,) = self.pool.allocate(1)
+        self.pool.free([shared])
+        table[index] = private
+        self.pending_copies.append((shared.block_id, private.block_id))
+        self.sharing.num_cow_copies += 1
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def free(self, request: Request) -> None:
         """Releases a request's blocks (finished, aborted or preempted). Unknown requests
@@ -133,8 +179,8 @@ class KVCacheManager:
         """Gives `child` the parent's block table, sharing every block (n > 1, beam search).
         The child's tokens must start with the parent's; it inherits their block hashes.
 
-        NOTE: a shared partial last block must be copied before either sequence writes into
-        it (copy-on-write); until that exists, fork only at a block boundary.
+        NOTE: a shared partial last block is copied when a sequence first writes into it
+        while it is still shared (copy-on-write, in `allocate_slots`).
         """
         assert child.request_id not in self._block_tables, f"{child} already has blocks"
         table = self._block_tables[parent.request_id]
@@ -188,6 +234,11 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    @property
+    def num_shared_block_refs(self) -> int:
+        """Blocks saved by sharing right now: every reference beyond a block's first."""
+        return sum(b.ref_cnt - 1 for b in self.pool.blocks if b.ref_cnt > 1)
 
     @property
     def prefix_cache_queries(self) -> int:

@@ -61,6 +61,9 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None  # the stop string or token id that matched
+        # n > 1: completion `index` of the request `group_id` (the id the user sees).
+        self.group_id = request_id
+        self.index = 0
         # Hashes of the full blocks of all_token_ids, filled by the KV cache manager.
         self.block_hashes: list[int] = []
 
@@ -79,6 +82,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def awaits_fork(self) -> bool:
+        """True until the first token of an n > 1 request, which samples n tokens at once
+        and forks into n sequences that share the prompt's blocks."""
+        return self.sampling_params.n > 1 and not self.output_token_ids
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -47,6 +47,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest]
     preempted_request_ids: list[str] = field(default_factory=list)
+    # (source, destination) KV blocks to copy before the forward pass (copy-on-write).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Requests finished since the previous step, so runner-side state can be dropped.
     finished_request_ids: list[str] = field(default_factory=list)
 
@@ -119,7 +121,7 @@ class Scheduler:
         if not preempted:
             scheduled += self._schedule_waiting(budget)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled, preempted, finished)
+        return SchedulerOutput(scheduled, preempted, self.kv.take_pending_copies(), finished)
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], list[str], int]:
         scheduled: list[ScheduledRequest] = []
@@ -128,6 +130,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1  # caught up, waiting for its next token from outside (beam search)
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()  # newest admitted goes first
                 self._preempt(victim)
@@ -184,25 +189,52 @@ class Scheduler:
     # ---- after the step ---------------------------------------------------------------
 
     def update(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
     ) -> list[Request]:
-        """Advances computed tokens, appends sampled tokens and applies the token-level
-        stop rules. Returns the requests that got a new token (finished ones included)."""
+        """Advances computed tokens, appends sampled tokens (forking n > 1 requests at their
+        first token) and applies the token-level stop rules. Returns the requests that got a
+        new token, new forks and finished ones included."""
         updated: list[Request] = []
         for item in output.scheduled:
             request = item.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_new_tokens
-            token = sampled_token_ids.get(item.request_id)
-            if token is None:
+            tokens = sampled_token_ids.get(item.request_id)
+            if not tokens:
                 continue
-            request.append_output_token(token)
-            updated.append(request)
-            status = self.check_stop(request)
-            if status is not None:
-                self.finish_request(request.request_id, status)
+            group = self._fork(request, tokens) if request.awaits_fork else [request]
+            for member, token in zip(group, tokens, strict=True):
+                member.append_output_token(token)
+                updated.append(member)
+                status = self.check_stop(member)
+                if status is not None:
+                    self.finish_request(member.request_id, status)
         return updated
+
+    def _fork(self, parent: Request, tokens: list[int]) -> list[Request]:
+        """Splits an n > 1 request into n sequences sharing the prompt's KV blocks; the
+        parent becomes completion 0. Returns the n sequences in index order."""
+        params = parent.sampling_params
+        group = [parent]
+        for index in range(1, len(tokens)):
+            child = Request(
+                f"{parent.request_id}#{index}",
+                parent.prompt_token_ids,
+                params.for_sample(index),
+                prompt=parent.prompt,
+                arrival_time=parent.arrival_time,
+            )
+            child.group_id, child.index = parent.request_id, index
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            self.kv.fork(parent, child)
+            self.requests[child.request_id] = child
+            self.running.append(child)
+            group.append(child)
+        parent.sampling_params = params.for_sample(0)
+        return group
 
     def check_stop(self, request: Request) -> RequestStatus | None:
         """EOS, stop token ids, max_tokens and the context limit (stop strings need text

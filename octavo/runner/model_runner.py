@@ -15,6 +15,7 @@ from octavo.engine.scheduler import SchedulerOutput
 from octavo.model.hf_config import get_head_dim
 from octavo.model.loader import load_model
 from octavo.runner.sampler import Sampler, SamplingMetadata
+from octavo.sampling_params import SamplingParams
 
 # (token id, log-prob, rank) for the sampled token first, then the top-k alternatives.
 TokenLogprobs = list[tuple[int, float, int]]
@@ -22,10 +23,11 @@ TokenLogprobs = list[tuple[int, float, int]]
 
 @dataclass
 class ModelRunnerOutput:
-    """Per request that sampled this step: its new token, and log-probs if asked for."""
+    """Per request that sampled this step: its new tokens (one, or n at the first token of
+    an n > 1 request), and their log-probs if asked for."""
 
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -79,31 +81,48 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step: the forward pass over all scheduled tokens, then sampling for the
         requests whose step reached their last known token."""
+        self._copy_blocks(so.block_copies)
         input_ids, positions, md = self._prepare_inputs(so)
         hidden = self.model(input_ids, positions, md)  # [T, hidden]
-        samplers = [s for s in so.scheduled if s.sample]
-        if not samplers:
+        # One sampling row per sample: n rows for the first token of an n > 1 request.
+        rows: list[tuple[str, SamplingParams, int]] = []  # (request id, params, token index)
+        for i, s in enumerate(so.scheduled):
+            if not s.sample:
+                continue
+            params = s.request.sampling_params
+            last = md.query_start_loc_cpu[i + 1] - 1
+            if s.request.awaits_fork:
+                rows += [(s.request_id, params.for_sample(k), last) for k in range(params.n)]
+            else:
+                rows.append((s.request_id, params, last))
+        if not rows:
             return ModelRunnerOutput({})
-        last_token = [
-            md.query_start_loc_cpu[i + 1] - 1 for i, s in enumerate(so.scheduled) if s.sample
-        ]
-        logits = self.model.compute_logits(hidden[last_token])  # [B, V] float32
+        logits = self.model.compute_logits(hidden[[r[2] for r in rows]])  # [R, V] float32
+        requests = {s.request_id: s.request for s in so.scheduled}
         sampling_md = SamplingMetadata.build(
-            [s.request.sampling_params for s in samplers],
-            [s.request.prompt_token_ids for s in samplers],
-            [s.request.output_token_ids for s in samplers],
+            [r[1] for r in rows],
+            [requests[r[0]].prompt_token_ids for r in rows],
+            [requests[r[0]].output_token_ids for r in rows],
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
             device=self.device,
         )
         out = self.sampler(logits, sampling_md)
-        token_ids = out.sampled_token_ids.tolist()
-        result = ModelRunnerOutput(
-            {s.request_id: t for s, t in zip(samplers, token_ids, strict=True)}
-        )
+        result = ModelRunnerOutput({})
+        for (request_id, _, _), token in zip(rows, out.sampled_token_ids.tolist(), strict=True):
+            result.sampled_token_ids.setdefault(request_id, []).append(token)
         if out.logprobs is not None:
-            self._collect_logprobs(samplers, out, result)
+            self._collect_logprobs(rows, out, result)
         return result
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: gives a sequence its own copy of a shared partial block."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]  # [2, num_blocks, block_size, KVH, D]
 
     def _prepare_inputs(
         self, so: SchedulerOutput
@@ -125,14 +144,14 @@ class ModelRunner:
         return ids, pos, md
 
     @staticmethod
-    def _collect_logprobs(samplers, out, result: ModelRunnerOutput) -> None:
+    def _collect_logprobs(rows, out, result: ModelRunnerOutput) -> None:
         token_ids = out.logprob_token_ids.tolist()
         values = out.logprobs.tolist()
         ranks = out.sampled_token_ranks.tolist()
-        for row, s in enumerate(samplers):
-            k = s.request.sampling_params.logprobs
+        for row, (request_id, params, _) in enumerate(rows):
+            k = params.logprobs
             if k is None:
                 continue
             entries = [(token_ids[row][0], values[row][0], ranks[row])]
             entries += [(token_ids[row][j], values[row][j], j) for j in range(1, k + 1)]
-            result.logprobs[s.request_id] = entries
+            result.logprobs.setdefault(request_id, []).append(entries)

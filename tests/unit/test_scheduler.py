@@ -27,7 +27,7 @@ def req(rid: str, n: int, start: int = 100, **params) -> Request:
 
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    s.update(out, {x.request_id: token for x in out.scheduled if x.sample})
+    s.update(out, {x.request_id: [token] for x in out.scheduled if x.sample})
     return out
 
 

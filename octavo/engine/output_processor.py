@@ -1,0 +1,100 @@
+"""From sampled tokens to what users see: text, log-probs, and one RequestOutput per prompt.
+
+A prompt with n > 1 is a group of n sequences (see Scheduler._fork); its RequestOutput holds
+one CompletionOutput per sequence, in index order, and is finished when all of them are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from octavo.engine.detokenizer import IncrementalDetokenizer
+from octavo.engine.request import Request
+from octavo.outputs import CompletionOutput, Logprob, RequestOutput
+from octavo.runner.model_runner import TokenLogprobs
+
+
+@dataclass
+class _SequenceState:
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+
+
+class OutputProcessor:
+    """Keeps each sequence's detokenizer and log-probs, and each group's members."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _SequenceState] = {}
+        self._groups: dict[str, list[Request]] = {}
+
+    def add(self, request: Request) -> None:
+        """Starts tracking a sequence: a new request, or a fork of one."""
+        params = request.sampling_params
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
+        wants = params.logprobs is not None
+        self._states[request.request_id] = _SequenceState(
+            detok, [] if wants else None, 0.0 if wants else None
+        )
+        self._groups.setdefault(request.group_id, []).append(request)
+
+    def members(self, group_id: str) -> list[Request]:
+        return list(self._groups.get(group_id, []))
+
+    def process_token(
+        self, request: Request, logprobs: list[TokenLogprobs] | None
+    ) -> str | None:
+        """Records a sequence's newest token. `logprobs` are the entries of the scheduled
+        request's samples (n of them at a fork, else one). Returns a matched stop string."""
+        if request.request_id not in self._states:
+            self.add(request)  # a fork made this step
+        state = self._states[request.request_id]
+        if state.logprobs is not None and logprobs:
+            entries = logprobs[request.index] if len(logprobs) > 1 else logprobs[0]
+            state.logprobs.append(
+                {t: Logprob(lp, rank, self._decode_one(t)) for t, lp, rank in entries}
+            )
+            state.cumulative_logprob += entries[0][1]
+        if state.detokenizer is None:
+            return None
+        return state.detokenizer.update([request.output_token_ids[-1]])
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def make_output(self, group_id: str) -> RequestOutput:
+        """The group's RequestOutput so far; forgets the group once it is finished."""
+        members = sorted(self._groups[group_id], key=lambda r: r.index)
+        finished = all(m.is_finished for m in members)
+        first = members[0]
+        output = RequestOutput(
+            request_id=group_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[self._completion(m) for m in members],
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        if finished:
+            for m in members:
+                self._states.pop(m.request_id, None)
+            del self._groups[group_id]
+        return output
+
+    def _completion(self, request: Request) -> CompletionOutput:
+        state = self._states[request.request_id]
+        text = ""
+        if state.detokenizer is not None:
+            text = state.detokenizer.get_next_output_text(request.is_finished, delta=False)
+        return CompletionOutput(
+            index=request.index,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=state.logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
