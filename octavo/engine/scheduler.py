@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from octavo.config import SchedulerConfig
 from octavo.engine.kv_cache_manager import KVCacheManager
 from octavo.engine.request import Request, RequestStatus
+from octavo.sampling_params import SamplingParams
 
 
 @dataclass
@@ -218,23 +219,44 @@ class Scheduler:
         params = parent.sampling_params
         group = [parent]
         for index in range(1, len(tokens)):
-            child = Request(
-                f"{parent.request_id}#{index}",
-                parent.prompt_token_ids,
-                params.for_sample(index),
-                prompt=parent.prompt,
-                arrival_time=parent.arrival_time,
+            child = self.fork_request(
+                parent, f"{parent.request_id}#{index}", params.for_sample(index)
             )
-            child.group_id, child.index = parent.request_id, index
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.status = RequestStatus.RUNNING
-            self.kv.fork(parent, child)
-            self.requests[child.request_id] = child
-            self.running.append(child)
+            child.index = index
             group.append(child)
         parent.sampling_params = params.for_sample(0)
         return group
+
+    def fork_request(
+        self, parent: Request, child_id: str, params: SamplingParams | None = None
+    ) -> Request:
+        """A copy of a request: same tokens and, if the parent is running, the same computed
+        KV with every block shared by ref count (a shared partial block is copied on its
+        first write). Used for n > 1 and beam search; the child joins the parent's group."""
+        if child_id in self.requests:
+            raise ValueError(f"request_id {child_id!r} is already in use")
+        child = Request(
+            child_id,
+            parent.prompt_token_ids,
+            params or parent.sampling_params,
+            prompt=parent.prompt,
+            arrival_time=parent.arrival_time,
+        )
+        for token in parent.output_token_ids:
+            child.append_output_token(token)
+        child.group_id = parent.group_id
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.requests[child_id] = child
+        if parent.status != RequestStatus.RUNNING:
+            # A preempted parent holds no blocks: the child recomputes, like its parent will.
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(child)
+            return child
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.kv.fork(parent, child)
+        self.running.append(child)
+        return child
 
     def check_stop(self, request: Request) -> RequestStatus | None:
         """EOS, stop token ids, max_tokens and the context limit (stop strings need text
