@@ -129,7 +129,7 @@ class SamplingParams:
     def for_sample(self, index: int) -> SamplingParams:
         """The settings of completion `index` of an n > 1 request: n = 1 and, with a seed, a
         seed of its own, so the n samples are reproducible and differ from each other."""
-        child = copy.copy(self)
+        child = copy.deepcopy(self)
         child.n = 1
         if self.seed is not None:
             child.seed = (self.seed * _SEED_MIX + index + 1) % (1 << 63)

@@ -67,17 +67,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-def num_kv_blocks_for(cache: CacheConfig, runner: ModelRunner) -> int:
-    """Sizes the block pool from the budget in CacheConfig."""
+def num_kv_blocks_for(
+    cache: CacheConfig, runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int
+) -> int:
+    """Sizes the block pool from the budget in CacheConfig. On CUDA the budget is
+    `gpu_memory_utilization` of the GPU minus what is in use after loading the model (by us
+    and others) and the peak activations of a profiling pass at the largest step."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     per_block = kv_bytes_per_block(runner.hf_config, cache.block_size, runner.dtype)
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
     elif runner.device.type == "cuda":
+        activations = runner.profile_activation_bytes(max_num_batched_tokens, max_num_seqs)
         free, total = torch.cuda.mem_get_info(runner.device)
-        used_by_others = total - free
-        budget = int(total * cache.gpu_memory_utilization) - used_by_others
+        budget = int(total * cache.gpu_memory_utilization) - (total - free) - activations
+        # CUDA graphs and the allocator's fragmentation need some room too.
+        budget -= 1 << 30
     else:
         budget = _CPU_DEFAULT_KV_BYTES
     num_blocks = budget // per_block
@@ -120,8 +126,11 @@ def build_engine(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     tok = load_tokenizer(tokenizer or model_path)
-    runner = ModelRunner(model_path, hf_config, torch_dtype, dev, block_size, load_format, seed)
-    num_blocks = num_kv_blocks_for(cache, runner)
+    runner = ModelRunner(
+        model_path, hf_config, torch_dtype, dev, block_size, load_format, seed,
+        enforce_eager=enforce_eager,
+    )
+    num_blocks = num_kv_blocks_for(cache, runner, max_num_batched_tokens, max_num_seqs)
     sched = SchedulerConfig(
         max_num_seqs,
         max_num_batched_tokens,

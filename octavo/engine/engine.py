@@ -49,7 +49,9 @@ class Engine:
         self.vocab_size = runner.vocab_size
         self.eos_token_ids = eos_token_ids
         runner.eos_token_ids = eos_token_ids
-        runner.allocate_kv_cache(num_kv_blocks)
+        runner.allocate_kv_cache(
+            num_kv_blocks, scheduler_config.max_num_seqs, scheduler_config.max_model_len
+        )
         self.kv = KVCacheManager(
             num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )

@@ -103,6 +103,40 @@ def run_hf_generate(model_path: str, w: Workload) -> Result:
     return Result("hf-generate", w.num_output_tokens, seconds)
 
 
+def run_hf_continuous_batching(model_dir: str, w: Workload, timeout_s: float) -> Result:
+    """transformers' continuous batching (paged attention, sdpa) on dummy weights, CUDA.
+
+    Stops waiting after `timeout_s` and reports the tokens finished so far over the time
+    taken (the peer is slow, and device time is scarce); `engine` says when that happened.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_config(
+        cfg, dtype=torch.bfloat16, attn_implementation="paged|sdpa"
+    )
+    model = model.to("cuda").eval()
+    gen = GenerationConfig(
+        max_new_tokens=max(w.max_tokens), do_sample=True, temperature=0.6,
+        eos_token_id=-1, pad_token_id=0,
+    )
+    done = tokens = 0
+    with model.continuous_batching_context_manager(generation_config=gen) as manager:
+        start = time.perf_counter()
+        for ids, n in zip(w.prompts, w.max_tokens, strict=True):
+            manager.add_request(ids, max_new_tokens=n)
+        while done < len(w.prompts) and time.perf_counter() - start < timeout_s:
+            result = manager.get_result(timeout=1.0)
+            if result is None or not result.is_finished():
+                continue
+            done += 1
+            tokens += len(result.generated_tokens)
+        seconds = time.perf_counter() - start
+    name = "hf-cb" if done == len(w.prompts) else f"hf-cb({done}/{len(w.prompts)} req)"
+    return Result(name, tokens, seconds)
+
+
 def cmd_throughput(args: argparse.Namespace) -> int:
     from octavo.entrypoints.llm import LLM
 
@@ -117,19 +151,46 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     vocab = llm.engine.vocab_size
     w = nanovllm_workload() if args.workload == "nanovllm" else cpu_workload(vocab, args.num_prompts)
     results = [run_octavo(llm, w)]
+    floor = _floor(llm, w) if llm.engine.runner.device.type == "cuda" else None
     if args.peer == "hf":
         from octavo.engine.builder import resolve_model
 
-        results.append(run_hf_generate(resolve_model(args.model), w))
-    print(f"{'engine':<14}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
+        path = resolve_model(args.model)
+        if llm.engine.runner.device.type == "cuda":
+            results.append(run_hf_continuous_batching(path, w, args.peer_timeout))
+        else:
+            results.append(run_hf_generate(path, w))
+    report = {"results": [asdict(r) | {"tok_per_s": r.tok_per_s} for r in results]}
+    print(f"{'engine':<22}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
     for r in results:
-        print(f"{r.engine:<14}{r.output_tokens:>12}{r.seconds:>10.2f}{r.tok_per_s:>10.1f}")
+        print(f"{r.engine:<22}{r.output_tokens:>12}{r.seconds:>10.2f}{r.tok_per_s:>10.1f}")
+    if floor is not None:
+        fl, ceil = floor
+        report["floor"] = asdict(fl) | {"seconds": fl.seconds} | asdict(ceil)
+        print(
+            f"floor {fl.seconds:.2f} s (memory {fl.memory_s:.2f}, compute {fl.compute_s:.2f}; "
+            f"copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s, matmul "
+            f"{ceil.matmul_flops / 1e12:.0f} TFLOP/s): octavo at "
+            f"{fl.seconds / results[0].seconds:.1%} of the floor"
+        )
     if len(results) > 1:
         print(f"octavo / {results[1].engine}: {results[0].tok_per_s / results[1].tok_per_s:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) | {"tok_per_s": r.tok_per_s} for r in results], f, indent=2)
+            json.dump(report, f, indent=2)
     return 0
+
+
+def _floor(llm, w: Workload):
+    from octavo.entrypoints.bench_floor import measure_ceilings, workload_floor
+
+    runner = llm.engine.runner
+    ceilings = measure_ceilings(runner.dtype)
+    prompt_lens = [len(p) for p in w.prompts]
+    fl = workload_floor(
+        runner.model, runner.hf_config, runner.dtype, prompt_lens, w.max_tokens, ceilings
+    )
+    return fl, ceilings
 
 
 def add_parser(sub) -> None:
@@ -143,5 +204,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--peer", default=None, choices=["hf"])
+    p.add_argument("--peer-timeout", type=float, default=300.0, help="seconds (GPU peer)")
+    p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=cmd_throughput)

@@ -13,6 +13,7 @@ from octavo.attention.backend import AttentionMetadata, build_metadata, get_atte
 from octavo.attention.layer import bind_kv_caches
 from octavo.engine.scheduler import SchedulerOutput
 from octavo.model.hf_config import get_head_dim
+from octavo.runner.cuda_graph import CudaGraphRunner
 from octavo.model.loader import load_model
 from octavo.runner.sampler import Sampler, SamplingMetadata
 from octavo.sampling_params import SamplingParams
@@ -52,6 +53,7 @@ class ModelRunner:
         load_format: str = "auto",
         seed: int = 0,
         attention_backend: str | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         self.hf_config = hf_config
         self.dtype = dtype
@@ -64,18 +66,65 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[torch.Tensor] = []
         self.eos_token_ids: list[int] = []
+        self.use_cuda_graphs = device.type == "cuda" and not enforce_eager
+        self.graph_runner: CudaGraphRunner | None = None
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(
+        self, num_blocks: int, max_num_seqs: int = 256, max_model_len: int = 2048
+    ) -> None:
         """Allocates one [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer,
-        once, and binds them to the model's attention layers."""
+        once, binds them to the model's attention layers, and captures CUDA graphs.
+
+        NOTE: with CUDA graphs one extra block (id `num_blocks`) is allocated as scratch
+        space for the padded rows of a graph; the KV cache manager never hands it out.
+        """
         cfg = self.hf_config
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        shape = (2, num_blocks, self.block_size, num_kv_heads, get_head_dim(cfg))
+        extra = 1 if self.use_cuda_graphs else 0
+        shape = (2, num_blocks + extra, self.block_size, num_kv_heads, get_head_dim(cfg))
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(cfg.num_hidden_layers)
         ]
         bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
+        if self.use_cuda_graphs:
+            max_blocks = -(-max_model_len // self.block_size)
+            self.graph_runner = CudaGraphRunner(
+                self.model, max_num_seqs, max_blocks, self.block_size, num_blocks, self.device
+            )
+            self.graph_runner.capture()
+
+    @torch.inference_mode()
+    def profile_activation_bytes(self, num_tokens: int, num_rows: int) -> int:
+        """Peak memory of one step's activations: a forward pass over `num_tokens` tokens
+        and logits for `num_rows` rows, with a temporary KV cache just large enough."""
+        num_blocks = -(-num_tokens // self.block_size)
+        self.use_cuda_graphs, graphs = False, self.use_cuda_graphs
+        self.allocate_kv_cache(num_blocks)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        md = build_metadata(
+            [num_tokens], [num_tokens], [list(range(num_blocks))], self.block_size, self.device
+        )
+        ids = torch.randint(0, self.vocab_size, (num_tokens,), device=self.device)
+        pos = torch.arange(num_tokens, device=self.device)
+        hidden = self.model(ids, pos, md)
+        self.model.compute_logits(hidden[:num_rows].repeat(-(-num_rows // num_tokens), 1))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_caches = []
+        self.use_cuda_graphs = graphs
+        torch.cuda.empty_cache()
+        return peak
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        graphs = self.graph_runner
+        if graphs is not None and md.is_all_decode and graphs.padded_size(md.num_seqs):
+            return graphs.run(input_ids, positions, md)
+        return self.model(input_ids, positions, md)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -83,7 +132,7 @@ class ModelRunner:
         requests whose step reached their last known token."""
         self._copy_blocks(so.block_copies)
         input_ids, positions, md = self._prepare_inputs(so)
-        hidden = self.model(input_ids, positions, md)  # [T, hidden]
+        hidden = self._forward(input_ids, positions, md)  # [T, hidden]
         # One sampling row per sample: n rows for the first token of an n > 1 request.
         rows: list[tuple[str, SamplingParams, int]] = []  # (request id, params, token index)
         for i, s in enumerate(so.scheduled):

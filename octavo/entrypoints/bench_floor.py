@@ -1,0 +1,81 @@
+"""The physical floor of an offline workload (BENCHMARKS.md): bytes over the copy bandwidth
+and FLOPs over the matmul rate, both measured in the same process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DeviceCeilings:
+    copy_bytes_per_s: float  # bytes read + written per second, device to device
+    matmul_flops: float  # bf16 (or the model dtype) matmul FLOP/s
+
+
+@dataclass
+class Floor:
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_read_bytes: int
+    memory_s: float
+    compute_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.memory_s, self.compute_s)
+
+
+def _time_cuda(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_ceilings(dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> DeviceCeilings:
+    """A 1 GiB device copy and an 8192^3 matmul, median of several runs each."""
+    src = torch.randn(1 << 28, device=device)  # 1 GiB of float32, random (never zeros)
+    dst = torch.empty_like(src)
+    copy_s = _time_cuda(lambda: dst.copy_(src), 20)
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    mm_s = _time_cuda(lambda: a @ b, 20)
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return DeviceCeilings(2 * (1 << 30) / copy_s, 2 * n**3 / mm_s)
+
+
+def workload_floor(
+    model: torch.nn.Module,
+    hf_config,
+    dtype: torch.dtype,
+    prompt_lens: list[int],
+    output_lens: list[int],
+    ceilings: DeviceCeilings,
+) -> Floor:
+    """memory floor = (KV read by all decode steps + weights x longest output) / bandwidth;
+    compute floor = 2 x params x all tokens / matmul rate; the floor is the larger."""
+    from octavo.model.hf_config import get_head_dim
+
+    params = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights once
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    num_params = sum(p.numel() for p in params)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv_per_token = hf_config.num_hidden_layers * 2 * kv_heads * get_head_dim(hf_config) * elem
+    # sum over t < out of (prompt + t) = out * prompt + out * (out - 1) / 2
+    kv_tokens = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True))
+    kv_read = kv_per_token * kv_tokens
+    memory_s = (kv_read + weight_bytes * max(output_lens)) / ceilings.copy_bytes_per_s
+    compute_s = 2 * num_params * (sum(prompt_lens) + sum(output_lens)) / ceilings.matmul_flops
+    return Floor(weight_bytes, kv_per_token, kv_read, memory_s, compute_s)

@@ -1,0 +1,163 @@
+"""SamplingParams: every invalid field raises a ValueError naming it; valid values normalize."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+
+from octavo.sampling_params import MAX_N, SamplingParams, SamplingType
+
+BAD_VALUES = [
+    ("n", [0, -1, MAX_N + 1, 1.5, "1", True, None]),
+    ("temperature", [-0.1, -1, "1", True, None, math.nan, math.inf]),
+    ("top_p", [0, 0.0, -0.5, 1.01, 2, "0.5", True, math.nan]),
+    ("top_k", [-2, -10, 1.5, "3", True]),
+    ("min_p", [-0.1, 1.1, "0.1", True, math.nan]),
+    ("seed", [1.5, "1", True]),
+    ("max_tokens", [0, -1, 1.5, "16", True]),
+    ("min_tokens", [-1, 1.5, "2", True, None]),
+    ("stop", ["", [""], ["a", ""], [1], 3, {"a"}]),
+    ("stop_token_ids", [[-1], [1.5], [True], ["2"], 5, "abc"]),
+    ("include_stop_str_in_output", [1, "yes", None]),
+    ("ignore_eos", [0, "no"]),
+    ("skip_special_tokens", [1, None]),
+    ("logprobs", [21, 100, -1, 1.5, "5", True]),
+    ("presence_penalty", [2.01, -2.5, "0", True, math.inf]),
+    ("frequency_penalty", [2.5, -2.01, "0", False, math.nan]),
+    ("repetition_penalty", [0, 0.0, -1, "1", True, math.inf]),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [(f, v) for f, values in BAD_VALUES for v in values], ids=repr
+)
+def test_invalid_value_raises_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**{field: value})
+    assert re.match(rf"{field}\b", str(info.value)), str(info.value)
+
+
+def test_min_tokens_above_max_tokens_is_refused_and_names_both():
+    with pytest.raises(ValueError, match=r"^min_tokens.*max_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    assert SamplingParams(min_tokens=4, max_tokens=4).min_tokens == 4
+    assert SamplingParams(min_tokens=50, max_tokens=None).min_tokens == 50
+
+
+@pytest.mark.parametrize("n", [2, MAX_N])
+def test_parallel_sampling_up_to_max_n_is_accepted(n):
+    assert SamplingParams(n=n).n == n
+
+
+def test_for_sample_gives_each_completion_n_1_and_its_own_reproducible_seed():
+    p = SamplingParams(n=4, seed=11, top_k=5)
+    children = [p.for_sample(i) for i in range(4)]
+    assert all(c.n == 1 and c.top_k == 5 for c in children) and p.n == 4
+    seeds = [c.seed for c in children]
+    assert len(set(seeds + [p.seed])) == 5 and all(0 <= s < 2**63 for s in seeds)
+    assert seeds == [p.for_sample(i).seed for i in range(4)]
+    assert SamplingParams(n=3).for_sample(2).seed is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 0},
+        {"temperature": 100},
+        {"top_p": 1},
+        {"top_p": 1e-6},
+        {"top_k": 1},
+        {"min_p": 0},
+        {"min_p": 1},
+        {"seed": -5},
+        {"seed": 2**70},
+        {"max_tokens": 1},
+        {"max_tokens": None},
+        {"logprobs": 0},
+        {"logprobs": 20},
+        {"presence_penalty": -2, "frequency_penalty": 2},
+        {"repetition_penalty": 1e-3},
+        {"stop": ("a", "bc"), "stop_token_ids": (0, 7)},
+    ],
+    ids=repr,
+)
+def test_boundary_values_are_accepted(kwargs):
+    SamplingParams(**kwargs)
+
+
+def test_numeric_fields_are_coerced_to_python_types():
+    p = SamplingParams(temperature=1, top_p=np.float32(0.5), top_k=np.int64(7), logprobs=np.int8(3))
+    assert (p.temperature, p.top_p, p.top_k, p.logprobs) == (1.0, 0.5, 7, 3)
+    assert type(p.temperature) is float and type(p.top_p) is float
+    assert type(p.top_k) is int and type(p.logprobs) is int
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, None, 0.0)
+    assert (p.max_tokens, p.min_tokens, p.stop, p.stop_token_ids) == (16, 0, [], [])
+    assert (p.logprobs, p.seed, p.ignore_eos, p.skip_special_tokens) == (None, None, False, True)
+    assert not p.has_penalties
+
+
+@pytest.mark.parametrize(
+    ("stop", "expected"), [(None, []), ("x", ["x"]), (["a", "b"], ["a", "b"]), (("a",), ["a"])]
+)
+def test_stop_becomes_a_list_of_strings(stop, expected):
+    assert SamplingParams(stop=stop).stop == expected
+
+
+@pytest.mark.parametrize(("ids", "expected"), [(None, []), ((3, 0), [3, 0]), ([9], [9])])
+def test_stop_token_ids_becomes_a_list_of_ints(ids, expected):
+    p = SamplingParams(stop_token_ids=ids)
+    assert p.stop_token_ids == expected and type(p.stop_token_ids) is list
+
+
+@pytest.mark.parametrize(("top_k", "expected"), [(None, None), (0, None), (-1, None), (5, 5)])
+def test_top_k_off_values_normalize_to_none(top_k, expected):
+    assert SamplingParams(top_k=top_k).top_k == expected
+
+
+@pytest.mark.parametrize(
+    ("temperature", "seed", "sampling_type"),
+    [
+        (0, None, SamplingType.GREEDY),
+        (0.0, 7, SamplingType.GREEDY),
+        (1e-6, None, SamplingType.GREEDY),
+        (1e-5, None, SamplingType.RANDOM),
+        (0.7, None, SamplingType.RANDOM),
+        (0.7, 0, SamplingType.RANDOM_SEED),
+        (2.0, 123, SamplingType.RANDOM_SEED),
+    ],
+)
+def test_greedy_below_1e_5_else_random_or_seeded(temperature, seed, sampling_type):
+    p = SamplingParams(temperature=temperature, seed=seed)
+    assert p.sampling_type is sampling_type
+    assert p.is_greedy == (sampling_type is SamplingType.GREEDY)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({}, False),
+        ({"presence_penalty": 0.1}, True),
+        ({"frequency_penalty": -0.1}, True),
+        ({"repetition_penalty": 1.1}, True),
+        ({"repetition_penalty": 1.0, "presence_penalty": 0.0}, False),
+    ],
+)
+def test_has_penalties_only_when_a_penalty_changes_logits(kwargs, expected):
+    assert SamplingParams(**kwargs).has_penalties is expected
+
+
+def test_clone_is_deep_and_equal():
+    p = SamplingParams(stop=["a"], stop_token_ids=[1, 2], top_k=3, seed=9)
+    q = p.clone()
+    assert q == p and q is not p
+    q.stop.append("b")
+    q.stop_token_ids.append(3)
+    q.top_k = 4
+    assert p.stop == ["a"] and p.stop_token_ids == [1, 2] and p.top_k == 3
