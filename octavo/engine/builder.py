@@ -111,6 +111,7 @@ def build_engine(
     tensor_parallel_size: int = 1,
     load_format: str = "auto",
     seed: int = 0,
+    attention_backend: str | None = None,
 ) -> Engine:
     """Builds an Engine from LLM()'s options (see DESIGN.md for their meaning)."""
     if load_format not in _LOAD_FORMATS:
@@ -128,6 +129,7 @@ def build_engine(
     tok = load_tokenizer(tokenizer or model_path)
     runner = ModelRunner(
         model_path, hf_config, torch_dtype, dev, block_size, load_format, seed,
+        attention_backend=attention_backend,
         enforce_eager=enforce_eager,
     )
     num_blocks = num_kv_blocks_for(cache, runner, max_num_batched_tokens, max_num_seqs)

@@ -61,7 +61,7 @@ class Result:
         return self.output_tokens / self.seconds
 
 
-def run_octavo(llm, w: Workload) -> Result:
+def run_octavo(llm, w: Workload, progress: bool = False) -> Result:
     from octavo.sampling_params import SamplingParams
 
     params = [
@@ -70,7 +70,7 @@ def run_octavo(llm, w: Workload) -> Result:
     ]
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=progress)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == w.num_output_tokens, (produced, w.num_output_tokens)
@@ -122,17 +122,24 @@ def run_hf_continuous_batching(model_dir: str, w: Workload, timeout_s: float) ->
         eos_token_id=-1, pad_token_id=0,
     )
     done = tokens = 0
-    with model.continuous_batching_context_manager(generation_config=gen) as manager:
+    # NOTE: at the timeout the unfinished requests are cancelled, so that leaving the context
+    # (which joins HF's generation thread) does not wait for them.
+    with model.continuous_batching_context_manager(generation_config=gen, timeout=60) as manager:
         start = time.perf_counter()
-        for ids, n in zip(w.prompts, w.max_tokens, strict=True):
+        pending = {
             manager.add_request(ids, max_new_tokens=n)
-        while done < len(w.prompts) and time.perf_counter() - start < timeout_s:
+            for ids, n in zip(w.prompts, w.max_tokens, strict=True)
+        }
+        while pending and time.perf_counter() - start < timeout_s:
             result = manager.get_result(timeout=1.0)
             if result is None or not result.is_finished():
                 continue
+            pending.discard(result.request_id)
             done += 1
             tokens += len(result.generated_tokens)
         seconds = time.perf_counter() - start
+        for request_id in pending:
+            manager.cancel_request(request_id)
     name = "hf-cb" if done == len(w.prompts) else f"hf-cb({done}/{len(w.prompts)} req)"
     return Result(name, tokens, seconds)
 
@@ -147,23 +154,15 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         load_format=args.load_format,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
     )
     vocab = llm.engine.vocab_size
     w = nanovllm_workload() if args.workload == "nanovllm" else cpu_workload(vocab, args.num_prompts)
-    results = [run_octavo(llm, w)]
-    floor = _floor(llm, w) if llm.engine.runner.device.type == "cuda" else None
-    if args.peer == "hf":
-        from octavo.engine.builder import resolve_model
-
-        path = resolve_model(args.model)
-        if llm.engine.runner.device.type == "cuda":
-            results.append(run_hf_continuous_batching(path, w, args.peer_timeout))
-        else:
-            results.append(run_hf_generate(path, w))
-    report = {"results": [asdict(r) | {"tok_per_s": r.tok_per_s} for r in results]}
     print(f"{'engine':<22}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
-    for r in results:
-        print(f"{r.engine:<22}{r.output_tokens:>12}{r.seconds:>10.2f}{r.tok_per_s:>10.1f}")
+    results = [_report(run_octavo(llm, w, args.progress))]
+    floor = _floor(llm, w) if llm.engine.runner.device.type == "cuda" else None
+    report: dict = {}
     if floor is not None:
         fl, ceil = floor
         report["floor"] = asdict(fl) | {"seconds": fl.seconds} | asdict(ceil)
@@ -173,12 +172,33 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             f"{ceil.matmul_flops / 1e12:.0f} TFLOP/s): octavo at "
             f"{fl.seconds / results[0].seconds:.1%} of the floor"
         )
+    if args.peer == "hf":
+        from octavo.engine.builder import resolve_model
+
+        path = resolve_model(args.model)
+        if llm.engine.runner.device.type == "cuda":
+            import gc
+
+            import torch
+
+            del llm  # the peer needs the GPU memory
+            gc.collect()
+            torch.cuda.empty_cache()
+            results.append(_report(run_hf_continuous_batching(path, w, args.peer_timeout)))
+        else:
+            results.append(_report(run_hf_generate(path, w)))
+    report["results"] = [asdict(r) | {"tok_per_s": r.tok_per_s} for r in results]
     if len(results) > 1:
         print(f"octavo / {results[1].engine}: {results[0].tok_per_s / results[1].tok_per_s:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def _report(r: Result) -> Result:
+    print(f"{r.engine:<22}{r.output_tokens:>12}{r.seconds:>10.2f}{r.tok_per_s:>10.1f}", flush=True)
+    return r
 
 
 def _floor(llm, w: Workload):
@@ -205,6 +225,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--peer", default=None, choices=["hf"])
     p.add_argument("--peer-timeout", type=float, default=300.0, help="seconds (GPU peer)")
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--progress", action="store_true", help="a progress bar on the timed run")
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=cmd_throughput)

@@ -1,0 +1,226 @@
+"""Times the Triton attention kernels at Qwen3-0.6B shapes on the GPU, against the copy ceiling.
+
+    PYTHONPATH=. python benchmarks/gpu_kernels.py [--sweep] [--json out.json]
+
+Rows (H=16, KVH=8, D=128, bf16, pages of 16):
+  decode  256 x 1k context, 1 x 8k, 16 x 4k  -> KV bytes read / time vs. a measured copy
+  prefill 8 x 1k new tokens (no prefix), 1 x 1k new behind a 7k prefix -> TFLOP/s (and torch
+          SDPA's flash kernel on the same dense problem as a yardstick)
+  store_kv 8k tokens
+
+Floors (METHOD.md's two numbers, H100 SXM, ~3.0 TB/s copy, ~700 dense bf16 TFLOP/s):
+  decode 256 x 1k reads 1.07 GB of K/V -> ~360 us; 1 x 8k reads 33.5 MB -> ~11 us + launches;
+  prefill 8 x 1k does 34.4 GFLOP (causal) -> ~50 us; K/V bytes are negligible there.
+
+Times are do_bench medians (the L2 is flushed before each repetition, so the 33 MB of the 8k
+decode is read from HBM). Each kernel is checked against the torch backend first. --sweep
+also times the tile configs and split counts listed below and marks the fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from octavo.attention.backend import build_metadata
+from octavo.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from octavo.kernels.decode_attention import (
+    choose_num_splits,
+    decode_attention,
+    default_decode_config,
+    num_sms,
+)
+from octavo.kernels.prefill_attention import default_prefill_config, prefill_attention
+from octavo.kernels.store_kv import store_kv
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
+SCALE = HEAD_DIM**-0.5
+DECODE_CASES = [(256, 1024), (1, 8192), (16, 4096)]  # (batch, context)
+PREFILL_CASES = [([1024] * 8, [1024] * 8), ([1024], [8192])]  # (query_lens, seq_lens)
+DECODE_CONFIGS = [
+    {"block_n": n, "num_warps": w, "num_stages": s}
+    for n in (32, 64, 128)
+    for w in (4, 8)
+    for s in (2, 3, 4)
+]
+DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64]
+PREFILL_CONFIGS = [
+    {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s}
+    for m, n, w, s in [
+        (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
+        (128, 32, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4),
+    ]
+]  # fmt: skip
+
+
+def median_us(fn) -> float:
+    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def measure(run, ref: torch.Tensor) -> tuple[float, float]:
+    """(median us, rel err vs ref); NaNs for a tile config the chip cannot hold."""
+    try:
+        err = rel_err(run(), ref)
+    except triton.runtime.errors.OutOfResources as e:
+        print(f"skipped a config: {e}")
+        return float("nan"), float("nan")
+    return median_us(run), err
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 1 GiB, counting bytes read plus bytes written, in GB/s."""
+    src = torch.randn(512 * 2**20, device="cuda", dtype=DTYPE)
+    dst = torch.empty_like(src)
+    us = median_us(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / us / 1e3
+
+
+def make_batch(query_lens: list[int], seq_lens: list[int]):
+    """Random q/k/v, a random cache, shuffled pages; the new K/V already stored."""
+    pages = [triton.cdiv(s, BLOCK_SIZE) for s in seq_lens]
+    perm = torch.randperm(sum(pages)).tolist()
+    tables, used = [], 0
+    for n in pages:
+        tables.append(perm[used : used + n])
+        used += n
+    md = build_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, "cuda")
+    t = md.num_tokens
+    q = torch.randn(t, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(t, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn(t, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    cache = torch.randn(2, sum(pages), BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    write_kv_cache(k, v, cache, md.slot_mapping)
+    return q, k, v, cache, md
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_decode(batch: int, context: int, copy_gbs: float, sweep: bool) -> list[dict]:
+    q, k, v, cache, md = make_batch([1] * batch, [context] * batch)
+    ref = TorchAttentionBackend().forward(q, k, v, cache, md, SCALE)
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * cache.element_size()
+    splits0 = choose_num_splits(
+        batch, KV_HEADS, md.block_tables.shape[1] * BLOCK_SIZE, num_sms(q.device)
+    )
+    cfg0 = default_decode_config(HEAD_DIM)
+    variants = [(splits0, cfg0)]
+    if sweep:
+        variants += [(s, cfg0) for s in DECODE_SPLITS if s != splits0]
+        variants += [(splits0, c) for c in DECODE_CONFIGS if c != cfg0]
+    rows = []
+    for splits, cfg in variants:
+        run = partial(
+            decode_attention, q, cache, md.seq_lens, md.block_tables, SCALE, splits, config=cfg
+        )
+        us, err = measure(run, ref)
+        rows.append(
+            _row("decode", f"{batch} x {context}", _cfg_str(cfg, splits),
+                 (splits, cfg) == (splits0, cfg0), us, err, _bandwidth(kv_bytes, us, copy_gbs))
+        )  # fmt: skip
+    return rows
+
+
+def bench_prefill(query_lens: list[int], seq_lens: list[int], sweep: bool) -> list[dict]:
+    q, k, v, cache, md = make_batch(query_lens, seq_lens)
+    ref = TorchAttentionBackend().forward(q, k, v, cache, md, SCALE)
+    flops = sum(4 * HEADS * HEAD_DIM * (ql * (s - ql) + ql * (ql + 1) / 2)
+                for ql, s in zip(query_lens, seq_lens, strict=True))  # fmt: skip
+    cfg0 = default_prefill_config(HEAD_DIM, HEADS // KV_HEADS)
+    variants = [cfg0] + ([c for c in PREFILL_CONFIGS if c != cfg0] if sweep else [])
+    shape = f"{len(query_lens)} x {query_lens[0]} new / {seq_lens[0]} ctx"
+    rows = []
+    for cfg in variants:
+        run = partial(
+            prefill_attention, q, cache, md.query_start_loc, md.seq_lens, md.block_tables, SCALE,
+            md.num_seqs, config=cfg,
+        )  # fmt: skip
+        us, err = measure(run, ref)
+        rows.append(
+            _row(
+                "prefill",
+                shape,
+                _cfg_str(cfg),
+                cfg == cfg0,
+                us,
+                err,
+                f"{flops / us / 1e6:7.1f} TFLOP/s",
+            )
+        )
+    if all(ql == s for ql, s in zip(query_lens, seq_lens, strict=True)) and len(set(seq_lens)) == 1:
+        dense = [t.view(len(seq_lens), -1, n, HEAD_DIM).transpose(1, 2) for t, n in
+                 ((q, HEADS), (k.repeat_interleave(2, 1), HEADS), (v.repeat_interleave(2, 1), HEADS))]  # fmt: skip
+        us = median_us(partial(F.scaled_dot_product_attention, *dense, is_causal=True, scale=SCALE))
+        rate = f"{flops / us / 1e6:7.1f} TFLOP/s"
+        rows.append(_row("torch sdpa", shape, "dense, no paging", False, us, float("nan"), rate))
+    return rows
+
+
+def bench_store(num_tokens: int, copy_gbs: float) -> dict:
+    _, k, v, cache, md = make_batch([num_tokens], [num_tokens])
+    slots = md.slot_mapping
+    us = median_us(lambda: store_kv(k, v, cache, slots))
+    moved = 2 * 2 * k.numel() * k.element_size()  # k and v, read and written
+    return _row(
+        "store_kv", f"{num_tokens} tokens", "", True, us, 0.0, _bandwidth(moved, us, copy_gbs)
+    )
+
+
+def _row(kernel: str, shape: str, config: str, default: bool, us: float, err: float, rate: str):
+    return {"kernel": kernel, "shape": shape, "config": config, "default": default, "us": us,
+            "rel_err": err, "rate": rate}  # fmt: skip
+
+
+def _bandwidth(num_bytes: float, us: float, copy_gbs: float) -> str:
+    gbs = num_bytes / us / 1e3
+    return f"{gbs:7.0f} GB/s {100 * gbs / copy_gbs:4.0f}% of copy"
+
+
+def _cfg_str(cfg: dict[str, int], splits: int | None = None) -> str:
+    parts = [f"{k.replace('block_', '').replace('num_', '')}={v}" for k, v in cfg.items()]
+    return ("" if splits is None else f"splits={splits} ") + " ".join(parts)
+
+
+def print_table(rows: list[dict], copy_gbs: float) -> None:
+    print(f"\n{torch.cuda.get_device_name()}  copy ceiling {copy_gbs:.0f} GB/s (read + write)")
+    print(f"{'kernel':10} {'shape':26} {'config':40} {'us':>9} {'rel err':>8}  rate")
+    for group in dict.fromkeys((r["kernel"], r["shape"]) for r in rows):
+        mine = [r for r in rows if (r["kernel"], r["shape"]) == group]
+        best = min((r["us"] for r in mine if r["us"] == r["us"]), default=None)
+        for r in mine:
+            tag = ("*" if r["default"] else " ") + (
+                "<" if r["us"] == best and len(mine) > 1 else " "
+            )
+            print(f"{r['kernel']:10} {r['shape']:26} {r['config']:40} {r['us']:9.1f} "
+                  f"{r['rel_err']:8.1e} {tag} {r['rate']}")  # fmt: skip
+    print("* = default config   < = fastest of its group")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time other configs")
+    parser.add_argument("--json", help="write all rows here")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth()
+    rows = []
+    for batch, context in DECODE_CASES:
+        rows += bench_decode(batch, context, copy_gbs, args.sweep)
+    for query_lens, seq_lens in PREFILL_CASES:
+        rows += bench_prefill(query_lens, seq_lens, args.sweep)
+    rows.append(bench_store(8192, copy_gbs))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+    print_table(rows, copy_gbs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One round of GPU checks and timings through the device tool (the machine keeps nothing):
+#   stages: tests | kernels | tp06 | tp8b | latency   (default: all, in that order)
+# Logs and JSON land in $OUT; the last lines printed are a short summary.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+# The CLI, with every thread's stack dumped each 90 s (to see where a slow run spends it).
+OCTAVO=(python3 -c "import faulthandler, sys; faulthandler.dump_traceback_later(90, repeat=True)
+sys.argv = ['octavo', *sys.argv[1:]]
+from octavo.entrypoints.cli import main; sys.exit(main())")
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+stages=${*:-tests kernels tp06 tp8b latency}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+for stage in $stages; do
+  start=$(date +%s)
+  case $stage in
+    tests) timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    kernels) timeout 300 python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -20 ;;
+    tp06) timeout 560 "${OCTAVO[@]}" bench throughput --model qwen3-0.6b --max-model-len 4096 \
+            --load-format dummy --workload nanovllm --peer hf --peer-timeout 150 --progress \
+            --json "$OUT/throughput_qwen3_0.6b.json" 2>&1 | tee "$OUT/tp06.log" | tail -40 ;;
+    tp8b) timeout 560 "${OCTAVO[@]}" bench throughput --model qwen3-8b --max-model-len 4096 \
+            --load-format dummy --workload nanovllm --progress \
+            --json "$OUT/throughput_qwen3_8b.json" 2>&1 | tee "$OUT/tp8b.log" | tail -40 ;;
+    latency) timeout 300 python3 benchmarks/latency.py --model qwen3-8b \
+            --json "$OUT/latency_qwen3_8b.json" 2>&1 | tee "$OUT/latency.log" | tail -4 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+  echo "== $stage: $(( $(date +%s) - start )) s"
+done

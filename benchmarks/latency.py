@@ -1,0 +1,76 @@
+"""Single-request latency (BENCHMARKS.md section 2): a 512-token prompt, 256 greedy output
+tokens; time per output token against the weight-read floor W / B.
+
+    python benchmarks/latency.py --model qwen3-8b [--enforce-eager] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from octavo import LLM, SamplingParams
+from octavo.entrypoints.bench_floor import measure_ceilings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3-8b")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    llm = LLM(
+        args.model, load_format="dummy", max_model_len=2048, max_num_seqs=8,
+        enforce_eager=args.enforce_eager,
+    )
+    rng = random.Random(0)
+    prompt = [rng.randint(0, 10000) for _ in range(args.prompt_len)]
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)  # warm-up
+
+    engine = llm.engine
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    request = engine.add_request(prompt, params)
+    first = None
+    while not request.is_finished:
+        engine.step()
+        if first is None and request.output_token_ids:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    tpot = (end - first) / (args.output_len - 1)
+
+    runner = engine.runner
+    params_ = {p.data_ptr(): p for p in runner.model.parameters()}.values()
+    weight_bytes = sum(p.numel() * p.element_size() for p in params_)
+    ceilings = measure_ceilings(runner.dtype)
+    floor = weight_bytes / ceilings.copy_bytes_per_s
+    report = {
+        "model": args.model,
+        "ttft_s": first - start,
+        "tpot_s": tpot,
+        "weight_bytes": weight_bytes,
+        "copy_bytes_per_s": ceilings.copy_bytes_per_s,
+        "floor_s_per_token": floor,
+        "tpot_over_floor": tpot / floor,
+        "cuda_graphs": runner.graph_runner is not None,
+    }
+    print(
+        f"{args.model}: TTFT {report['ttft_s'] * 1e3:.1f} ms, TPOT {tpot * 1e3:.2f} ms, "
+        f"floor {floor * 1e3:.2f} ms/token (W {weight_bytes / 1e9:.2f} GB, "
+        f"B {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s): {tpot / floor:.2f}x the floor"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Decode attention (one query token per sequence) over the paged KV cache: flash-decoding.
+
+Decode is memory-bound: every step reads each sequence's whole K/V once, and does only
+~2 * group flops per KV element loaded. Two ideas keep the GPU busy:
+
+1. GQA grouping. One program owns all GROUP query heads of one KV head, so each KV chunk is
+   loaded once for the heads that share it. The heads are the M rows of a tl.dot, padded to 16
+   (the smallest MMA tile). Why tl.dot rather than broadcast-multiply-and-sum: the padded rows
+   cost tensor-core cycles that are free here (tens of times more headroom than bandwidth),
+   while a sum over head_dim on CUDA cores costs cross-lane shuffles per score and G times the
+   FMA work per loaded byte; one code path also serves every group size, including 1.
+
+2. Split-K. With few sequences (batch 1, long context) B * KVH programs cannot fill 132 SMs,
+   so each sequence's context is cut into num_splits equal parts (rounded to BLOCK_N) that run
+   in parallel; each writes its partial output and log-sum-exp, and a second small kernel
+   combines them. With one split the first kernel writes the output directly.
+
+    seq_len = 1000, num_splits = 4, BLOCK_N = 64:  split_len = cdiv(cdiv(1000, 4), 64) * 64 = 256
+    splits: [0, 256) [256, 512) [512, 768) [768, 1000)
+
+num_splits depends only on the batch size and the block-table width (the largest context the
+table can describe), never on this step's lengths, so a CUDA graph captured for a padded batch
+launches the same grid on every replay. A sequence with seq_len 0 (graph padding) gets zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from octavo.kernels.paged_kv_tile import LOG2E, attend_kv_chunk, check_attention_inputs
+
+MIN_SPLIT_LEN = 256  # context positions per split: below this the partial writes dominate
+MAX_SPLITS = 64
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_split_kernel(
+    q_ptr,  # [B, H, D]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D], contiguous
+    v_cache_ptr,
+    seq_lens_ptr,  # [B] int32
+    block_tables_ptr,  # [B, max_blocks] int32
+    out_ptr,  # [B, H, D], written when SINGLE_SPLIT
+    part_out_ptr,  # [B, H, num_splits, D] fp32, written otherwise
+    part_lse_ptr,  # [B, H, num_splits] fp32 (log2 domain)
+    qk_scale,
+    num_splits,  # a run-time value, so changing it costs no recompilation
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt_seq,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # max(16, next power of two >= GROUP): the dot's M
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output directly
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    kv_lo = split * split_len
+    kv_hi = tl.minimum(kv_lo + split_len, seq_len)  # may be <= kv_lo: an empty split
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + offs_g  # [G]
+    head_ok = offs_g < GROUP
+    q_off = seq.to(tl.int64) * stride_q_tok + head * stride_q_head
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=head_ok[:, None], other=0.0)
+
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (seq_len - 1)  # the query is the last one
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+
+    full_end = kv_lo + tl.maximum(kv_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
+    for kv_start in range(kv_lo, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_kv_chunk(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, kv_hi,
+            q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
+        )  # fmt: skip
+    for kv_start in range(full_end, kv_hi, BLOCK_N):  # the split's ragged tail, if any
+        acc, m_i, l_i = attend_kv_chunk(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, kv_hi,
+            q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+        )  # fmt: skip
+
+    # An empty split (or seq_len 0) leaves l_i == 0 and acc == 0: write 0 and lse = -inf.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [G, D]
+    if SINGLE_SPLIT:
+        o_off = seq.to(tl.int64) * stride_o_tok + head * stride_o_head
+        o_ptrs = out_ptr + o_off[:, None] + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        row = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head) * num_splits + split  # [G]
+        tl.store(
+            part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None]
+        )
+        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_ok)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    part_out_ptr,  # [B, H, num_splits, D] fp32
+    part_lse_ptr,  # [B, H, num_splits] fp32 (log2 domain)
+    out_ptr,  # [B, H, D]
+    stride_o_tok,
+    stride_o_head,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next power of two >= num_splits
+):
+    """out = sum_s w_s * part_s / sum_s w_s, with w_s = 2^(lse_s - max lse)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < num_splits
+    row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits
+    lse = tl.load(part_lse_ptr + row + offs_s, mask=split_ok, other=float("-inf"))  # [S]
+    lse_max = tl.maximum(tl.max(lse, 0), -1.0e30)  # finite even when every split is empty
+    w = tl.exp2(lse - lse_max)  # [S], 0 for empty splits
+    parts = tl.load(
+        part_out_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=split_ok[:, None],
+        other=0.0,
+    )  # [S, D]
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)  # [D]
+    o_ptrs = out_ptr + seq.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (132 on an H100 SXM; 132 off-GPU, for tests)."""
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: int) -> int:
+    """Splits per sequence so that num_seqs * num_kv_heads * splits programs fill the GPU
+    about twice over, with each split at least MIN_SPLIT_LEN positions of the longest context
+    allowed. Depends on shapes only (CUDA-graph safe). A power of two, at most MAX_SPLITS."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = triton.cdiv(2 * sms, programs)
+    by_length = max(max_context // MIN_SPLIT_LEN, 1)
+    splits = min(wanted, by_length, MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
+def default_decode_config(head_dim: int) -> dict[str, int]:
+    """Chunk length and launch knobs of the split kernel."""
+    if head_dim <= 128:
+        return {"block_n": 64, "num_warps": 4, "num_stages": 3}
+    return {"block_n": 32, "num_warps": 4, "num_stages": 2}
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's single new token over its whole paged context.
+
+    The new K/V must already be in the cache (see `store_kv`).
+
+    Args:
+        q: [B, H, D], token b belongs to sequence b (head_dim stride 1).
+        kv_cache: [2, num_blocks, block_size, KVH, D], contiguous.
+        seq_lens: [B] int32 context lengths including the new token (0 allowed: zeros out).
+        block_tables: [B, max_blocks] int32.
+        scale: softmax scale.
+        num_splits: KV splits per sequence; default `choose_num_splits` from B and the
+            block-table width, so it is fixed for fixed input shapes.
+        out: optional [B, H, D] buffer to write into.
+        config: optional override of `default_decode_config` (benchmarks sweep it).
+    Returns:
+        [B, H, D] in q's dtype (`out` when given).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    check_attention_inputs(q, kv_cache, block_tables, num_heads, num_kv_heads)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, num_sms(q.device))
+    cfg = config or default_decode_config(head_dim)
+    group = num_heads // num_kv_heads
+    if num_splits > 1:
+        part_out = torch.empty(
+            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device
+        )
+    else:
+        part_out = part_lse = out  # unused by the kernel
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        kv_cache[0],
+        kv_cache[1],
+        seq_lens,
+        block_tables,
+        out,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=cfg["block_n"],
+        SINGLE_SPLIT=num_splits == 1,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+    return out

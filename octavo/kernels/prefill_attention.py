@@ -1,0 +1,204 @@
+"""Prefill / extend attention over the paged KV cache (flash-attention style, Triton).
+
+Handles any step that is not pure decode: whole prompts, chunks of prompts behind a cached
+prefix, prefix-cache hits, and decode rows (q_len 1) mixed into the same batch.
+
+Each program owns one tile of BLOCK_Q query tokens of one sequence and ALL query heads of one
+KV head group, so a KV tile is loaded once for every head that reads it (GQA). The tile's rows
+interleave tokens and heads (GROUP_PAD = group size rounded up to a power of two):
+
+    row m  ->  token first_tok + m // GROUP_PAD,  head kv_head * GROUP + m % GROUP_PAD
+    BLOCK_M = BLOCK_Q * GROUP_PAD rows: the M of both tl.dot calls
+
+Query tiles of all sequences are laid end to end on grid axis 0 without a host-side table:
+sequence i owns tiles from `query_start_loc[i] // BLOCK_Q + i` on (at least cdiv(q_len_i,
+BLOCK_Q) of them; spare ones return at once), and a program finds its sequence by binary
+search. The grid is therefore `num_tokens // BLOCK_Q + num_seqs` tiles, known on the host.
+
+Causality: query j of a sequence with context L and q_len new tokens sits at position
+L - q_len + j and sees positions <= it. A tile walks the KV in BLOCK_N chunks, gathered page by
+page through the block table, in two loops: chunks below every row's diagonal (no mask), then
+the chunks the diagonal crosses (masked). Chunks past the tile's last query are never loaded.
+
+    context:  [ cached prefix ........ | new tokens ]
+    KV chunk:  | full | full | full | diag | diag |    (skipped beyond the last query)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from octavo.kernels.paged_kv_tile import LOG2E, attend_kv_chunk, check_attention_inputs
+
+
+@triton.jit
+def find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence i whose first query tile `query_start_loc[i] // BLOCK_Q + i` is
+    <= q_tile (binary search; those first tiles increase strictly with i)."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= q_tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _prefill_kernel(
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D], contiguous
+    v_cache_ptr,
+    out_ptr,  # [T, H, D]
+    query_start_loc_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    block_tables_ptr,  # [B, max_blocks] int32
+    qk_scale,
+    num_seqs,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_bt_seq,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # KV cache page size
+    BLOCK_Q: tl.constexpr,  # query tokens per tile
+    BLOCK_M: tl.constexpr,  # rows per tile: BLOCK_Q * GROUP_PAD
+    BLOCK_N: tl.constexpr,  # context positions per KV chunk
+):
+    q_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first_tok = (q_tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # within the sequence
+    if first_tok >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len  # cached context in front of the new tokens
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = first_tok + offs_m // GROUP_PAD  # [M] query index within the sequence
+    head = kv_head * GROUP + offs_m % GROUP_PAD  # [M]
+    row_ok = (tok < q_len) & (offs_m % GROUP_PAD < GROUP)
+    q_pos = prefix + tok  # [M] context position of each row's query
+    q_off = (q_start + tok).to(tl.int64) * stride_q_tok + head * stride_q_head
+    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+
+    # Chunks entirely at or below the tile's first query: no row masks anything.
+    full_end = (prefix + first_tok + 1) // BLOCK_N * BLOCK_N
+    for kv_start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_kv_chunk(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, seq_len,
+            q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
+        )  # fmt: skip
+    # Chunks the causal diagonal crosses, up to the tile's last query.
+    last_pos = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)  # exclusive
+    for kv_start in range(full_end, last_pos, BLOCK_N):
+        acc, m_i, l_i = attend_kv_chunk(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, last_pos,
+            q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+        )  # fmt: skip
+
+    out = acc / l_i[:, None]  # every valid row saw position 0, so l_i > 0
+    o_off = (q_start + tok).to(tl.int64) * stride_o_tok + head * stride_o_head
+    tl.store(
+        out_ptr + o_off[:, None] + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+def default_prefill_config(head_dim: int, group_pad: int) -> dict[str, int]:
+    """Tile shape and launch knobs: BLOCK_M rows (tokens x heads), BLOCK_N KV positions."""
+    if head_dim <= 64:
+        cfg = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
+    elif head_dim <= 128:
+        cfg = {"block_m": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+    else:
+        cfg = {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
+    cfg["block_m"] = max(cfg["block_m"], group_pad)
+    return cfg
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_seqs: int,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Causal attention of every new token over its sequence's paged context.
+
+    The new K/V must already be in the cache (see `store_kv`).
+
+    Args:
+        q: [T, H, D] queries of the new tokens, sequences laid end to end (head_dim stride 1).
+        kv_cache: [2, num_blocks, block_size, KVH, D], contiguous.
+        query_start_loc: [B + 1] int32 token offsets of the sequences in q.
+        seq_lens: [B] int32 context lengths, new tokens included.
+        block_tables: [B, max_blocks] int32.
+        scale: softmax scale.
+        num_seqs: B, as a host int (sizes the grid without reading the device).
+        out: optional [T, H, D] buffer to write into.
+        config: optional override of `default_prefill_config` (benchmarks sweep it).
+    Returns:
+        [T, H, D] in q's dtype (`out` when given).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    check_attention_inputs(q, kv_cache, block_tables, num_heads, num_kv_heads)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    cfg = config or default_prefill_config(head_dim, group_pad)
+    block_q = cfg["block_m"] // group_pad
+    if num_tokens == 0:
+        return out
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q,
+        kv_cache[0],
+        kv_cache[1],
+        out,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale * LOG2E,
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_q * group_pad,
+        BLOCK_N=cfg["block_n"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    return out

@@ -1,0 +1,46 @@
+"""Two fixes to Triton 3.6's CPU interpreter, applied only when TRITON_INTERPRET=1.
+
+1. Scalars are 1-element arrays there, and `range(0, n)` over a loaded scalar calls `int()` on
+   them, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted").
+2. `tl.dot` on bfloat16 runs np.matmul over the raw 16-bit integers (NumPy has no bfloat16),
+   which returns garbage; widen bfloat16 operands to float32 first (exact).
+
+Neither changes what a kernel computes on the GPU; they let the same kernels run on the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import triton.language as tl
+from triton.runtime import interpreter
+
+
+def _bf16_to_f32(data: np.ndarray) -> np.ndarray:
+    return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def apply() -> None:
+    """Patches the interpreter in place; calling it twice is harmless."""
+    if getattr(interpreter, "_octavo_patched", False):
+        return
+    original_patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor(tensor, scope):
+        original_patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_tensor
+
+    builder_cls = interpreter.InterpreterBuilder
+    original_dot = builder_cls.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
+            a_data = _bf16_to_f32(a.data) if a.dtype == tl.bfloat16 else a.data
+            b_data = _bf16_to_f32(b.data) if b.dtype == tl.bfloat16 else b.data
+            out = np.matmul(a_data, b_data, dtype=d.data.dtype) + d.data
+            return interpreter.TensorHandle(out, d.dtype.scalar)
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    builder_cls.create_dot = create_dot
+    interpreter._octavo_patched = True

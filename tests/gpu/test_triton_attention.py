@@ -1,0 +1,294 @@
+"""The Triton attention kernels against the torch reference, on fresh random inputs.
+
+On CUDA the full matrix runs: head_dim 64 and 128, GQA groups 1-8 (and odd ones), pages of
+16 and 32, contexts 1..8k, bf16 and fp16. With OCTAVO_TRITON_INTERPRET=1 a small subset runs
+on the CPU through Triton's interpreter (see conftest.py).
+
+Every kernel output buffer is poisoned with NaN first, so an element the kernel forgot to write
+fails the NaN check; the cache is filled with random data, so a wrong page or slot fails the
+error check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("OCTAVO_TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
+
+from octavo.attention.backend import AttentionMetadata, build_metadata
+from octavo.attention.torch_backend import reference_attention, write_kv_cache
+from octavo.attention.triton_backend import TritonAttentionBackend
+from octavo.kernels.decode_attention import (
+    MAX_SPLITS,
+    choose_num_splits,
+    decode_attention,
+)
+from octavo.kernels.prefill_attention import prefill_attention
+from octavo.kernels.store_kv import store_kv
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cpu" if INTERPRET else "cuda"
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-3}
+
+
+def full_or_small(full: list, small: list) -> list:
+    """The GPU parameter list, or its small subset under the interpreter."""
+    return small if INTERPRET else full
+
+
+HEAD_DIMS = full_or_small([64, 128], [64])
+GROUPS = full_or_small([1, 2, 4, 8], [1, 4])
+BLOCK_SIZES = full_or_small([16, 32], [16, 32])
+DTYPES = full_or_small([torch.bfloat16, torch.float16], [torch.bfloat16, torch.float16])
+
+# (query_lens, seq_lens): new tokens of each sequence and its whole context.
+PREFILL_BATCHES = {
+    "prompts": full_or_small(
+        ([1, 17, 100, 300, 64], [1, 17, 100, 300, 64]), ([1, 17, 70], [1, 17, 70])
+    ),
+    "prefix_then_new": full_or_small(
+        ([50, 1, 200, 33, 16, 10], [50 + 64, 1000, 1200, 33, 16 + 16 * 9, 10 + 62]),
+        ([5, 1, 20, 10], [5 + 32, 40, 70, 10 + 62]),  # prefix 62: diagonal at a chunk edge
+    ),
+    "decodes_mixed_in": full_or_small(
+        ([1, 1, 128, 1, 64, 1], [5, 700, 128, 1, 64 + 112, 2049]), ([1, 1, 30, 1], [5, 33, 30, 1])
+    ),
+    "long": full_or_small(([2048, 1, 7], [8192, 8000, 4096 + 7]), ([40], [200])),
+}
+DECODE_SEQ_LENS = full_or_small(
+    [1, 15, 16, 17, 31, 33, 64, 65, 300, 1000, 2049, 4096, 8192, 777, 5000, 2],
+    [1, 16, 17, 33, 100, 257],
+)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    extra_table_width: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q/k/v, a cache full of random data, and block tables over shuffled pages."""
+    pages = [(s + block_size - 1) // block_size for s in seq_lens]
+    num_blocks = sum(pages) + 4
+    perm = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for n in pages:
+        tables.append(perm[used : used + n])
+        used += n
+    md = build_metadata(query_lens, seq_lens, tables, block_size, DEVICE)
+    if extra_table_width:  # a wider table, as CUDA graphs use; padding must not matter
+        padding = torch.zeros(len(seq_lens), extra_table_width, dtype=torch.int32, device=DEVICE)
+        md = dataclasses.replace(md, block_tables=torch.cat([md.block_tables, padding], 1))
+    num_tokens, num_heads = sum(query_lens), num_kv_heads * group
+    q = torch.randn(num_tokens, num_heads, head_dim, device=DEVICE).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
+    return q, k, v, cache.to(dtype), md
+
+
+# ---------------------------------------------------------------- store_kv
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_kv_heads,head_dim", full_or_small([(8, 128), (2, 64), (3, 64)], [(2, 64), (3, 16)])
+)
+def test_store_kv_writes_exactly_the_mapped_slots(dtype, num_kv_heads, head_dim):
+    """Each token's k/v lands bit-exact in its slot; every other slot keeps its old bits."""
+    num_blocks, block_size, num_tokens = 16, 16, 37
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    # k and v as column slices of a fused projection: token stride != KVH * D.
+    fused = torch.randn(num_tokens, 3, num_kv_heads * head_dim, device=DEVICE).to(dtype)
+    k = fused[:, 1].view(num_tokens, num_kv_heads, head_dim)
+    v = fused[:, 2].view(num_tokens, num_kv_heads, head_dim)
+    expected = cache.clone()
+    write_kv_cache(k, v, expected, slots)
+    store_kv(k, v, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+# ---------------------------------------------------------------- prefill / extend
+
+
+@pytest.mark.parametrize("batch", list(PREFILL_BATCHES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_prefill_matches_reference(batch, dtype, block_size, group, head_dim):
+    """Causal attention over cached prefix + new tokens, every row written, any length mix."""
+    query_lens, seq_lens = PREFILL_BATCHES[batch]
+    q, k, v, cache, md = make_batch(query_lens, seq_lens, 2, group, head_dim, block_size, dtype)
+    scale = head_dim**-0.5
+    ref = reference_attention(q, k, v, cache.clone(), md, scale)
+    store_kv(k, v, cache, md.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(
+        q, cache, md.query_start_loc, md.seq_lens, md.block_tables, scale, md.num_seqs, out=out
+    )
+    assert not out.isnan().any(), "some output elements were not written"
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (28, 4), (16, 1)])
+def test_prefill_odd_and_wide_groups(num_heads, num_kv_heads):
+    """Group sizes that are not powers of two (padded head rows) and a 16-wide group."""
+    query_lens, seq_lens = (
+        ([1, 30, 7], [40, 30, 70]) if INTERPRET else ([1, 300, 77], [400, 300, 1070])
+    )
+    group = num_heads // num_kv_heads
+    q, k, v, cache, md = make_batch(
+        query_lens, seq_lens, num_kv_heads, group, 64, 16, torch.bfloat16
+    )
+    ref = reference_attention(q, k, v, cache.clone(), md, 0.125)
+    store_kv(k, v, cache, md.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(
+        q, cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125, md.num_seqs, out=out
+    )
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+# ---------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_decode_matches_reference(num_splits, dtype, block_size, group, head_dim):
+    """One query per sequence over contexts of 1..8k, split-K or not, every row written."""
+    seq_lens = DECODE_SEQ_LENS
+    q, k, v, cache, md = make_batch(
+        [1] * len(seq_lens), seq_lens, 2, group, head_dim, block_size, dtype, extra_table_width=3
+    )
+    scale = head_dim**-0.5
+    ref = reference_attention(q, k, v, cache.clone(), md, scale)
+    store_kv(k, v, cache, md.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, cache, md.seq_lens, md.block_tables, scale, num_splits, out=out)
+    assert not out.isnan().any(), "some output elements were not written"
+    assert rel_err(out, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_padding_sequence_gives_zeros(num_splits):
+    """A seq_len-0 row (CUDA-graph padding) yields zeros, not NaN, and leaves others intact."""
+    q, k, v, cache, md = make_batch([1, 1], [40, 1], 2, 2, 64, 16, torch.bfloat16)
+    ref = reference_attention(q, k, v, cache.clone(), md, 0.125)
+    store_kv(k, v, cache, md.slot_mapping)
+    seq_lens = md.seq_lens.clone()
+    seq_lens[1] = 0
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, cache, seq_lens, md.block_tables, 0.125, num_splits, out=out)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert rel_err(out[0], ref[0]) < TOLERANCE[torch.bfloat16]
+
+
+def test_num_splits_depend_on_shapes_only():
+    """The split count fills ~2 waves of 132 SMs, stays a power of two, and is 1 when the
+    batch alone fills the GPU; it takes no per-step data (so CUDA-graph grids are fixed)."""
+    assert choose_num_splits(256, 8, 1024, 132) == 1
+    assert choose_num_splits(1, 8, 8192, 132) == 32
+    assert choose_num_splits(1, 8, 100, 132) == 1  # too short to be worth splitting
+    for batch in (1, 3, 17, 64):
+        for context in (16, 1000, 40960):
+            splits = choose_num_splits(batch, 8, context, 132)
+            assert 1 <= splits <= MAX_SPLITS and splits & (splits - 1) == 0
+
+
+# ---------------------------------------------------------------- backend
+
+
+@pytest.mark.parametrize(
+    "query_lens,seq_lens",
+    full_or_small(
+        [([1] * 64, [1 + 37 * i for i in range(64)]), ([1, 200, 1, 33], [900, 200, 2, 100])],
+        [([1] * 5, [1, 16, 40, 90, 3]), ([1, 20, 1, 9], [60, 20, 2, 30])],
+    ),
+)
+def test_backend_qwen3_shapes(query_lens, seq_lens):
+    """forward() (store, then decode or extend) at Qwen3-0.6B head shapes, against the oracle,
+    with q/k/v as slices of one fused projection the way the model hands them over."""
+    num_tokens, heads, kv_heads, head_dim = sum(query_lens), 16, 8, 128
+    _, _, _, cache, md = make_batch(query_lens, seq_lens, kv_heads, 2, head_dim, 16, torch.bfloat16)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE).bfloat16()
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    q = q.view(num_tokens, heads, head_dim)
+    k = k.view(num_tokens, kv_heads, head_dim)
+    v = v.view(num_tokens, kv_heads, head_dim)
+    ref = reference_attention(q, k, v, cache.clone(), md, head_dim**-0.5)
+    out = TritonAttentionBackend().forward(q, k, v, cache, md, head_dim**-0.5)
+    assert out.shape == (num_tokens, heads, head_dim) and not out.isnan().any()
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
+def test_backend_decode_replays_in_a_cuda_graph():
+    """Decode captured once replays correctly with new lengths and pages copied into the same
+    metadata buffers (the launch grid depends on shapes only)."""
+    backend, heads, kv_heads, head_dim, batch, width = TritonAttentionBackend(), 16, 8, 128, 8, 64
+    cache = torch.randn(2, batch * width, 16, kv_heads, head_dim, device=DEVICE).bfloat16()
+    qkv = [
+        torch.randn(batch, n, head_dim, device=DEVICE).bfloat16()
+        for n in (heads, kv_heads, kv_heads)
+    ]
+
+    def step_md(seq_lens: list[int]) -> AttentionMetadata:
+        pages = torch.randperm(batch * width).view(batch, width).tolist()
+        return build_metadata([1] * batch, seq_lens, pages, 16, DEVICE)
+
+    md = step_md([16 * width] * batch)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.forward(*qkv, cache, md, 0.1)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = backend.forward(*qkv, cache, md, 0.1)
+    torch.cuda.current_stream().wait_stream(stream)
+    for seq_lens in ([5, 1000, 17, 1, 1024, 300, 64, 65], [1] * batch):
+        new = step_md(seq_lens)
+        for name in ("seq_lens", "slot_mapping", "block_tables", "query_start_loc"):
+            getattr(md, name).copy_(getattr(new, name))
+        for buf in qkv:
+            buf.copy_(torch.randn_like(buf))
+        ref = reference_attention(*qkv, cache.clone(), new, 0.1)
+        graph.replay()
+        assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.skipif(INTERPRET, reason="synchronization checks need a GPU")
+def test_backend_never_synchronizes_with_the_host():
+    """Neither the decode nor the extend path reads the device from the host (no .item())."""
+    backend = TritonAttentionBackend()
+    mixed = make_batch([1, 300, 1], [500, 300, 9], 8, 2, 128, 16, torch.bfloat16)
+    decode = make_batch([1, 1, 1], [500, 3000, 9], 8, 2, 128, 16, torch.bfloat16)
+    for q, k, v, cache, md in (mixed, decode):
+        backend.forward(q, k, v, cache, md, 0.1)  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for q, k, v, cache, md in (mixed, decode):
+            backend.forward(q, k, v, cache, md, 0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
