@@ -1,9 +1,19 @@
 """octavo: a readable LLM inference engine with a paged KV cache."""
 
+from octavo.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from octavo.outputs import CompletionOutput, Logprob, RequestOutput
 from octavo.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]
 __version__ = "0.1.0"
 
 

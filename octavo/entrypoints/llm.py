@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from octavo.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from octavo.engine.builder import build_engine
 from octavo.model.tokenizer import apply_chat_template
 from octavo.outputs import RequestOutput
@@ -67,6 +68,23 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (HF transformers' selection rules, vLLM's API), all prompts batched
+        in the same steps; the beams of a prompt share KV blocks copy-on-write.
+
+        prompts: as in generate. Returns one BeamSearchOutput per prompt, in input order,
+        its sequences best first. Raises ValueError for bad prompts or params.
+        """
+        prompt_inputs = [_prompt_input(p) for p in _normalize_prompts(prompts)]
+        prefix = f"llm-{self._request_counter}"
+        self._request_counter += 1
+        return beam_search(self.engine, prompt_inputs, params, use_tqdm, id_prefix=prefix)
 
     def get_stats(self) -> dict[str, int | float]:
         """Engine counters: num_preemptions, prefix_cache_queries / prefix_cache_hits

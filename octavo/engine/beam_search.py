@@ -1,0 +1,422 @@
+"""Beam search on the engine's paged KV cache, with HF transformers' selection rules.
+
+Each live beam is a Request that samples nothing itself: it only reports the top-K log-probs
+of its next token. Once every live beam of a prompt has reported, the search picks the next
+beams, and the beams' requests follow by ref count, not by copying KV:
+
+    step t   beam a: [prompt | x y]   beam b: [prompt | x z]     (prompt blocks shared)
+    picks    a+p, a+q, b+r            -> fork a into a', append p to a, q to a', r to b
+    step t+1 beam a: [.. x y p]   a': [.. x y q]   b: [.. x z r]  (a' shares all of a's blocks)
+
+An unpicked beam is finished at once and its blocks are freed. A fork shares every block of
+its parent; the shared partial last block is copied when one of them first writes into it
+(copy-on-write, in the KV cache manager). A beam that has reported needs no KV until it is
+picked, so when the cache runs short (a preempted beam waits while its reported siblings
+hold their blocks) reported beams are parked: their requests are finished, and a picked
+parked beam comes back as a fork that recomputes its tokens.
+
+Selection (HF `GenerationMixin._beam_search`, transformers 5.x): the step's candidates are
+the top 2 x beam_width of (beam, token) pairs by accumulated log-prob (the first step has a
+single beam, the prompt). A candidate that ends (EOS, or the max_tokens-th token) and ranks
+in the top beam_width becomes a finished hypothesis scored
+`cum_logprob / num_generated_tokens ** length_penalty` (EOS counted); the best beam_width
+others continue. `early_stopping` decides when the search ends (see BeamSearchParams).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from tqdm.auto import tqdm
+
+from octavo.engine.request import Request, RequestStatus
+from octavo.outputs import Logprob
+from octavo.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from octavo.engine.engine import Engine
+
+MAX_BEAM_WIDTH = 128
+EarlyStopping = bool | Literal["never"]
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings: vLLM's fields, plus HF's `early_stopping`.
+
+    - `temperature` is accepted for vLLM compatibility and changes nothing: candidates are
+      ranked by raw log-probs, as with HF's `do_sample=False` and vLLM v1's raw logprobs.
+    - `length_penalty` is the exponent of the generated length in the score (HF's).
+    - `early_stopping` (HF's semantics; default False, HF's default): True ends a prompt's
+      search once it has beam_width finished hypotheses; False once the best running beam,
+      scored at its current length, cannot beat the worst of them; "never" likewise but
+      scored at max_tokens when length_penalty > 0 (the best it could ever reach).
+    - `include_stop_str_in_output` keeps the EOS token's text in `text`.
+
+    Raises ValueError naming the field for any invalid value.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: EarlyStopping = False
+
+    def __post_init__(self) -> None:
+        self.beam_width = _as_int("beam_width", self.beam_width, 1, MAX_BEAM_WIDTH)
+        self.max_tokens = _as_int("max_tokens", self.max_tokens, 1, None)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")  # noqa: TRY004
+        self.temperature = _as_float("temperature", self.temperature, "a number >= 0")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        self.length_penalty = _as_float("length_penalty", self.length_penalty, "a finite number")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            )
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished hypothesis (vLLM's shape). `tokens` is the prompt then the generated
+    tokens (a final EOS included); `logprobs` has one dict per generated token, the top-K
+    candidates of that step; `score` is HF's length-penalized score the outputs are
+    sorted by."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    score: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best hypotheses of one prompt, best first (at most beam_width of them)."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class _Beam:
+    """A live beam: its request, accumulated log-prob, and its latest report."""
+
+    request: Request  # finished while parked; its tokens stay valid
+    cum_logprob: float
+    logprobs: list[dict[int, Logprob]]
+    # The top-K (token, log-prob, rank) of the next token; None until the beam reports.
+    report: list[tuple[int, float, int]] | None = None
+    parked: bool = False  # its request was finished to free KV; it has reported
+
+
+@dataclass
+class _Candidate:
+    beam: _Beam
+    token_id: int
+    cum_logprob: float
+    finish_reason: str | None  # "stop" (EOS), "length", or None: it may continue
+
+
+@dataclass
+class BeamSearchInstance:
+    """One prompt's search: its live beams and its best finished hypotheses, HF's rules."""
+
+    params: BeamSearchParams
+    root: Request  # the prompt's first beam; forks are named after it
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    live: list[_Beam] = field(default_factory=list)  # best first
+    finished: list[BeamSearchSequence] = field(default_factory=list)  # best first
+    num_generated: int = 0
+    improvable: bool = True  # HF's is_early_stop_heuristic_unsatisfied
+    done: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether every live beam has reported its next-token candidates."""
+        return all(beam.report is not None for beam in self.live)
+
+    def __post_init__(self) -> None:
+        if not self.live:
+            self.live = [_Beam(self.root, 0.0, [])]
+
+    @property
+    def num_candidates(self) -> int:
+        return num_candidates(self.params, self.eos_token_ids)
+
+    def advance(self) -> list[_Candidate]:
+        """Runs one selection step over the reports. Returns the candidates that continue,
+        best first (empty once the search is done); updates `finished` and `done`."""
+        assert self.ready and not self.done, "advance before every live beam reported"
+        width, step = self.params.beam_width, self.num_generated + 1
+        candidates = self._top_candidates(step)
+        # HF decides both of these from the state before this step's hypotheses are added.
+        full = len(self.finished) == width
+        if self.improvable and not (full and self.params.early_stopping is True):
+            for cand in candidates[:width]:
+                if cand.finish_reason is not None:
+                    self._add_hypothesis(cand, step)
+        chosen = [c for c in candidates if c.finish_reason is None][:width]
+        self.num_generated = step
+        if len(self.finished) == width and chosen:
+            self.improvable = self._best_possible(chosen[0], step) > self.finished[-1].score
+        self.done = (
+            not chosen
+            or not self.improvable
+            or (self.params.early_stopping is True and len(self.finished) == width)
+        )
+        return [] if self.done else chosen
+
+    def _top_candidates(self, step: int) -> list[_Candidate]:
+        k = self.num_candidates
+        candidates = [
+            (beam.cum_logprob + logprob, beam, token)
+            for beam in self.live
+            for token, logprob, _ in beam.report[:k]  # type: ignore[index]
+        ]
+        # NOTE: a stable sort keeps ties in beam order, then rank order.
+        candidates.sort(key=lambda c: -c[0])
+        return [
+            _Candidate(beam, token, cum, self._finish_reason(token, step))
+            for cum, beam, token in candidates[:k]
+        ]
+
+    def _finish_reason(self, token: int, step: int) -> str | None:
+        if not self.params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        prompt_len = self.root.num_prompt_tokens
+        if step >= self.params.max_tokens or prompt_len + step >= self.max_model_len:
+            return "length"
+        return None
+
+    def _add_hypothesis(self, cand: _Candidate, step: int) -> None:
+        beam = cand.beam
+        hypothesis = BeamSearchSequence(
+            tokens=beam.request.all_token_ids + [cand.token_id],
+            logprobs=beam.logprobs + [_logprob_dict(beam.report)],  # type: ignore[arg-type]
+            cum_logprob=cand.cum_logprob,
+            score=cand.cum_logprob / step**self.params.length_penalty,
+            finish_reason=cand.finish_reason,
+        )
+        # NOTE: stable: on a tie, a hypothesis found earlier stays ahead (HF's merge order).
+        self.finished.append(hypothesis)
+        self.finished.sort(key=lambda h: -h.score)
+        del self.finished[self.params.beam_width :]
+
+    def _best_possible(self, best_running: _Candidate, step: int) -> float:
+        """HF's guess at the best score the running beams can still reach."""
+        penalty = self.params.length_penalty
+        length = step
+        if self.params.early_stopping == "never" and penalty > 0:
+            length = self.params.max_tokens
+        return best_running.cum_logprob / length**penalty
+
+    def output(self, tokenizer) -> BeamSearchOutput:
+        """The finished hypotheses, best first, with their text (None without a tokenizer)."""
+        for seq in self.finished:
+            seq.text = _decode(tokenizer, seq, self.root.num_prompt_tokens, self.params)
+        return BeamSearchOutput(list(self.finished))
+
+
+def num_candidates(params: BeamSearchParams, eos_token_ids: frozenset[int]) -> int:
+    """HF's beams_to_keep: candidates kept per step, enough that beam_width beams can go on
+    even if all the best ones end with one of the EOS ids."""
+    num_eos = 0 if params.ignore_eos else len(eos_token_ids)
+    return max(2, 1 + num_eos) * params.beam_width
+
+
+# ---- the driver -------------------------------------------------------------------------
+
+
+def beam_search(
+    engine: Engine,
+    prompts: Sequence[str | list[int]],
+    params: BeamSearchParams,
+    use_tqdm: bool = False,
+    id_prefix: str = "beam",
+) -> list[BeamSearchOutput]:
+    """Beam search for all prompts together: the beams of every prompt share each step.
+
+    Args:
+        engine: an engine with no other requests; its scheduler and runner are driven
+            directly.
+        prompts: text or token ids, one per search.
+        params: the search settings.
+        use_tqdm: show a progress bar over prompts.
+        id_prefix: beams are requests `{id_prefix}-{i}` and `{id_prefix}-{i}.{n}`.
+
+    Returns:
+        One BeamSearchOutput per prompt, in order.
+
+    Raises:
+        ValueError: bad params or a bad prompt (nothing is left queued then).
+        RuntimeError: the engine is busy, or its KV cache cannot hold a single beam.
+    """
+    if not isinstance(params, BeamSearchParams):
+        kind = type(params).__name__
+        raise ValueError(f"params must be BeamSearchParams, got {kind}")  # noqa: TRY004
+    if engine.has_unfinished_requests():
+        raise RuntimeError("beam search needs an engine with no other requests")
+    instances = _add_prompts(engine, prompts, params, id_prefix)
+    beams = {inst.root.request_id: inst.live[0] for inst in instances}
+    new_ids = itertools.count(1)
+    bar = tqdm(total=len(instances), desc="Beam search", disable=not use_tqdm)
+    try:
+        while not all(inst.done for inst in instances):
+            _park(engine, beams, RequestStatus.PREEMPTED)  # idle anyway: skip the recompute
+            if not _step(engine, beams) and not _park(engine, beams, RequestStatus.RUNNING):
+                raise RuntimeError("beam search stalled: the KV cache cannot hold one beam")
+            for inst in instances:
+                if not inst.done and inst.ready:
+                    _apply(engine, inst, inst.advance(), beams, new_ids)
+                    if inst.done:
+                        bar.update(1)
+    except BaseException:
+        _release(engine, instances, beams)
+        engine.kv.reset_prefix_cache()  # blocks cached by a failed step may hold garbage
+        raise
+    finally:
+        bar.close()
+    _release(engine, instances, beams)
+    return [inst.output(engine.tokenizer) for inst in instances]
+
+
+def _add_prompts(
+    engine: Engine, prompts: Sequence[str | list[int]], params: BeamSearchParams, id_prefix: str
+) -> list[BeamSearchInstance]:
+    eos = frozenset(engine.eos_token_ids)
+    sampling = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None, logprobs=0)
+    # NOTE: set after validation on purpose: a wide search needs more top log-probs than
+    # users may ask for (MAX_LOGPROBS); the sampler takes any number.
+    sampling.logprobs = num_candidates(params, eos)
+    max_model_len = engine.scheduler_config.max_model_len
+    instances: list[BeamSearchInstance] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            root = engine.add_request(prompt, sampling, f"{id_prefix}-{i}")
+            instances.append(BeamSearchInstance(params, root, eos, max_model_len))
+    except ValueError:
+        engine.abort_request([inst.root.request_id for inst in instances])
+        raise
+    return instances
+
+
+def _step(engine: Engine, beams: dict[str, _Beam]) -> bool:
+    """One forward pass over every beam that is behind; stores the reports of the beams
+    that reached their last token. False if nothing could be scheduled."""
+    so = engine.scheduler.schedule()
+    if so.is_empty:
+        return False
+    result = engine.runner.execute(so)
+    engine.scheduler.update(so, {})  # advances num_computed_tokens, appends nothing
+    engine.stats.num_steps += 1
+    engine.stats.num_tokens_computed += so.num_batched_tokens
+    for item in so.scheduled:
+        entries = result.logprobs.get(item.request_id)
+        if item.sample and entries:
+            # entries[0]: the (greedy) sampled token, then the top-K by raw log-prob.
+            beams[item.request_id].report = entries[0][1:]
+    return True
+
+
+def _park(engine: Engine, beams: dict[str, _Beam], status: RequestStatus) -> bool:
+    """Finishes the requests of the reported beams in `status`, freeing their KV; returns
+    whether any was parked. NOTE: a parked beam's tokens and report stay valid."""
+    parked = [b for b in beams.values() if b.report is not None and b.request.status == status]
+    _drop(engine, parked, beams)
+    for beam in parked:
+        beam.parked = True
+    return bool(parked)
+
+
+def _apply(
+    engine: Engine,
+    inst: BeamSearchInstance,
+    chosen: list[_Candidate],
+    beams: dict[str, _Beam],
+    new_ids: itertools.count,
+) -> None:
+    """Makes the chosen candidates the live beams. Unpicked beams are finished (their blocks
+    freed); a beam picked k times is forked k - 1 times, before its own new token is
+    appended, since a fork copies the parent's tokens. A parked beam is forked k times."""
+    picked = {id(c.beam) for c in chosen}
+    _drop(engine, [b for b in inst.live if id(b) not in picked], beams)
+    step_logprobs = {id(b): _logprob_dict(b.report) for b in inst.live if id(b) in picked}
+    live: list[_Beam] = []
+    extends: list[_Candidate] = []  # the first pick of each parent extends the parent
+    for cand in chosen:
+        parent = cand.beam
+        if not parent.parked and all(c.beam is not parent for c in extends):
+            extends.append(cand)
+            live.append(parent)
+            continue
+        child_id = f"{inst.root.request_id}.{next(new_ids)}"
+        request = engine.scheduler.fork_request(parent.request, child_id)
+        request.append_output_token(cand.token_id)
+        logprobs = parent.logprobs + [step_logprobs[id(parent)]]
+        live.append(beams.setdefault(child_id, _Beam(request, cand.cum_logprob, logprobs)))
+    for cand in extends:
+        beam = cand.beam
+        beam.request.append_output_token(cand.token_id)
+        beam.cum_logprob = cand.cum_logprob
+        beam.logprobs.append(step_logprobs[id(beam)])
+        beam.report = None
+    inst.live = live
+
+
+def _drop(engine: Engine, dropped: list[_Beam], beams: dict[str, _Beam]) -> None:
+    for beam in dropped:
+        engine.scheduler.finish_request(beam.request.request_id, RequestStatus.FINISHED_STOPPED)
+        beams.pop(beam.request.request_id, None)
+
+
+def _release(engine: Engine, instances: list[BeamSearchInstance], beams: dict[str, _Beam]) -> None:
+    """Frees every beam still live, and forgets the roots' output state."""
+    for inst in instances:
+        _drop(engine, inst.live, beams)
+        inst.live = []
+    # NOTE: the roots are finished by now; aborting them only drops the output processor's
+    # record of them (forks were never registered there).
+    engine.abort_request([inst.root.request_id for inst in instances])
+
+
+def _logprob_dict(report: list[tuple[int, float, int]] | None) -> dict[int, Logprob]:
+    return {token: Logprob(logprob, rank) for token, logprob, rank in report or []}
+
+
+def _decode(tokenizer, seq: BeamSearchSequence, prompt_len: int, params: BeamSearchParams):
+    if tokenizer is None:
+        return None
+    generated = seq.tokens[prompt_len:]
+    eos = generated[-1:] if seq.finish_reason == "stop" else []
+    text = tokenizer.decode(generated[: len(generated) - len(eos)], skip_special_tokens=True)
+    if eos and params.include_stop_str_in_output:
+        text += tokenizer.decode(eos)
+    return text
+
+
+def _as_int(name: str, value: object, lo: int, hi: int | None) -> int:
+    allowed = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not ok or value < lo or (hi is not None and value > hi):  # type: ignore[operator]
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return int(value)  # type: ignore[arg-type]
+
+
+def _as_float(name: str, value: object, allowed: str) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value):  # type: ignore[arg-type]
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
