@@ -136,11 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
+    from octavo.entrypoints.openai import cli_serve
+
+    cli_serve.add_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from octavo.entrypoints import bench_throughput
+    from octavo.entrypoints import bench_serve, bench_throughput
 
     bench_throughput.add_parser(bench_sub)
+    bench_serve.add_parser(bench_sub)
     return parser
 
 

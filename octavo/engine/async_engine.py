@@ -1,0 +1,277 @@
+"""The Engine behind an asyncio server: one thread steps it, requests stream through queues.
+
+    asyncio side (event loop)                  engine thread (owns the Engine)
+    generate() --("add", ...)--> commands -->  drain commands: add_request / abort_request
+              <-- per-request asyncio.Queue <-- step() -> outputs, routed by request id
+
+The Engine is not thread-safe, so only the engine thread ever calls it; everything else
+sends it commands, which it drains between steps. Outputs cross back to the event loop in
+one `call_soon_threadsafe` per step. A consumer that goes away (client disconnect, task
+cancelled) aborts its request, which frees its KV blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from octavo.engine.engine import Engine
+from octavo.engine.request import Request
+from octavo.outputs import RequestOutput
+from octavo.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (never started, stopped, or crashed)."""
+
+
+class EngineStepError(RuntimeError):
+    """A step of the engine failed; the requests in that step were aborted."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Engine], Any]
+    future: concurrent.futures.Future
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """Runs an Engine in a background thread and streams each request's outputs.
+
+    Use from one asyncio event loop: `start()` inside it, then `generate()` from any
+    number of tasks, and `await shutdown()` at the end.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, asyncio.Queue] = {}  # touched only on the event loop
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stats: dict[str, int | float] = engine.get_stats()
+        # The requests in the engine, by id; touched only on the engine thread.
+        self._live: dict[str, Request] = {}
+        self.error: BaseException | None = None  # why the loop died, if it did
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the engine thread; must be called from the event loop that will use it."""
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stops the engine thread after its current step; unfinished requests are aborted."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stats(self) -> dict[str, int | float]:
+        """`Engine.get_stats()` as of the last step (a snapshot: reading it is thread-safe)."""
+        return self._stats
+
+    # ---- requests ---------------------------------------------------------------------
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Adds a request and yields its outputs until it finishes.
+
+        Each output is cumulative (text and token ids so far); when the consumer falls
+        behind, outputs in between are skipped, never the last one. Leaving the loop early
+        (or being cancelled) aborts the request.
+
+        Raises:
+            ValueError: the engine rejected the prompt or parameters.
+            EngineStepError: a step failed while this request was in it.
+            EngineDeadError: the engine loop is not running.
+        """
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, prompt, params))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                while not stream.empty() and not isinstance(item, BaseException):
+                    item = stream.get_nowait()  # coalesce: outputs are cumulative
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # aborting an id the engine no longer has is a no-op
+                self._commands.put(_Abort([request_id]))
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Asks the engine thread to abort requests (unknown ids are ignored)."""
+        self._commands.put(_Abort(list(request_ids)))
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Runs `fn(engine)` on the engine thread between two steps and returns its result:
+        the one safe way to touch the Engine while the loop runs."""
+        return await asyncio.wrap_future(self._submit_call(fn))
+
+    def call_sync(self, fn: Callable[[Engine], Any], timeout: float | None = None) -> Any:
+        """`call` for a thread outside the event loop (a test, say); blocks until done."""
+        return self._submit_call(fn).result(timeout)
+
+    def _submit_call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, future))
+        return future
+
+    # ---- the engine thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain_commands(block):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._stats = self.engine.get_stats()
+        except BaseException as e:  # a bug in the loop itself: fail every waiter
+            logger.exception("the engine loop died")
+            self.error = e
+            self._post(self._fail_all, EngineDeadError(f"the engine loop died: {e!r}"))
+        else:
+            self._abort_all()
+            self._stats = self.engine.get_stats()
+            self._post(self._fail_all, EngineDeadError("the server is shutting down"))
+        self._cancel_pending_calls()
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Applies all queued commands (waiting for one if `block`); False on stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is _STOP:
+                return False
+            self._apply(command)
+
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Add):
+            try:
+                request = self.engine.add_request(
+                    command.prompt, command.params, command.request_id
+                )
+            except ValueError as e:
+                self._post(self._deliver_error, command.request_id, e)
+            else:
+                self._live[command.request_id] = request
+        elif isinstance(command, _Abort):
+            self.engine.abort_request(command.request_ids)
+            for request_id in command.request_ids:
+                self._live.pop(request_id, None)
+        elif command.future.set_running_or_notify_cancel():
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - handed to the caller, which raises it
+                command.future.set_exception(e)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001
+            # The engine aborts the requests of a step that failed; fail those, and keep
+            # serving the others. If it aborted none, abort all: the engine's state is unknown.
+            logger.error("engine step failed:\n%s", traceback.format_exc())
+            error = EngineStepError(f"the engine failed on this request: {e!r}")
+            dropped = [rid for rid, request in self._live.items() if request.is_finished]
+            for request_id in dropped:
+                del self._live[request_id]
+            self._post(self._fail, dropped or self._abort_all(), error)
+            return
+        for out in outputs:
+            if out.finished:
+                self._live.pop(out.request_id, None)
+        if outputs:
+            self._post(self._dispatch, outputs)
+
+    def _abort_all(self) -> list[str]:
+        ids, self._live = list(self._live), {}
+        if ids:
+            self.engine.abort_request(ids)
+        return ids
+
+    def _cancel_pending_calls(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Call):
+                command.future.cancel()
+
+    def _post(self, fn: Callable, *args: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is waiting
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # ---- event-loop callbacks ---------------------------------------------------------
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(error)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for request_id in request_ids:
+            self._deliver_error(request_id, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(error)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: protocol, serving, metrics, and the `serve` command."""

@@ -1,0 +1,166 @@
+"""`octavo serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one Engine.
+
+    POST /v1/completions, POST /v1/chat/completions   (JSON or SSE with `stream: true`)
+    GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus)
+
+Every error is answered in OpenAI's format, `{"error": {"message", "type", "param", "code"}}`,
+with its HTTP status (400 bad input, 401 bad key, 404 unknown model, 500/503 engine failure);
+no error reaches the engine loop or the other requests.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from octavo.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from octavo.engine.engine import Engine
+from octavo.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from octavo.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from octavo.entrypoints.openai.serving import (
+    ClientDisconnected,
+    OpenAIError,
+    ServingContext,
+    error_from_exception,
+)
+from octavo.entrypoints.openai.serving_chat import create_chat_completion
+from octavo.entrypoints.openai.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The server's ASGI app. The engine loop starts and stops with the app's lifespan; its
+    state is in `app.state.ctx` (a ServingContext)."""
+    async_engine = AsyncEngine(engine)
+    metrics = ServerMetrics(lambda: async_engine.stats)
+    ctx = ServingContext(async_engine, model_name, engine.scheduler_config.max_model_len, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.shutdown()
+
+    app = FastAPI(title="octavo", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    _add_error_handlers(app, metrics)
+    _add_routes(app, ctx)
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, metrics=metrics)
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: HTTPRequest) -> Response:
+        return await create_completion(ctx, req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: HTTPRequest) -> Response:
+        return await create_chat_completion(ctx, req, raw)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> ModelCard:
+        ctx.check_model(model_id)
+        return ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return _error_response(OpenAIError("the engine loop is not running", 503, "server_error"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body.model_dump(), status_code=error.status)
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: HTTPRequest, e: RequestValidationError) -> Response:
+        metrics.count_error()
+        return _error_response(_validation_error(e))
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: HTTPRequest, e: HTTPException) -> Response:
+        metrics.count_error()
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(OpenAIError(str(e.detail), e.status_code, kind))
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(request: HTTPRequest, e: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed"
+
+    async def on_error(request: HTTPRequest, e: Exception) -> Response:
+        error = error_from_exception(e)
+        if error.status >= 500:
+            logger.error("request failed: %r", e)
+        metrics.count_error()
+        return _error_response(error)
+
+    for kind in (OpenAIError, ValueError, EngineStepError, EngineDeadError):
+        app.add_exception_handler(kind, on_error)
+    # Anything else is a bug: answered with a 500 in the same format, then logged by uvicorn.
+    app.add_exception_handler(Exception, on_error)
+
+
+def _validation_error(e: RequestValidationError) -> OpenAIError:
+    """FastAPI's list of schema errors -> one 400 that names the first bad field."""
+    errors: list[dict[str, Any]] = list(e.errors())
+    if not errors:
+        return OpenAIError("invalid request body")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return OpenAIError(f"the body is not valid JSON: {first.get('msg')}")
+    where = ".".join(loc) or "body"
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return OpenAIError(f"{where}: {first.get('msg')}{more}", param=loc[0] if loc else None)
+
+
+class _APIKeyMiddleware:
+    """401 for /v1/* requests without `Authorization: Bearer <api key>`."""
+
+    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                self.metrics.count_error()
+                error = OpenAIError(
+                    "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                    401,
+                    code="invalid_api_key",
+                )
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,71 @@
+"""`octavo serve`: its command-line options, and starting uvicorn on the app.
+
+Kept apart from api_server so that building the `octavo` parser imports no web framework.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_parser(sub) -> None:
+    """Registers `octavo serve` on the CLI's subparsers."""
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    p.add_argument("--model", default=None, help="GGUF file, HF dir, or bundled config name")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as `model` (default: the model's name)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/*")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
+
+def default_model_name(model: str | None) -> str:
+    """The embedded model's name, else the --model argument as given (as vLLM does)."""
+    if model is None:
+        from octavo.model.embedded import EMBEDDED_MODEL_NAME
+
+        return EMBEDDED_MODEL_NAME
+    return model
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from octavo.engine.builder import build_engine
+    from octavo.entrypoints.openai.api_server import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = build_engine(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+    )
+    name = args.served_model_name or default_model_name(args.model)
+    app = build_app(engine, name, api_key=args.api_key)
+    print(f"octavo: serving {name} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

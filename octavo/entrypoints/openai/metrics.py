@@ -1,0 +1,155 @@
+"""Prometheus metrics of one server, in a registry of its own (several servers may share a
+process, as in the tests).
+
+Per request (observed by the serving code): outcome, time to first token, time per output
+token after the first, end-to-end latency, prompt and generated tokens. Engine state (read
+from the engine loop's stats snapshot at scrape time): running and waiting requests, KV
+blocks, prefix-cache hit rate, preemptions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from octavo.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The metrics of one server; `render()` is the body of GET /metrics."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, int | float]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "octavo_requests",
+            "Finished requests by outcome: the finish reason (stop, length, abort) or error",
+            ["outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "octavo_time_to_first_token_seconds",
+            "Time from arrival to the first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "octavo_time_per_output_token_seconds",
+            "Mean time per generated token after the first, per request",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "octavo_e2e_request_latency_seconds",
+            "Time from arrival to the last generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("octavo_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("octavo_generation_tokens", "Generated tokens", registry=r)
+        r.register(_EngineStatsCollector(engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def count_error(self) -> None:
+        self.requests.labels(outcome="error").inc()
+
+    def start_request(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Times one engine request from arrival to finish and records it once."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.perf_counter()
+        self.first_token: float | None = None
+        self.last: RequestOutput | None = None
+        self.recorded = False
+
+    def observe(self, out: RequestOutput) -> None:
+        if self.first_token is None and any(c.token_ids for c in out.outputs):
+            self.first_token = time.perf_counter()
+            self.metrics.ttft.observe(self.first_token - self.arrival)
+        self.last = out
+
+    def finish(self, outcome: str | None = None) -> None:
+        """Records the request; `outcome` defaults to the last output's finish reason."""
+        if self.recorded:
+            return
+        self.recorded = True
+        m = self.metrics
+        last = self.last
+        if outcome is None:
+            reasons = [c.finish_reason for c in last.outputs] if last is not None else []
+            outcome = reasons[0] if reasons and reasons[0] else "abort"
+        m.requests.labels(outcome=outcome).inc()
+        if last is None:
+            return
+        e2e = time.perf_counter() - self.arrival
+        m.e2e.observe(e2e)
+        m.prompt_tokens.inc(len(last.prompt_token_ids))
+        num_out = sum(len(c.token_ids) for c in last.outputs)
+        m.generation_tokens.inc(num_out)
+        longest = max((len(c.token_ids) for c in last.outputs), default=0)
+        if self.first_token is not None and longest > 1:
+            m.tpot.observe((e2e - (self.first_token - self.arrival)) / (longest - 1))
+
+
+class _EngineStatsCollector:
+    """Turns the engine's stats snapshot into gauges and counters at scrape time."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, int | float]]) -> None:
+        self.engine_stats = engine_stats
+
+    def describe(self):
+        return []  # unchecked collector: names are not reserved in the registry
+
+    def collect(self):
+        s = self.engine_stats()
+        total, free = s.get("kv_blocks_total", 0), s.get("kv_blocks_free", 0)
+        queries, hits = s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0)
+        gauges = {
+            "octavo_num_requests_running": ("Requests in the running batch", "running"),
+            "octavo_num_requests_waiting": ("Requests waiting to be scheduled", "waiting"),
+            "octavo_kv_blocks_total": ("KV cache blocks in the pool", "kv_total"),
+            "octavo_kv_blocks_used": ("KV cache blocks in use", "kv_used"),
+            "octavo_kv_cache_usage": ("Fraction of KV cache blocks in use", "kv_usage"),
+            "octavo_prefix_cache_hit_rate": (
+                "Prompt tokens found in the prefix cache / prompt tokens looked up",
+                "hit_rate",
+            ),
+        }
+        values = {
+            "running": s.get("num_requests_running", 0),
+            "waiting": s.get("num_requests_waiting", 0),
+            "kv_total": total,
+            "kv_used": total - free,
+            "kv_usage": (total - free) / total if total else 0.0,
+            "hit_rate": hits / queries if queries else 0.0,
+        }
+        for name, (doc, key) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=values[key])
+        counters = {
+            "octavo_num_preemptions": ("Requests preempted (by recompute)", "num_preemptions"),
+            "octavo_prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache",
+                "prefix_cache_queries",
+            ),
+            "octavo_prefix_cache_hits": (
+                "Prompt tokens found in the prefix cache",
+                "prefix_cache_hits",
+            ),
+            "octavo_engine_steps": ("Engine steps run", "num_steps"),
+        }
+        for name, (doc, key) in counters.items():
+            yield CounterMetricFamily(name, doc, value=s.get(key, 0))

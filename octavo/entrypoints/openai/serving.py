@@ -1,0 +1,263 @@
+"""What completions and chat completions share: request -> SamplingParams, the context-length
+check, running k prompts as k engine requests with merged outputs, SSE framing, and errors.
+
+Choice numbering follows OpenAI: prompt i with n choices gives choices i*n .. i*n+n-1, and a
+choice's number within its prompt is `CompletionOutput.index`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import StreamingResponse
+
+from octavo.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from octavo.entrypoints.openai.metrics import ServerMetrics
+from octavo.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
+from octavo.outputs import RequestOutput
+from octavo.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class OpenAIError(Exception):
+    """An error to send in OpenAI's format with an HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = ErrorResponse(
+            error=ErrorInfo(message=message, type=type, param=param, code=code)
+        )
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
+
+def error_from_exception(e: BaseException) -> OpenAIError:
+    """Maps what generation can raise to the error the client sees."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, ValueError):
+        return OpenAIError(str(e))
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(str(e), 503, "server_error")
+    if isinstance(e, EngineStepError):
+        return OpenAIError(str(e), 500, "server_error")
+    return OpenAIError(f"internal error: {e!r}", 500, "server_error")
+
+
+@dataclass
+class ServingContext:
+    """What the endpoints need: the engine loop, the model's name and limits, metrics."""
+
+    engine: AsyncEngine
+    model_name: str
+    max_model_len: int
+    metrics: ServerMetrics
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise OpenAIError(
+                f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_context(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+        """Returns the max_tokens to use (the room left in the context when None).
+
+        Raises OpenAIError (400) when the prompt plus max_tokens exceeds max_model_len."""
+        room = self.max_model_len - len(prompt_ids)
+        if max_tokens is None:
+            max_tokens = room
+        if room < 1 or max_tokens > room:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the "
+                f"prompt, {max_tokens} for the completion). Please reduce the length of the "
+                "prompt or of the completion.",
+                param="max_tokens",
+            )
+        return max_tokens
+
+    async def generate(
+        self, prompts: list[list[int]], params: list[SamplingParams], request_id: str
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Runs each prompt as one engine request; yields (prompt index, output) as they come.
+        Closing the iterator early aborts every unfinished request."""
+        streams = [
+            self._timed(ids, p, f"{request_id}-{i}")
+            for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
+        ]
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            return
+        async for item in _merge(streams):
+            yield item
+
+    async def _timed(
+        self, prompt: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        # NOTE: a request that fails is counted as an error by whoever turns the exception
+        # into a response, once per HTTP request; here only finished or aborted ones count.
+        timer = self.metrics.start_request()
+        failed = False
+        try:
+            async for out in self.engine.generate(prompt, params, request_id):
+                timer.observe(out)
+                yield out
+        except Exception:
+            failed = True
+            raise
+        finally:
+            if not failed:
+                finished = timer.last is not None and timer.last.finished
+                timer.finish(None if finished else "abort")
+
+
+async def _merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleaves several async iterators, tagging each item with its iterator's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """Builds SamplingParams from the request's fields; SamplingParams validates them, and its
+    ValueError becomes a 400 that names the field."""
+    fields: dict[str, Any] = {
+        "n": req.n,
+        "max_tokens": max_tokens,
+        "ignore_eos": req.ignore_eos,
+        "logprobs": logprobs,
+    }
+    for name in (
+        "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
+        "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    ):  # fmt: skip
+        value = getattr(req, name)
+        if value is not None:
+            fields[name] = value
+    try:
+        return SamplingParams(**fields)
+    except (ValueError, TypeError) as e:
+        raise OpenAIError(str(e), param=_field_named_in(str(e), fields)) from e
+
+
+def _field_named_in(message: str, fields: dict[str, Any]) -> str | None:
+    words = message.replace("=", " ").replace(":", " ").split()
+    return next((w for w in words if w in fields), None)
+
+
+def reject_unsupported(**settings: Any) -> None:
+    """400 for OpenAI fields we accept but do not implement, when set to a non-default."""
+    for name, value in settings.items():
+        if value:
+            raise OpenAIError(f"`{name}` is not supported by this server", param=name)
+
+
+def sse(payload: BaseModel | dict) -> str:
+    """One server-sent event; OpenAI streams end with `data: [DONE]`."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json(exclude_unset=False)}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def start_stream(
+    ctx: ServingContext, raw: HTTPRequest, chunks: AsyncIterator[BaseModel]
+) -> StreamingResponse:
+    """Answers with an SSE stream of `chunks`, ending with `data: [DONE]`.
+
+    The first chunk is awaited before the response starts, so that a request the engine
+    rejects still gets its HTTP error; a later failure is sent as an error event."""
+    try:
+        first: BaseModel | None = await unless_disconnected(raw, anext(chunks))
+    except StopAsyncIteration:
+        first = None
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                yield sse(first)
+                async for chunk in chunks:
+                    yield sse(chunk)
+        except Exception as e:  # noqa: BLE001 - the headers are out: report in the stream
+            ctx.metrics.count_error()
+            yield sse(error_from_exception(e).body)
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def unless_disconnected(raw: HTTPRequest, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelling it (which aborts its engine requests) if the client
+    disconnects first; then raises ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(raw: HTTPRequest) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,147 @@
+"""POST /v1/chat/completions: a conversation, rendered with the model's chat template, in;
+the assistant's reply out, whole or streamed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+
+from octavo.entrypoints.openai.choices import ChoiceDelta, ChoiceTracker, chat_logprobs
+from octavo.entrypoints.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    DeltaMessage,
+    random_id,
+)
+from octavo.entrypoints.openai.serving import (
+    OpenAIError,
+    ServingContext,
+    reject_unsupported,
+    sampling_params,
+    start_stream,
+    unless_disconnected,
+)
+from octavo.model.tokenizer import apply_chat_template
+from octavo.outputs import RequestOutput
+
+
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, raw: HTTPRequest
+) -> Response:
+    """Validates the request, renders the conversation, and answers with JSON or SSE."""
+    ctx.check_model(req.model)
+    fmt = (req.response_format or {}).get("type", "text")
+    reject_unsupported(tools=req.tools, response_format=fmt != "text")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise OpenAIError("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
+    try:
+        prompt = apply_chat_template(ctx.tokenizer, [_message_dict(m) for m in req.messages])
+    except ValueError as e:
+        raise OpenAIError(str(e), param="messages") from e
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
+    )
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, ctx.check_context(prompt, max_tokens), num_logprobs)
+    request_id = random_id("chatcmpl")
+    outputs = ctx.generate([prompt], [params], request_id)
+    formatter = _Formatter(ctx.model_name, request_id, num_logprobs)
+    if req.stream:
+        chunks = formatter.stream(outputs, ChoiceTracker(req.n), req.include_usage)
+        return await start_stream(ctx, raw, chunks)
+    final: list[RequestOutput] = []
+
+    async def collect() -> None:
+        async for _, out in outputs:
+            final[:] = [out]
+
+    await unless_disconnected(raw, collect())
+    tracker = ChoiceTracker(req.n)
+    deltas = sorted(tracker.update(0, final[0]), key=lambda d: d.index)
+    response = ChatCompletionResponse(
+        id=request_id,
+        model=ctx.model_name,
+        choices=[
+            ChatChoice(
+                index=d.index,
+                message=AssistantMessage(content=d.text),
+                logprobs=formatter.logprobs(d),
+                finish_reason=d.finish_reason,
+            )
+            for d in deltas
+        ],
+        usage=tracker.usage(),
+    )
+    return JSONResponse(response.model_dump())
+
+
+def _message_dict(message: ChatMessage) -> dict:
+    """OpenAI's message -> what the chat template reads: role and content as a str."""
+    content = message.content
+    if content is None:
+        if message.role != "assistant":  # only an assistant turn may come without content
+            raise OpenAIError(f"a {message.role!r} message needs `content`", param="messages")
+        content = ""
+    elif isinstance(content, list):
+        parts = []
+        for part in content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError(
+                    "only text content parts ({'type': 'text', 'text': ...}) are supported",
+                    param="messages",
+                )
+            parts.append(part["text"])
+        content = "".join(parts)
+    result = {"role": message.role, "content": content}
+    if message.name is not None:
+        result["name"] = message.name
+    return result
+
+
+class _Formatter:
+    """Builds chat choices and chunks from deltas."""
+
+    def __init__(self, model: str, request_id: str, num_logprobs: int | None) -> None:
+        self.model = model
+        self.request_id = request_id
+        self.num_logprobs = num_logprobs
+        self.started: set[int] = set()
+
+    def logprobs(self, delta: ChoiceDelta):
+        if delta.logprobs is None or self.num_logprobs is None:
+            return None
+        return chat_logprobs(delta.token_ids, delta.logprobs, self.num_logprobs)
+
+    def chunk_choice(self, delta: ChoiceDelta) -> ChatChunkChoice:
+        # The first chunk of each choice carries the role, as OpenAI's do.
+        role = None if delta.index in self.started else "assistant"
+        self.started.add(delta.index)
+        return ChatChunkChoice(
+            index=delta.index,
+            delta=DeltaMessage(role=role, content=delta.text),
+            logprobs=self.logprobs(delta),
+            finish_reason=delta.finish_reason,
+        )
+
+    async def stream(
+        self,
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        tracker: ChoiceTracker,
+        include_usage: bool,
+    ) -> AsyncIterator[ChatCompletionChunk]:
+        async for prompt_index, out in outputs:
+            for delta in tracker.update(prompt_index, out):
+                yield ChatCompletionChunk(
+                    id=self.request_id, model=self.model, choices=[self.chunk_choice(delta)]
+                )
+        if include_usage:
+            yield ChatCompletionChunk(
+                id=self.request_id, model=self.model, choices=[], usage=tracker.usage()
+            )

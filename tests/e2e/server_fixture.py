@@ -1,0 +1,51 @@
+"""A real `octavo serve` app under uvicorn, in a background thread of the test process, on a
+free loopback port (the socket is bound to port 0 before uvicorn starts)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Self
+
+import uvicorn
+
+from octavo.entrypoints.openai.serving import ServingContext
+
+
+class ServerThread:
+    """Runs an ASGI app with uvicorn until the `with` block ends."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ctx(self) -> ServingContext:
+        return self.app.state.ctx
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()

@@ -1,0 +1,473 @@
+"""The OpenAI-compatible server end to end: a real uvicorn server on the embedded model,
+driven by the official `openai` client (sync and async) and by raw HTTP.
+
+The server runs on the engine of the session's `llm`; reference outputs come from
+`llm.generate` run on the server's engine thread (`AsyncEngine.call_sync`), so the engine is
+never stepped by two threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_fixture import ServerThread
+
+from octavo import SamplingParams
+from octavo.entrypoints.openai.api_server import build_app
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROMPTS = [
+    f"{opening} {topic}"
+    for opening in (
+        "Here is a short note about",
+        "Tell me one fact about",
+        "A poem on",
+        "The history of",
+    )
+    for topic in (
+        "the sea",
+        "Paris",
+        "prime numbers",
+        "robots",
+        "coffee",
+        "winter",
+        "the moon",
+        "bicycles",
+    )
+]  # 32 distinct prompts
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with ServerThread(build_app(llm.engine, MODEL, api_key=API_KEY)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def reference(server, llm, prompts, params):
+    """LLM.generate on the server's engine, run on its engine thread between steps."""
+    return server.ctx.engine.call_sync(
+        lambda _engine: llm.generate(prompts, params, use_tqdm=False), timeout=120
+    )
+
+
+def metrics(server) -> dict[str, float]:
+    """Every sample of /metrics, keyed by name and labels."""
+    text = httpx.get(server.url + "/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def wait_for(predicate, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+# ---- the happy paths --------------------------------------------------------------------
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_completion_matches_llm_generate(server, client, llm):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    ref = reference(server, llm, PROMPTS[0], SamplingParams(temperature=0, max_tokens=12))[0]
+    choice = out.choices[0]
+    assert choice.text == ref.outputs[0].text
+    assert choice.finish_reason == ref.outputs[0].finish_reason
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_token_id_prompt_and_a_list_of_prompts(server, client, llm):
+    ids = llm.get_tokenizer().encode(PROMPTS[1], add_special_tokens=False)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    both = client.completions.create(
+        model=MODEL, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=8, temperature=0
+    )
+    ref = reference(server, llm, PROMPTS[1:3], SamplingParams(temperature=0, max_tokens=8))
+    assert by_ids.choices[0].text == ref[0].outputs[0].text
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == [r.outputs[0].text for r in ref]
+
+
+def test_chat_whole_and_streamed_match_llm_chat(server, client, llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=16, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    ref = server.ctx.engine.call_sync(lambda _: llm.chat(messages, params, use_tqdm=False))[0]
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == ref.outputs[0].text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == ref.outputs[0].finish_reason
+
+
+def test_32_concurrent_streams_match_llm_generate(server, llm):
+    params = SamplingParams(temperature=0, max_tokens=16)
+    ref = [r.outputs[0].text for r in reference(server, llm, PROMPTS, params)]
+
+    async def one(aclient, prompt):
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True
+        )
+        pieces, finish = [], None
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        return "".join(pieces), finish
+
+    async def run_all():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+        async with aclient:
+            return await asyncio.gather(*(one(aclient, p) for p in PROMPTS))
+
+    peak = []
+    results = asyncio.run(_while_sampling(run_all(), server, peak))
+    assert [text for text, _ in results] == ref
+    assert all(finish in ("stop", "length") for _, finish in results)
+    assert max(peak) > 1, "the requests never shared the running batch"
+
+
+async def _while_sampling(work, server, peak: list[int]):
+    """Runs `work`, recording how many requests run at once."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        peak.append(server.ctx.engine.stats["num_requests_running"])
+        await asyncio.sleep(0.02)
+    return await task
+
+
+def test_stream_usage_and_ignore_eos(client):
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Count to three:",
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "min_tokens": 2},
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_the_text(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"no usable stop string in {text!r}"
+    cut = client.completions.create(
+        model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(client):
+    def sample():
+        return (
+            client.completions.create(
+                model=MODEL,
+                prompt=PROMPTS[4],
+                max_tokens=12,
+                temperature=1.0,
+                top_p=0.9,
+                seed=1234,
+                extra_body={"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1},
+            )
+            .choices[0]
+            .text
+        )
+
+    assert sample() == sample()
+
+
+def test_completion_logprobs_shape(client):
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPTS[5], max_tokens=6, temperature=0, logprobs=2
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 2 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the most likely
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_chat_logprobs_shape(client):
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert bytes(entry.bytes).decode() == entry.token
+
+
+def test_n_gives_n_choices_or_a_400(server):
+    body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 4, "n": 2, "temperature": 1}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    if r.status_code == 400:  # until SamplingParams supports n > 1
+        assert r.json()["error"]["param"] == "n"
+    else:
+        assert r.status_code == 200
+        assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
+
+
+# ---- cancellation, failures, errors ---------------------------------------------------
+
+
+def test_disconnect_aborts_and_frees_kv_blocks(server):
+    free_before = server.ctx.engine.stats["kv_blocks_free"]
+    aborts_before = metrics(server).get("octavo_requests_total{outcome=abort}", 0)
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[7],
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    url = server.url + "/v1/completions"
+    with httpx.Client(timeout=60) as h, h.stream("POST", url, json=body, headers=AUTH) as r:
+        received = []
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                received.append(line)
+            if len(received) == 3:
+                break
+        assert server.ctx.engine.stats["kv_blocks_free"] < free_before
+    assert wait_for(lambda: server.ctx.engine.stats["kv_blocks_free"] == free_before)
+    assert server.ctx.engine.stats["num_requests_running"] == 0
+    assert metrics(server)["octavo_requests_total{outcome=abort}"] == aborts_before + 1
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(server, client):
+    runner = server.ctx.engine.engine.runner
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    server.ctx.engine.call_sync(lambda _: setattr(runner, "execute", explode))
+    try:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+        r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    finally:
+        server.ctx.engine.call_sync(lambda _: delattr(runner, "execute"))
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error"
+    assert "injected failure" in r.json()["error"]["message"]
+    stats = server.ctx.engine.stats
+    assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text
+
+
+def _long_prompt(n: int) -> list[int]:
+    return [1000 + i % 100 for i in range(n)]
+
+
+ERROR_CASES = {
+    "bad temperature": (400, "/v1/completions", {"prompt": "hi", "temperature": -1.0}),
+    "temperature as text": (400, "/v1/completions", {"prompt": "hi", "temperature": "hot"}),
+    "no prompt": (400, "/v1/completions", {"max_tokens": 3}),
+    "empty prompt": (400, "/v1/completions", {"prompt": ""}),
+    "token id out of vocab": (400, "/v1/completions", {"prompt": [10**9]}),
+    "out of vocab, streamed": (400, "/v1/completions", {"prompt": [10**9], "stream": True}),
+    "prompt + max_tokens too long": (400, "/v1/completions", {"prompt": "hi", "max_tokens": 10**7}),
+    "top_logprobs without logprobs": (
+        400,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+    ),
+    "message without content": (400, "/v1/chat/completions", {"messages": [{"role": "user"}]}),
+    "no messages": (400, "/v1/chat/completions", {"messages": []}),
+    "image content": (
+        400,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+    ),
+    "unknown model": (404, "/v1/completions", {"prompt": "hi", "model": "gpt-17"}),
+    "unknown chat model": (
+        404,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-17"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, case):
+    status, path, body = ERROR_CASES[case]
+    body = {"model": MODEL, **body}
+    r = httpx.post(server.url + path, json=body, headers=AUTH, timeout=60)
+    _assert_error(r, status)
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
+
+
+def test_prompt_longer_than_the_context_is_a_400(server, client):
+    n = server.ctx.max_model_len + 1
+    body = {"model": MODEL, "prompt": _long_prompt(n), "max_tokens": 1}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    _assert_error(r, 400)
+    assert "maximum context length" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "raw, headers",
+    [
+        (b'{"prompt": "hi", ', {"Content-Type": "application/json"}),  # malformed JSON
+        (b"[1, 2, 3]", {"Content-Type": "application/json"}),  # not an object
+        (b"prompt=hi", {"Content-Type": "application/x-www-form-urlencoded"}),
+    ],
+)
+def test_malformed_bodies_are_400(server, client, raw, headers):
+    r = httpx.post(server.url + "/v1/completions", content=raw, headers=AUTH | headers)
+    _assert_error(r, 400)
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
+
+
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}]
+)
+def test_missing_or_wrong_api_key_is_401(server, client, headers):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=headers)
+    _assert_error(r, 401)
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/health").status_code == 200  # open without a key
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
+
+
+def test_openai_client_raises_its_typed_errors(server, client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt="hi")
+    stranger = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.completions.create(model=MODEL, prompt="hi")
+
+
+def _assert_error(r: httpx.Response, status: int) -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+
+
+# ---- metrics and the benchmark ------------------------------------------------------
+
+
+def test_metrics_parse_and_move_with_traffic(server, client):
+    before = metrics(server)
+    client.completions.create(
+        model=MODEL, prompt=PROMPTS[8], max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    httpx.post(
+        server.url + "/v1/completions", json={"prompt": "hi", "temperature": -1}, headers=AUTH
+    )
+    after = metrics(server)
+
+    def moved(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert moved("octavo_requests_total{outcome=length}") == 1
+    assert moved("octavo_requests_total{outcome=error}") == 1
+    assert moved("octavo_time_to_first_token_seconds_count") == 1
+    assert moved("octavo_time_per_output_token_seconds_count") == 1
+    assert moved("octavo_e2e_request_latency_seconds_count") == 1
+    assert moved("octavo_generation_tokens_total") == 5
+    assert moved("octavo_engine_steps_total") >= 5
+    assert after["octavo_kv_blocks_total"] == server.ctx.engine.stats["kv_blocks_total"] > 0
+    assert after["octavo_kv_blocks_used"] == 0
+    assert after["octavo_num_requests_running"] == after["octavo_num_requests_waiting"] == 0
+    assert 0 <= after["octavo_prefix_cache_hit_rate"] <= 1
+    assert "octavo_num_preemptions_total" in after
+
+
+def test_bench_serve_reports_its_metrics(server, tmp_path, capsys):
+    from octavo.entrypoints import cli
+
+    out_json = tmp_path / "bench.json"
+    argv = [
+        "bench",
+        "serve",
+        "--base-url",
+        server.url,
+        "--api-key",
+        API_KEY,
+        "--num-prompts",
+        "6",
+        "--request-rate",
+        "20",
+        "--max-tokens",
+        "8",
+        "--input-len",
+        "16",
+        "--json",
+        str(out_json),
+    ]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    for label in (
+        "Request throughput",
+        "Output token throughput",
+        "Mean TTFT",
+        "P99 TPOT",
+        "Median ITL",
+    ):
+        assert label in printed
+    summary = json.loads(out_json.read_text())
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 6 * 8  # ignore_eos: every request runs to max
+    assert summary["mean_ttft_ms"] > 0 and summary["mean_tpot_ms"] > 0
+    assert summary["model"] == MODEL
+
+
+def test_serve_command_defaults_to_loopback():
+    from octavo.entrypoints import cli
+
+    args = cli.build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.api_key, args.model) == ("127.0.0.1", 8000, None, None)
