@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One round of GPU checks and timings through the device tool (the machine keeps nothing):
-#   stages: tests | kernels | tp06 | tp8b | latency   (default: all, in that order)
+#   stages: tests | e2e (tests/gpu/test_e2e_gpu.py alone) | kernels | tp06 | tp8b | latency   (default: all, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -16,6 +16,7 @@ for stage in $stages; do
   start=$(date +%s)
   case $stage in
     tests) timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    e2e) timeout 300 python3 -m pytest tests/gpu/test_e2e_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_e2e.log" | tail -15 ;;
     kernels) timeout 300 python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -20 ;;
     tp06) timeout 560 "${OCTAVO[@]}" bench throughput --model qwen3-0.6b --max-model-len 4096 \
             --load-format dummy --workload nanovllm --peer hf --peer-timeout 150 --progress \
