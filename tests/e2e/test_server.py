@@ -246,14 +246,13 @@ def test_chat_logprobs_shape(client):
         assert bytes(entry.bytes).decode() == entry.token
 
 
-def test_n_gives_n_choices_or_a_400(server):
-    body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 4, "n": 2, "temperature": 1}
+def test_n_gives_n_choices(server):
+    body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 4, "n": 2, "temperature": 1,
+            "ignore_eos": True}
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
-    if r.status_code == 400:  # until SamplingParams supports n > 1
-        assert r.json()["error"]["param"] == "n"
-    else:
-        assert r.status_code == 200
-        assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
+    assert r.status_code == 200, r.text
+    assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
+    assert r.json()["usage"]["completion_tokens"] == 8
 
 
 # ---- cancellation, failures, errors ---------------------------------------------------
