@@ -2,7 +2,7 @@
 # Issue "server" measurement on the CPU: `octavo bench serve` at two Poisson request rates
 # against `octavo serve` (the embedded model), then against `transformers serve` on the same
 # GGUF file (HF's OpenAI-compatible server), where it runs. JSON lands in docs/results/serve/.
-#   bash benchmarks/cpu_serve.sh [rate1 rate2]
+#   [SERVERS="octavo hf"] bash benchmarks/cpu_serve.sh [rate1 rate2]
 set -u
 cd "$(dirname "$0")/.."
 rates=${*:-0.5 2}
@@ -16,6 +16,9 @@ wait_up() {  # url, seconds
   echo "server at $1 did not come up" >&2; return 1
 }
 
+servers=${SERVERS:-octavo hf}
+
+if [[ $servers == *octavo* ]]; then
 octavo serve --port 8011 > /tmp/octavo_serve.log 2>&1 &
 pid=$!
 if wait_up http://127.0.0.1:8011/health 180; then
@@ -25,17 +28,39 @@ if wait_up http://127.0.0.1:8011/health 180; then
   done
 fi
 kill $pid; wait $pid 2>/dev/null
+fi
 
-# transformers serve: the GGUF as `<dir>:<file>`; it knows no ignore_eos, so it gets a
-# generation_config that turns EOS off instead.
-transformers serve "$(dirname "$gguf"):$(basename "$gguf")" --port 8012 --device cpu \
+if [[ $servers == *hf* ]]; then
+# transformers serve cannot take this GGUF itself (its GGUF config has no `architectures`), so
+# the same weights go through transformers' own GGUF loader into an HF directory first. It
+# knows no ignore_eos: a generation_config that turns EOS off does that instead.
+hf_dir=/tmp/smollm2-hf
+python - "$gguf" "$hf_dir" <<'PY'
+import os, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+gguf, out = sys.argv[1:]
+kw = dict(gguf_file=os.path.basename(gguf))
+model = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), dtype=torch.float32, **kw)
+config = model.config
+if hasattr(config, "quantization_config"):
+    del config.quantization_config  # the weights are dequantized float32 already
+plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+plain.load_state_dict(model.state_dict())
+plain.generation_config = model.generation_config
+plain.save_pretrained(out)
+AutoTokenizer.from_pretrained(os.path.dirname(gguf), **kw).save_pretrained(out)
+PY
+transformers serve "$hf_dir" --port 8012 --device cpu --dtype float32 \
   --continuous-batching > /tmp/hf_serve.log 2>&1 &
 pid=$!
 if wait_up http://localhost:8012/health 300; then
   for rate in $rates; do
     octavo bench serve --base-url http://localhost:8012 --request-rate "$rate" "${common[@]}" \
+      --model "$hf_dir" \
       --no-ignore-eos --extra-body '{"generation_config": "{\"eos_token_id\": -1}"}' \
       --json "$out/hf_rate_$rate.json"
   done
 fi
 kill $pid; wait $pid 2>/dev/null
+fi

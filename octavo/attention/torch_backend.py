@@ -7,6 +7,8 @@ import torch.nn.functional as F
 
 from octavo.attention.backend import AttentionBackend, AttentionMetadata
 
+DECODE_GROUPS = 4  # length groups of a decode step (see TorchAttentionBackend._decode)
+
 
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -64,22 +66,52 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        """One token per sequence. The sequences are sorted by length and attended in up to
+        DECODE_GROUPS groups, each padded only to its own longest context: padding a batch
+        of mixed lengths to its longest wastes about half of the K/V gathering."""
         num_seqs = md.num_seqs
-        block_size = kv_cache.shape[2]
-        num_blocks = (md.max_seq_len + block_size - 1) // block_size
-        table = md.block_tables[:num_seqs, :num_blocks].long()
-        kv = kv_cache[:, table].flatten(2, 3)  # [2, B, L, KVH, D]
-        length = kv.shape[2]
-        valid = torch.arange(length, device=q.device)[None, :] < md.seq_lens[:num_seqs, None]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, H, 1, D]
-            kv[0].transpose(1, 2),  # [B, KVH, L, D]
-            kv[1].transpose(1, 2),
-            attn_mask=valid[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.squeeze(2)  # [B, H, D]
+        lens = md.seq_lens_cpu
+        groups = min(DECODE_GROUPS, num_seqs)
+        if groups == 1:
+            tables, seq_lens = md.block_tables[:num_seqs], md.seq_lens[:num_seqs]
+            return _decode_group(q, kv_cache, tables, seq_lens, max(lens), scale)
+        order_cpu = sorted(range(num_seqs), key=lens.__getitem__)
+        order = torch.tensor(order_cpu, device=q.device)
+        bounds = [num_seqs * g // groups for g in range(groups + 1)]
+        out = torch.empty_like(q)
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            rows = order[lo:hi]
+            longest = lens[order_cpu[hi - 1]]
+            out[rows] = _decode_group(
+                q[rows], kv_cache, md.block_tables[rows], md.seq_lens[rows], longest, scale
+            )
+        return out
+
+
+def _decode_group(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention of B sequences padded to max_seq_len. q: [B, H, D] -> [B, H, D]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = (max_seq_len + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks].long()
+    kv = kv_cache[:, table].flatten(2, 3)  # [2, B, L, KVH, D]
+    length = kv.shape[2]
+    valid = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, H, 1, D]
+        kv[0].transpose(1, 2),  # [B, KVH, L, D]
+        kv[1].transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)  # [B, H, D]
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
