@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -33,6 +34,22 @@ def llm_factory():
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """HF transformers' SmolLM2 from the same GGUF file, float32: the reference model."""
+    pytest.importorskip("accelerate")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from octavo.model.embedded import embedded_model_path
+
+    path = embedded_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
+    return model.eval()
 
 
 @pytest.fixture(scope="session")

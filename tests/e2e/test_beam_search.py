@@ -5,7 +5,6 @@ results unchanged by preemption, and validated parameters."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -27,20 +26,6 @@ CONFIGS = [
     (4, 2.0, "never", 12),
     (2, -0.5, "never", 10),
 ]
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    from octavo.model.embedded import embedded_model_path
-
-    path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

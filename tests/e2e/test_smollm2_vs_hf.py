@@ -3,7 +3,6 @@ token, with HF loading (and dequantizing) the same GGUF file itself."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -11,20 +10,6 @@ import torch
 from octavo import SamplingParams
 
 NUM_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    pytest.importorskip("accelerate")
-    from transformers import AutoModelForCausalLM
-
-    from octavo.model.embedded import embedded_model_path
-
-    path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-    return model.eval()
 
 
 def test_greedy_tokens_match_hf_on_chat_prompts(llm, hf_model, chat_prompt_ids):
