@@ -112,6 +112,7 @@ def build_engine(
     load_format: str = "auto",
     seed: int = 0,
     attention_backend: str | None = None,
+    async_scheduling: bool | None = None,
 ) -> Engine:
     """Builds an Engine from LLM()'s options (see DESIGN.md for their meaning)."""
     if load_format not in _LOAD_FORMATS:
@@ -140,7 +141,9 @@ def build_engine(
     )
     config_eos = getattr(hf_config, "eos_token_id", None)
     eos = eos_token_ids(tok, config_eos) if tok is not None else _as_list(config_eos)
-    return Engine(runner, tok, cache, sched, num_blocks, eos)
+    if async_scheduling is None:  # overlap pays where the device runs beside the host
+        async_scheduling = dev.type == "cuda"
+    return Engine(runner, tok, cache, sched, num_blocks, eos, async_scheduling)
 
 
 def _max_model_len(hf_config, requested: int | None, kv_capacity: int) -> int:

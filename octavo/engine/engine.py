@@ -2,6 +2,15 @@
 
     add_request -> Scheduler.schedule -> ModelRunner.execute -> Scheduler.update
                 -> detokenize, stop strings -> RequestOutput
+
+With async scheduling (the default on CUDA) a step overlaps the host with the device:
+
+    host:    schedule N+1 | launch N+1 | wait for N, update N, outputs of N | schedule N+2 ...
+    device:  ... step N ...............| step N+1 ..........................| step N+2 ...
+
+Step N+1 is scheduled before step N's tokens reach the host; its decode inputs are those
+tokens, read on the device. A request that step N finishes still runs in step N+1 unless
+its length limit was known in advance; that extra token is dropped.
 """
 
 from __future__ import annotations
@@ -13,9 +22,9 @@ from octavo.config import CacheConfig, SchedulerConfig
 from octavo.engine.kv_cache_manager import KVCacheManager
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.request import Request, RequestStatus
-from octavo.engine.scheduler import Scheduler
+from octavo.engine.scheduler import Scheduler, SchedulerOutput
 from octavo.outputs import RequestOutput
-from octavo.runner.model_runner import ModelRunner
+from octavo.runner.model_runner import ModelRunner, PendingOutput
 from octavo.sampling_params import SamplingParams
 
 
@@ -41,6 +50,7 @@ class Engine:
         scheduler_config: SchedulerConfig,
         num_kv_blocks: int,
         eos_token_ids: list[int],
+        async_scheduling: bool = False,
     ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
@@ -50,7 +60,10 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         runner.eos_token_ids = eos_token_ids
         runner.allocate_kv_cache(
-            num_kv_blocks, scheduler_config.max_num_seqs, scheduler_config.max_model_len
+            num_kv_blocks,
+            scheduler_config.max_num_seqs,
+            scheduler_config.max_model_len,
+            scheduler_config.max_num_batched_tokens,
         )
         self.kv = KVCacheManager(
             num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
@@ -58,6 +71,8 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config, self.kv, eos_token_ids)
         self.stats = EngineStats()
         self.outputs = OutputProcessor(tokenizer)
+        self.async_scheduling = async_scheduling
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self._ids = itertools.count()
 
     # ---- requests ---------------------------------------------------------------------
@@ -99,6 +114,8 @@ class Engine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
+        """True while a request is unfinished (a step in flight for finished requests only
+        is finished by the next step() or dropped)."""
         return self.scheduler.has_unfinished_requests()
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -106,9 +123,8 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, (list, tuple)) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
+        # NOTE: set(map(type, ...)) walks the list in C: prompts are 100k+ tokens at times.
+        if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:
             return None, list(prompt)
         raise ValueError("a prompt must be a str or a list of int token ids")
 
@@ -120,26 +136,64 @@ class Engine:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_len}"
             )
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
             raise ValueError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
 
     # ---- the step ---------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step; returns an output for each request that got a
-        token (finished ones marked finished)."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Runs one step and returns an output for each request that got a token (finished
+        ones marked finished); with `final_only`, only for the finished ones.
+
+        With async scheduling the outputs are those of the previous step, while this one
+        runs on the device; a step with nothing new to schedule just finishes the one in
+        flight.
+        """
+        if not self.async_scheduling:
+            so = self.scheduler.schedule()
+            if so.is_empty:
+                return []
+            return self._finish(so, self._launch(so), final_only)
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self.scheduler.needs_pending_tokens():
+            outputs = self._finish(*self._in_flight, final_only)
+            self._in_flight = None
         so = self.scheduler.schedule()
-        if so.is_empty:
-            return []
+        launched = None if so.is_empty else (so, self._launch(so))
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            try:
+                outputs += self._finish(*in_flight, final_only)
+            except Exception:
+                if launched is not None:  # it may read the failed step's tokens: drop it
+                    self._fail(launched[0])
+                raise
+        self._in_flight = launched
+        return outputs
+
+    def _launch(self, so: SchedulerOutput) -> PendingOutput:
         try:
-            result = self.runner.execute(so)
+            return self.runner.execute_async(so)
         except Exception:
-            # NOTE: blocks registered in the prefix cache this step may hold garbage now.
-            self.abort_request(list({s.request.group_id: None for s in so.scheduled}))
-            self.kv.reset_prefix_cache()
+            self._fail(so)
+            raise
+
+    def _fail(self, so: SchedulerOutput) -> None:
+        # NOTE: blocks registered in the prefix cache this step may hold garbage now.
+        self.abort_request(list({s.request.group_id: None for s in so.scheduled}))
+        self.kv.reset_prefix_cache()
+
+    def _finish(
+        self, so: SchedulerOutput, pending: PendingOutput, final_only: bool
+    ) -> list[RequestOutput]:
+        """Waits for a launched step's tokens, appends them and checks stops."""
+        try:
+            result = pending.result()
+        except Exception:
+            self._fail(so)
             raise
         self.stats.num_steps += 1
         self.stats.num_tokens_computed += so.num_batched_tokens
@@ -156,8 +210,10 @@ class Engine:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             if request.is_finished:
                 self._count_outcome(request)
-            groups[request.group_id] = None
-        return [self.outputs.make_output(g) for g in groups]
+            if not final_only or request.is_finished:
+                groups[request.group_id] = None
+        outputs = [self.outputs.make_output(g) for g in groups]
+        return [o for o in outputs if o.finished] if final_only else outputs
 
     def _count_outcome(self, request: Request) -> None:
         reason = request.status.finish_reason or "unknown"

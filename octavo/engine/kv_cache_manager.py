@@ -51,6 +51,10 @@ class KVCacheManager:
         # (source, destination) block ids the runner must copy before this step's writes.
         self.pending_copies: list[tuple[int, int]] = []
         self._block_tables: dict[str, list[KVBlock]] = {}
+        # The same tables as block ids, for the runner. NOTE: a list here only grows in
+        # place; when an entry changes (copy-on-write, a new table after preemption, a fork)
+        # it is replaced by a new list, so a reader may cache what it saw by identity.
+        self._block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each table have been offered to the hash map already.
         self._num_cached_blocks: dict[str, int] = {}
 
@@ -102,6 +106,8 @@ class KVCacheManager:
             True on success; False, changing nothing, if too few blocks are free.
         """
         assert num_new_tokens >= 0, f"num_new_tokens={num_new_tokens}"
+        if not new_computed_blocks and self._fits_in_place(request, num_new_tokens):
+            return True
         hits = new_computed_blocks or []
         table = self._block_tables.get(request.request_id, [])
         assert not (hits and table), f"{request} got prefix hits after admission"
@@ -117,13 +123,17 @@ class KVCacheManager:
         num_cow = 0 if cow_index is None else 1
         if num_new_blocks + num_cow > self.pool.num_free_blocks - num_free_hits:
             return False
-        if request.request_id not in self._block_tables:
+        request_id = request.request_id
+        if request_id not in self._block_tables:
             self.pool.touch(hits)
-            table = self._block_tables[request.request_id] = list(hits)
-            self._num_cached_blocks[request.request_id] = len(hits)
+            table = self._block_tables[request_id] = list(hits)
+            self._block_ids[request_id] = [block.block_id for block in hits]
+            self._num_cached_blocks[request_id] = len(hits)
         if cow_index is not None:
-            self._copy_on_write(table, cow_index)
-        table.extend(self.pool.allocate(num_new_blocks))
+            self._copy_on_write(request_id, table, cow_index)
+        new_blocks = self.pool.allocate(num_new_blocks)
+        table.extend(new_blocks)
+        self._block_ids[request_id].extend(block.block_id for block in new_blocks)
         used = self.pool.num_total_blocks - self.pool.num_free_blocks
         self.sharing.peak_blocks_used = max(self.sharing.peak_blocks_used, used)
         if self.enable_prefix_caching:
@@ -133,6 +143,23 @@ class KVCacheManager:
             num_full = min(num_total_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, table, num_full)
         return True
+
+    def _fits_in_place(self, request: Request, num_new_tokens: int) -> bool:
+        """The common decode case, decided cheaply: the request's table already has room
+        for the new tokens, the block written first is its own, and no block fills up
+        (so there is nothing to hash). Then allocate_slots has nothing to do."""
+        table = self._block_tables.get(request.request_id)
+        if table is None:
+            return False
+        computed = request.num_computed_tokens
+        total = computed + num_new_tokens
+        size = self.block_size
+        if total > len(table) * size or (num_new_tokens and table[computed // size].ref_cnt > 1):
+            return False
+        if not self.enable_prefix_caching:
+            return True
+        num_full = min(total, request.num_tokens) // size
+        return num_full <= self._num_cached_blocks[request.request_id]
 
     def _shared_write_block(
         self, request: Request, table: list[KVBlock], num_new_tokens: int
@@ -145,7 +172,7 @@ class KVCacheManager:
             return index
         return None
 
-    def _copy_on_write(self, table: list[KVBlock], index: int) -> None:
+    def _copy_on_write(self, request_id: str, table: list[KVBlock], index: int) -> None:
         """Gives this table a private copy of a shared partial block.
 
         NOTE: only a partial block can be shared and written: full blocks hold only computed
@@ -156,6 +183,9 @@ class KVCacheManager:
         (private,) = self.pool.allocate(1)
         self.pool.free([shared])
         table[index] = private
+        block_ids = list(self._block_ids[request_id])  # a new list: an entry changes
+        block_ids[index] = private.block_id
+        self._block_ids[request_id] = block_ids
         self.pending_copies.append((shared.block_id, private.block_id))
         self.sharing.num_cow_copies += 1
 
@@ -171,6 +201,7 @@ class KVCacheManager:
         another prompt, is evicted before the prefix it extends.
         """
         table = self._block_tables.pop(request.request_id, None)
+        self._block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if table is not None:
             self.pool.free(reversed(table))
@@ -187,6 +218,7 @@ class KVCacheManager:
         num_cached = self._num_cached_blocks[parent.request_id]
         self.pool.incref(table)
         self._block_tables[child.request_id] = list(table)
+        self._block_ids[child.request_id] = list(self._block_ids[parent.request_id])
         self._num_cached_blocks[child.request_id] = num_cached
         child.block_hashes = parent.block_hashes[:num_cached]
 
@@ -216,8 +248,12 @@ class KVCacheManager:
     # ---- views --------------------------------------------------------------------------
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table as physical block ids."""
-        return [block.block_id for block in self._block_tables[request_id]]
+        """The request's block table as physical block ids.
+
+        NOTE: the manager's own list, not a copy: read it, never change it. It grows in
+        place as blocks are added and is replaced by a new list when an entry changes.
+        """
+        return self._block_ids[request_id]
 
     def reset_prefix_cache(self) -> bool:
         """Forgets all cached blocks not in use; True if the prefix cache is now empty."""

@@ -38,7 +38,9 @@ class Request:
     NOTE: `all_token_ids` is the prompt followed by the generated tokens, kept as one list
     that only grows (append_output_token), so the KV cache manager can hash full blocks
     without copying. `num_computed_tokens` counts the tokens whose KV is in the cache;
-    the scheduler's one rule is to let it catch up with `num_tokens`.
+    the scheduler's one rule is to let it catch up with `num_tokens` (plus
+    `num_pending_tokens`, sampled by a step still in flight). It counts tokens as computed
+    from the moment they are scheduled, as vLLM v1 does.
     """
 
     def __init__(
@@ -57,6 +59,10 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Tokens that scheduled steps sample for this request, not yet appended: one per
+        # step that reaches its last token, from scheduling until Scheduler.update (with
+        # async scheduling, the step in flight's and the next one's).
+        self.num_pending_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING

@@ -6,6 +6,10 @@ two budgets, `max_num_batched_tokens` tokens and `max_num_seqs` running requests
 requests go first (oldest first); waiting requests are admitted only if nobody had to be
 preempted this step. When the KV cache runs out of blocks, the newest running request is
 preempted by recompute: it frees its blocks and goes back to the front of the waiting queue.
+
+Tokens count as computed once scheduled. With async scheduling the engine schedules step
+N+1 while step N runs: a request that samples in step N has a pending token
+(`num_pending_tokens`), which step N+1 already takes as input, on the device.
 """
 
 from __future__ import annotations
@@ -22,20 +26,27 @@ from octavo.sampling_params import SamplingParams
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: compute `token_ids`, which sit at positions
-    `num_computed_tokens ..` of its sequence, into the blocks `block_ids`."""
+    """One request's share of a step: compute `num_new_tokens` tokens, which sit at positions
+    `num_computed_tokens ..` of its sequence, into the blocks `block_ids`.
+
+    NOTE: with async scheduling the last new token may be one that the previous step is
+    still sampling on the device (`input_is_pending`); `token_ids` then holds only the
+    tokens known on the host, and the runner takes the pending one from the device.
+    `block_ids` is the KV cache manager's live list: read it before the next schedule().
+    """
 
     request_id: str
     token_ids: list[int]
     num_computed_tokens: int
     block_ids: list[int]
-    # True when this step reaches the request's last known token, so it samples the next one.
+    # True when this step reaches the request's last token, so it samples the next one.
     sample: bool
     request: Request = field(repr=False)
+    input_is_pending: bool = False
 
     @property
     def num_new_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + int(self.input_is_pending)
 
     @property
     def seq_len(self) -> int:
@@ -130,9 +141,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new == 0:
-                i += 1  # caught up, waiting for its next token from outside (beam search)
+            total = request.num_tokens + request.num_pending_tokens
+            num_new = min(total - request.num_computed_tokens, budget)
+            if num_new == 0 or (request.num_pending_tokens and self._finishes_pending(request)):
+                # Caught up and waiting for a token from outside (beam search), or sure to
+                # finish with the token in flight: nothing to compute.
+                i += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()  # newest admitted goes first
@@ -151,6 +165,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted with a token in flight: admit it once the token is here
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -177,14 +193,39 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """Describes the request's share of the step and counts its tokens as computed."""
         start = request.num_computed_tokens
+        token_ids = request.all_token_ids[start : start + num_new]
+        sample = start + num_new == request.num_tokens + request.num_pending_tokens
+        request.num_computed_tokens += num_new
+        if sample:
+            request.num_pending_tokens += 1
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=token_ids,
             num_computed_tokens=start,
             block_ids=self.kv.get_block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=sample,
             request=request,
+            input_is_pending=len(token_ids) < num_new,
+        )
+
+    def _finishes_pending(self, request: Request) -> bool:
+        """True if the request's pending token surely finishes it (max_tokens or the context
+        limit): another step for it would compute a token nobody reads."""
+        num_tokens = request.num_tokens + request.num_pending_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and num_tokens - request.num_prompt_tokens >= max_tokens:
+            return True
+        return num_tokens >= self.config.max_model_len
+
+    def needs_pending_tokens(self) -> bool:
+        """True if some running request cannot be scheduled before its pending token is on
+        the host: the first token of an n > 1 request forks it, and penalties count output
+        tokens on the host. The engine then finishes the step in flight first."""
+        return any(
+            r.num_pending_tokens and (r.awaits_fork or r.sampling_params.has_penalties)
+            for r in self.running
         )
 
     # ---- after the step ---------------------------------------------------------------
@@ -192,15 +233,20 @@ class Scheduler:
     def update(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
     ) -> list[Request]:
-        """Advances computed tokens, appends sampled tokens (forking n > 1 requests at their
-        first token) and applies the token-level stop rules. Returns the requests that got a
-        new token, new forks and finished ones included."""
+        """Appends the step's sampled tokens (forking n > 1 requests at their first token)
+        and applies the token-level stop rules. Returns the requests that got a new token,
+        new forks and finished ones included.
+
+        NOTE: a request preempted after this step was scheduled still gets its token (it
+        was sampled from its whole context); one finished or aborted meanwhile does not.
+        """
         updated: list[Request] = []
         for item in output.scheduled:
             request = item.request
-            if request.status != RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_new_tokens
+            if item.sample:
+                request.num_pending_tokens -= 1
+            if request.is_finished:
+                continue
             tokens = sampled_token_ids.get(item.request_id)
             if not tokens:
                 continue

@@ -107,16 +107,17 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm)
-        start, num_out = time.perf_counter(), 0
+        start = time.perf_counter()
+        first_token = self.engine.stats.num_generated_tokens
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    num_out += 1
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix_str(f"out {num_out / elapsed:.1f} tok/s", refresh=False)
+                for out in self.engine.step(final_only=True):
+                    finished[out.request_id] = out
+                    bar.update(1)
+                if use_tqdm:
+                    num_out = self.engine.stats.num_generated_tokens - first_token
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"out {num_out / elapsed:.1f} tok/s", refresh=False)
         except BaseException:
             self.engine.abort_request(
                 [rid for rid in request_ids if rid not in finished]

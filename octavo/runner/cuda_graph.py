@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from octavo.attention.backend import AttentionMetadata
+from octavo.runner.inputs import InputBuilder
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -25,50 +26,35 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class CudaGraphRunner:
     """Captures `model(input_ids, positions, md)` for pure-decode batches.
 
+    The graphs read the model runner's persistent input buffers (`InputBuilder`), which each
+    step fills, padding rows included, before `replay`.
+
     Args:
         model: the model, with its KV caches bound.
+        inputs: the persistent input buffers.
         max_num_seqs: the largest batch to capture.
-        max_blocks_per_seq: the block-table width (max_model_len / block_size, rounded up).
-        block_size: tokens per block.
-        scratch_block: a KV block no request owns; padded rows write there.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        max_num_seqs: int,
-        max_blocks_per_seq: int,
-        block_size: int,
-        scratch_block: int,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, inputs: InputBuilder, max_num_seqs: int) -> None:
         self.model = model
-        self.block_size = block_size
-        self.scratch_slot = scratch_block * block_size
-        self.scratch_block = scratch_block
-        self.max_blocks = max_blocks_per_seq
-        n = max_num_seqs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.full(
-            (n, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=device
-        )
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.inputs = inputs
         self.sizes = capture_sizes(max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
     def _metadata(self, batch: int) -> AttentionMetadata:
-        max_seq_len = self.max_blocks * self.block_size
+        """Views of the buffers at a fixed shape: the full block-table width, so the decode
+        kernel's grid is the same whatever the step's lengths."""
+        buffers = self.inputs
+        block_tables = buffers.block_tables[:batch]
+        max_seq_len = block_tables.shape[1] * buffers.block_size
         return AttentionMetadata(
             num_tokens=batch,
-            query_start_loc=self.query_start_loc[: batch + 1],
-            seq_lens=self.seq_lens[:batch],
-            slot_mapping=self.slot_mapping[:batch],
-            block_tables=self.block_tables[:batch],
+            query_start_loc=buffers.query_start_loc[: batch + 1],
+            seq_lens=buffers.seq_lens[:batch],
+            slot_mapping=buffers.slot_mapping[:batch],
+            block_tables=block_tables,
             max_query_len=1,
             max_seq_len=max_seq_len,
             query_start_loc_cpu=list(range(batch + 1)),
@@ -77,10 +63,17 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every size, largest first, sharing one memory pool."""
+        """Captures every size, largest first, sharing one memory pool. The buffers hold
+        padding rows meanwhile (seq_len 1 in the scratch block)."""
+        buffers = self.inputs
+        largest = self.sizes[-1]
+        buffers.slot_mapping[:largest].fill_(buffers.scratch_block * buffers.block_size)
+        buffers.seq_lens[:largest].fill_(1)
+        buffers.block_tables[:largest].fill_(buffers.scratch_block)
+        buffers.query_start_loc[: largest + 1].copy_(torch.arange(largest + 1))
         for batch in reversed(self.sizes):
             md = self._metadata(batch)
-            args = (self.input_ids[:batch], self.positions[:batch], md)
+            args = (buffers.input_ids[:batch], buffers.positions[:batch], md)
             self.model(*args)  # warm up: Triton compiles, allocator settles
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -92,28 +85,13 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
 
     def padded_size(self, batch: int) -> int | None:
+        """The smallest captured size >= batch, None if the batch is too large."""
         for size in self.sizes:
             if size >= batch:
                 return size
         return None
 
-    @torch.inference_mode()
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
-    ) -> torch.Tensor:
-        """Replays the graph of the smallest captured size >= the batch. Returns [B, hidden]."""
-        batch = md.num_seqs
-        size = self.padded_size(batch)
-        assert size is not None and md.max_query_len == 1
-        width = md.block_tables.shape[1]
-        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
-        self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(md.slot_mapping, non_blocking=True)
-        self.seq_lens[:batch].copy_(md.seq_lens, non_blocking=True)
-        self.block_tables[:batch, :width].copy_(md.block_tables, non_blocking=True)
-        if size > batch:  # padded rows: one token each, written to the scratch slot
-            self.slot_mapping[batch:size].fill_(self.scratch_slot)
-            self.seq_lens[batch:size].fill_(1)
-            self.block_tables[batch:size, 0].fill_(self.scratch_block)
+    def replay(self, size: int) -> torch.Tensor:
+        """Replays the graph of a captured size over the buffers. Returns [size, hidden]."""
         self.graphs[size].replay()
-        return self.outputs[size][:batch]
+        return self.outputs[size]

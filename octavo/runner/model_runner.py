@@ -13,9 +13,10 @@ from octavo.attention.backend import AttentionMetadata, build_metadata, get_atte
 from octavo.attention.layer import bind_kv_caches
 from octavo.engine.scheduler import SchedulerOutput
 from octavo.model.hf_config import get_head_dim
-from octavo.runner.cuda_graph import CudaGraphRunner
 from octavo.model.loader import load_model
-from octavo.runner.sampler import Sampler, SamplingMetadata
+from octavo.runner.cuda_graph import CudaGraphRunner
+from octavo.runner.inputs import InputBuilder
+from octavo.runner.sampler import Sampler, SamplerOutput, SamplingMetadata, to_device
 from octavo.sampling_params import SamplingParams
 
 # (token id, log-prob, rank) for the sampled token first, then the top-k alternatives.
@@ -68,30 +69,40 @@ class ModelRunner:
         self.eos_token_ids: list[int] = []
         self.use_cuda_graphs = device.type == "cuda" and not enforce_eager
         self.graph_runner: CudaGraphRunner | None = None
+        self.inputs: InputBuilder | None = None
+        # The previous step's samples on the device: (request id -> row, [R] token ids).
+        self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
 
     def allocate_kv_cache(
-        self, num_blocks: int, max_num_seqs: int = 256, max_model_len: int = 2048
+        self,
+        num_blocks: int,
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
+        max_num_batched_tokens: int = 8192,
     ) -> None:
         """Allocates one [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer,
-        once, binds them to the model's attention layers, and captures CUDA graphs.
+        once, binds them to the model's attention layers, sets up the persistent input
+        buffers and captures CUDA graphs.
 
-        NOTE: with CUDA graphs one extra block (id `num_blocks`) is allocated as scratch
-        space for the padded rows of a graph; the KV cache manager never hands it out.
+        NOTE: one extra block (id `num_blocks`) is scratch space for the padding rows of a
+        CUDA graph; the KV cache manager never hands it out.
         """
         cfg = self.hf_config
         num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        extra = 1 if self.use_cuda_graphs else 0
-        shape = (2, num_blocks + extra, self.block_size, num_kv_heads, get_head_dim(cfg))
+        shape = (2, num_blocks + 1, self.block_size, num_kv_heads, get_head_dim(cfg))
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(cfg.num_hidden_layers)
         ]
         bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
+        max_blocks = -(-max_model_len // self.block_size)
+        self.inputs = InputBuilder(
+            max_num_batched_tokens, max_num_seqs, max_blocks, self.block_size, num_blocks,
+            self.device,
+        )
+        self._last_sampled = None
         if self.use_cuda_graphs:
-            max_blocks = -(-max_model_len // self.block_size)
-            self.graph_runner = CudaGraphRunner(
-                self.model, max_num_seqs, max_blocks, self.block_size, num_blocks, self.device
-            )
+            self.graph_runner = CudaGraphRunner(self.model, self.inputs, max_num_seqs)
             self.graph_runner.capture()
 
     @torch.inference_mode()
@@ -100,7 +111,7 @@ class ModelRunner:
         and logits for `num_rows` rows, with a temporary KV cache just large enough."""
         num_blocks = -(-num_tokens // self.block_size)
         self.use_cuda_graphs, graphs = False, self.use_cuda_graphs
-        self.allocate_kv_cache(num_blocks)
+        self.allocate_kv_cache(num_blocks, num_rows, num_tokens, num_tokens)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -114,6 +125,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.kv_caches = []
+        self.inputs = None
         self.use_cuda_graphs = graphs
         torch.cuda.empty_cache()
         return peak
@@ -121,86 +133,155 @@ class ModelRunner:
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
-        graphs = self.graph_runner
-        if graphs is not None and md.is_all_decode and graphs.padded_size(md.num_seqs):
-            return graphs.run(input_ids, positions, md)
         return self.model(input_ids, positions, md)
 
-    @torch.inference_mode()
+    def _graph_size(self, so: SchedulerOutput) -> int | None:
+        """The CUDA graph to replay for this step, if it is all decode and fits one."""
+        if self.graph_runner is None or len(so.scheduled) != so.num_batched_tokens:
+            return None
+        return self.graph_runner.padded_size(len(so.scheduled))
+
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step: the forward pass over all scheduled tokens, then sampling for the
-        requests whose step reached their last known token."""
+        """Runs one step and waits for its sampled tokens. See execute_async."""
+        return self.execute_async(so).result()
+
+    @torch.inference_mode()
+    def execute_async(self, so: SchedulerOutput) -> PendingOutput:
+        """Queues one step on the device: the forward pass over all scheduled tokens, then
+        sampling for the requests whose step reached their last token. Returns without
+        waiting for the device; `.result()` of the returned object waits.
+
+        NOTE: a request whose input is pending reads the token this runner sampled for it
+        in the previous step, on the device: steps must run in the order scheduled.
+        """
         self._copy_blocks(so.block_copies)
-        input_ids, positions, md = self._prepare_inputs(so)
-        hidden = self._forward(input_ids, positions, md)  # [T, hidden]
-        # One sampling row per sample: n rows for the first token of an n > 1 request.
-        rows: list[tuple[str, SamplingParams, int]] = []  # (request id, params, token index)
+        self.inputs.rows.release(so.finished_request_ids + so.preempted_request_ids)
+        graph_size = self._graph_size(so)
+        last_rows, last_sampled = self._last_sampled or ({}, None)
+        step = self.inputs.build(so.scheduled, graph_size, last_rows, last_sampled)
+        if graph_size is not None:
+            hidden = self.graph_runner.replay(graph_size)
+        else:
+            hidden = self._forward(step.input_ids, step.positions, step.md)  # [T, hidden]
+        rows, logits_index = self._sampling_rows(so, step.md)
+        self._last_sampled = None
+        if not rows:
+            return PendingOutput([], None)
+        if logits_index is None:  # one row per token, in order
+            hidden = hidden[: len(rows)]
+        else:
+            hidden = hidden[to_device(logits_index, torch.int64, self.device)]
+        logits = self.model.compute_logits(hidden)  # [R, V]
+        out = self.sampler(logits, self._sampling_metadata(so, rows))
+        self._last_sampled = (
+            {request_id: row for row, (request_id, _, _) in enumerate(rows)},
+            out.sampled_token_ids,
+        )
+        return PendingOutput(rows, out)
+
+    def _sampling_rows(
+        self, so: SchedulerOutput, md: AttentionMetadata
+    ) -> tuple[list[tuple[str, SamplingParams, int]], list[int] | None]:
+        """One sampling row per sample, n rows for the first token of an n > 1 request:
+        (request id, params, number of earlier output tokens). Also the index of each row's
+        token in the step, None when row r is token r."""
+        rows: list[tuple[str, SamplingParams, int]] = []
+        index: list[int] = []
+        starts = md.query_start_loc_cpu
         for i, s in enumerate(so.scheduled):
             if not s.sample:
                 continue
-            params = s.request.sampling_params
-            last = md.query_start_loc_cpu[i + 1] - 1
-            if s.request.awaits_fork:
-                rows += [(s.request_id, params.for_sample(k), last) for k in range(params.n)]
+            request = s.request
+            params = request.sampling_params
+            last = starts[i + 1] - 1
+            # NOTE: num_pending_tokens counts this step's sample, and any still in flight.
+            num_earlier = request.num_output_tokens + request.num_pending_tokens - 1
+            if request.awaits_fork:
+                rows += [(s.request_id, params.for_sample(k), 0) for k in range(params.n)]
+                index += [last] * params.n
             else:
-                rows.append((s.request_id, params, last))
-        if not rows:
-            return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[[r[2] for r in rows]])  # [R, V] float32
-        requests = {s.request_id: s.request for s in so.scheduled}
-        sampling_md = SamplingMetadata.build(
-            [r[1] for r in rows],
-            [requests[r[0]].prompt_token_ids for r in rows],
-            [requests[r[0]].output_token_ids for r in rows],
+                rows.append((s.request_id, params, num_earlier))
+                index.append(last)
+        if index == list(range(len(index))):
+            return rows, None
+        return rows, index
+
+    def _sampling_metadata(
+        self, so: SchedulerOutput, rows: list[tuple[str, SamplingParams, int]]
+    ) -> SamplingMetadata:
+        params = [r[1] for r in rows]
+        if any(p.has_penalties for p in params):
+            requests = {s.request_id: s.request for s in so.scheduled}
+            prompts = [requests[r[0]].prompt_token_ids for r in rows]
+            outputs = [requests[r[0]].output_token_ids for r in rows]
+        else:  # only penalties read the token ids
+            prompts = outputs = [[]] * len(rows)
+        return SamplingMetadata.build(
+            params,
+            prompts,
+            outputs,
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
             device=self.device,
+            num_output_tokens=[r[2] for r in rows],
         )
-        out = self.sampler(logits, sampling_md)
-        result = ModelRunnerOutput({})
-        for (request_id, _, _), token in zip(rows, out.sampled_token_ids.tolist(), strict=True):
-            result.sampled_token_ids.setdefault(request_id, []).append(token)
-        if out.logprobs is not None:
-            self._collect_logprobs(rows, out, result)
-        return result
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: gives a sequence its own copy of a shared partial block."""
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=self.device)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
+        index = to_device([[c[0] for c in copies], [c[1] for c in copies]], torch.int64, self.device)
+        src, dst = index[0], index[1]
         for cache in self.kv_caches:
             cache[:, dst] = cache[:, src]  # [2, num_blocks, block_size, KVH, D]
 
-    def _prepare_inputs(
-        self, so: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        for s in so.scheduled:
-            input_ids += s.token_ids
-            positions += range(s.num_computed_tokens, s.seq_len)
-        md = build_metadata(
-            [s.num_new_tokens for s in so.scheduled],
-            [s.seq_len for s in so.scheduled],
-            [s.block_ids for s in so.scheduled],
-            self.block_size,
-            self.device,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return ids, pos, md
+class PendingOutput:
+    """A step's sampled tokens (and log-probs) on their way to the host: the copies are
+    queued behind the step's kernels, and `result()` waits for them."""
 
-    @staticmethod
-    def _collect_logprobs(rows, out, result: ModelRunnerOutput) -> None:
-        token_ids = out.logprob_token_ids.tolist()
-        values = out.logprobs.tolist()
-        ranks = out.sampled_token_ranks.tolist()
-        for row, (request_id, params, _) in enumerate(rows):
-            k = params.logprobs
-            if k is None:
-                continue
-            entries = [(token_ids[row][0], values[row][0], ranks[row])]
-            entries += [(token_ids[row][j], values[row][j], j) for j in range(1, k + 1)]
-            result.logprobs.setdefault(request_id, []).append(entries)
+    def __init__(self, rows: list[tuple[str, SamplingParams, int]], out: SamplerOutput | None):
+        self.rows = rows
+        self._host: list[torch.Tensor] = []
+        self._event = None
+        if out is None:
+            return
+        tensors = [out.sampled_token_ids]
+        if out.logprobs is not None:
+            tensors += [out.logprob_token_ids, out.logprobs, out.sampled_token_ranks]
+        on_cuda = out.sampled_token_ids.device.type == "cuda"
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_cuda)
+            host.copy_(t, non_blocking=on_cuda)
+            self._host.append(host)
+        if on_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> ModelRunnerOutput:
+        """Waits for the copies; the tokens of each request, and log-probs if asked for."""
+        if self._event is not None:
+            self._event.synchronize()
+        result = ModelRunnerOutput({})
+        if not self.rows:
+            return result
+        tokens = self._host[0].tolist()
+        for (request_id, _, _), token in zip(self.rows, tokens, strict=True):
+            result.sampled_token_ids.setdefault(request_id, []).append(token)
+        if len(self._host) > 1:
+            _collect_logprobs(self.rows, *self._host[1:], result)
+        return result
+
+
+def _collect_logprobs(
+    rows, logprob_token_ids, logprobs, sampled_ranks, result: ModelRunnerOutput
+) -> None:
+    token_ids = logprob_token_ids.tolist()
+    values = logprobs.tolist()
+    ranks = sampled_ranks.tolist()
+    for row, (request_id, params, _) in enumerate(rows):
+        k = params.logprobs
+        if k is None:
+            continue
+        entries = [(token_ids[row][0], values[row][0], ranks[row])]
+        entries += [(token_ids[row][j], values[row][j], j) for j in range(1, k + 1)]
+        result.logprobs.setdefault(request_id, []).append(entries)

@@ -44,6 +44,7 @@ class CopyOnWriteMachine(RuleBasedStateMachine):
         # Every generated token is unique, so reading another sequence's token is visible.
         self.fresh_tokens = itertools.count(1000)
         self.num_copies = 0
+        self.seen_ids: dict[str, tuple[list[int], list[int]]] = {}
 
     # ---- operations -------------------------------------------------------------------
 
@@ -173,6 +174,18 @@ class CopyOnWriteMachine(RuleBasedStateMachine):
         assert self.kv.sharing.num_cow_copies == self.num_copies
         assert not self.kv.pending_copies
         assert self.kv.sharing.peak_blocks_used >= len(holders)
+
+    @invariant()
+    def block_id_lists_mirror_the_tables(self) -> None:
+        """The runner caches block-id lists by identity: a list may only grow in place, and
+        one whose entries changed must be a new object."""
+        for request in self.running:
+            ids = self.kv.get_block_ids(request.request_id)
+            assert ids == [block.block_id for block in self._table(request)]
+            seen = self.seen_ids.get(request.request_id)
+            if seen is not None and ids is seen[0]:
+                assert ids[: len(seen[1])] == seen[1], "an entry changed in place"
+            self.seen_ids[request.request_id] = (ids, list(ids))
 
     @invariant()
     def every_sequence_reads_exactly_its_own_tokens(self) -> None:

@@ -172,3 +172,83 @@ def test_duplicate_request_id_rejected():
     s.add_request(req("a", 3))
     with pytest.raises(ValueError, match="request_id"):
         s.add_request(req("a", 3))
+
+
+# ---- async scheduling: the next step is scheduled before the last one's tokens arrive ----
+
+
+def test_async_step_takes_the_pending_token_as_input():
+    s = make()
+    s.add_request(req("a", 6))
+    first = s.schedule()  # prefill, samples token 6
+    assert shape(first) == [("a", 0, 6, True)]
+    second = s.schedule()  # scheduled before first's token is on the host
+    (item,) = second.scheduled
+    assert (item.num_computed_tokens, item.num_new_tokens, item.sample) == (6, 1, True)
+    assert item.input_is_pending and item.token_ids == []
+    s.update(first, {"a": [7]})
+    s.update(second, {"a": [8]})
+    request = s.requests["a"]
+    assert request.output_token_ids == [7, 8]
+    assert (request.num_computed_tokens, request.num_pending_tokens) == (7, 0)
+    third = s.schedule()  # in sync again: the input is known
+    assert third.scheduled[0].token_ids == [8] and not third.scheduled[0].input_is_pending
+
+
+def test_async_does_not_schedule_a_request_its_pending_token_finishes():
+    s = make()
+    s.add_request(req("a", 5, max_tokens=2))
+    first = s.schedule()
+    second = s.schedule()
+    assert [x.request_id for x in second.scheduled] == ["a"]  # its 2nd token: not known done
+    assert s.schedule().is_empty  # the 2nd token, in flight, is its last
+    s.update(first, {"a": [7]})
+    s.update(second, {"a": [8]})
+    assert s.requests.get("a") is None and s.kv.num_free_blocks == 64
+
+
+def test_async_preempted_request_keeps_its_pending_token():
+    # 4 blocks of 4: a and b fill them; b is preempted when a needs a block.
+    s = make(num_blocks=4)
+    s.add_request(req("a", 8, start=100))
+    s.add_request(req("b", 7, start=200))
+    first = s.schedule()
+    assert [x.request_id for x in first.scheduled] == ["a", "b"]
+    second = s.schedule()  # a's 9th token needs a third block: b (newest) is preempted
+    assert second.preempted_request_ids == ["b"]
+    assert [x.request_id for x in second.scheduled] == ["a"]
+    b = s.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_pending_tokens == 1
+    third = s.schedule()  # b may not come back while its token is in flight
+    assert [x.request_id for x in third.scheduled] == ["a"]
+    s.update(first, {"a": [7], "b": [9]})
+    assert b.output_token_ids == [9] and b.num_pending_tokens == 0
+    s.update(second, {"a": [8]})
+    s.update(third, {"a": [10]})
+    assert s.requests["a"].output_token_ids == [7, 8, 10]
+    assert b.all_token_ids == list(range(200, 207)) + [9] and b.num_computed_tokens == 0
+
+
+def test_async_aborted_request_drops_its_in_flight_token():
+    s = make()
+    s.add_request(req("a", 6))
+    s.add_request(req("b", 6, start=200))
+    first = s.schedule()
+    s.abort_requests(["a"])
+    s.update(first, {"a": [7], "b": [8]})
+    assert "a" not in s.requests and s.requests["b"].output_token_ids == [8]
+
+
+def test_needs_pending_tokens_for_forks_and_penalties():
+    s = make()
+    s.add_request(Request("a", list(range(6)), SamplingParams(n=2, temperature=1.0)))
+    s.schedule()
+    assert s.needs_pending_tokens()  # the fork happens when the first tokens arrive
+    s2 = make()
+    s2.add_request(req("b", 6, presence_penalty=1.0))
+    s2.schedule()
+    assert s2.needs_pending_tokens()
+    s3 = make()
+    s3.add_request(req("c", 6, temperature=0.7, seed=3, logprobs=2))
+    s3.schedule()
+    assert not s3.needs_pending_tokens()

@@ -1,0 +1,221 @@
+"""A step's flat input tensors: built on the host with numpy, uploaded without waiting.
+
+    scheduled      a: decode, 1 token at 40     b: prefill chunk, 3 tokens at 0..2
+    input_ids      [a40, b0, b1, b2]            positions  [40, 0, 1, 2]
+    query_start_loc [0, 1, 4]                   seq_lens   [41, 3]
+    slot_mapping[t] = block_table[seq][pos // block_size] * block_size + pos % block_size
+
+The inputs land in persistent device buffers (CUDA graphs replay over them), each copied from
+pinned host memory with non_blocking=True: a plain `torch.tensor(list, device="cuda")` waits
+for the device to finish all queued work, which would put the host back in series with the
+GPU. The caching host allocator keeps a pinned buffer alive until its copy has run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from octavo.attention.backend import AttentionMetadata
+from octavo.engine.scheduler import ScheduledRequest
+
+
+class BlockTableRows:
+    """Every running request's block table as a row of one numpy array.
+
+    A step copies only what changed since the request's last step: the KV cache manager's
+    block-id lists grow in place and are replaced when an entry changes, so a list seen
+    before (same object) needs only its new tail.
+    """
+
+    def __init__(self, max_blocks_per_seq: int, num_rows: int) -> None:
+        self.table = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int32)
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+        self._rows: dict[str, int] = {}
+        self._seen: dict[str, tuple[list[int], int]] = {}  # request id -> (list, its length)
+
+    def row(self, request_id: str, block_ids: list[int]) -> int:
+        """The request's row, brought up to date with `block_ids`."""
+        row = self._rows.get(request_id)
+        if row is None:
+            row = self._rows[request_id] = self._take_row()
+            start = 0
+        else:
+            seen, num_seen = self._seen[request_id]
+            if seen is block_ids and num_seen == len(block_ids):
+                return row
+            start = num_seen if seen is block_ids else 0
+        if len(block_ids) > self.table.shape[1]:
+            raise ValueError(f"{len(block_ids)} blocks exceed the block table's width")
+        self.table[row, start : len(block_ids)] = block_ids[start:]
+        self._seen[request_id] = (block_ids, len(block_ids))
+        return row
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forgets finished or preempted requests (unknown ids are ignored)."""
+        for request_id in request_ids:
+            row = self._rows.pop(request_id, None)
+            if row is not None:
+                del self._seen[request_id]
+                self._free_rows.append(row)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:  # more requests hold rows than expected: grow
+            old = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+
+@dataclass
+class StepInputs:
+    """The model's inputs for one step (device tensors, views of the persistent buffers)."""
+
+    input_ids: torch.Tensor  # [T] int64 (T includes CUDA-graph padding rows)
+    positions: torch.Tensor  # [T] int64
+    md: AttentionMetadata
+    graph_size: int | None  # the captured batch size to replay, None for eager
+
+
+class InputBuilder:
+    """Owns the persistent device input buffers and fills them for each step.
+
+    Args:
+        max_num_tokens: the most tokens a step computes (max_num_batched_tokens).
+        max_num_seqs: the most sequences in a step (and the largest CUDA-graph batch).
+        max_blocks_per_seq: the block-table width (max_model_len / block_size, rounded up).
+        scratch_block: a KV block no request owns, for CUDA-graph padding rows.
+    """
+
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        scratch_block: int,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.device = device
+        self.pin = device.type == "cuda"
+        self.rows = BlockTableRows(max_blocks_per_seq, max_num_seqs)
+        t, b = max(max_num_tokens, max_num_seqs), max_num_seqs
+
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.input_ids = zeros(t, dtype=torch.int64)
+        self.positions = zeros(t, dtype=torch.int64)
+        self.slot_mapping = zeros(t, dtype=torch.int64)
+        self.query_start_loc = zeros(b + 1, dtype=torch.int32)
+        self.seq_lens = zeros(b, dtype=torch.int32)
+        self.block_tables = zeros(b, max_blocks_per_seq, dtype=torch.int32)
+
+    def build(
+        self,
+        scheduled: list[ScheduledRequest],
+        graph_size: int | None,
+        pending_rows: dict[str, int],
+        last_sampled: torch.Tensor | None,
+    ) -> StepInputs:
+        """Fills the buffers for `scheduled` and returns views of them.
+
+        Args:
+            graph_size: for a decode step replayed as a CUDA graph, the captured batch size;
+                rows past the real batch are padding that writes only the scratch block.
+            pending_rows: request id -> its row in `last_sampled`, for requests whose last
+                new token is still on the device (`input_is_pending`).
+            last_sampled: the previous step's sampled token ids, on the device.
+        """
+        num_seqs = len(scheduled)
+        rows = [self.rows.row(s.request_id, s.block_ids) for s in scheduled]
+        width = max(len(s.block_ids) for s in scheduled)
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, num_seqs)
+        q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+        if num_tokens == num_seqs:  # all decode: one token each
+            positions = starts
+            ids = [s.token_ids[0] if s.token_ids else 0 for s in scheduled]
+        else:
+            positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(num_tokens)
+            ids = []
+            for s in scheduled:
+                ids += s.token_ids
+                if s.input_is_pending:
+                    ids.append(0)  # filled on the device below
+        seq_lens = starts + q_lens
+        tables = self.rows.table[rows, :width]  # [B, W]
+        token_seq = np.repeat(np.arange(num_seqs), q_lens)
+        block = tables[token_seq, positions // self.block_size].astype(np.int64)
+        slots = block * self.block_size + positions % self.block_size
+        input_ids = np.array(ids, dtype=np.int64)
+        if graph_size is not None and graph_size > num_seqs:
+            input_ids, positions, slots, seq_lens, tables, cu = self._pad(
+                graph_size, input_ids, positions, slots, seq_lens, tables
+            )
+        size = graph_size or num_seqs
+        md = AttentionMetadata(
+            num_tokens=num_tokens,
+            query_start_loc=self._upload(self.query_start_loc, cu.astype(np.int32)),
+            seq_lens=self._upload(self.seq_lens, seq_lens.astype(np.int32)),
+            slot_mapping=self._upload(self.slot_mapping, slots),
+            block_tables=self._upload(self.block_tables, tables),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens[:num_seqs].max()),
+            query_start_loc_cpu=cu[: num_seqs + 1].tolist(),
+            seq_lens_cpu=seq_lens[:num_seqs].tolist(),
+        )
+        assert md.block_tables.shape[0] == size
+        input_ids_dev = self._upload(self.input_ids, input_ids)
+        self._fill_pending(scheduled, cu, pending_rows, last_sampled)
+        return StepInputs(input_ids_dev, self._upload(self.positions, positions), md, graph_size)
+
+    def _pad(self, size, input_ids, positions, slots, seq_lens, tables):
+        """Padding rows for a CUDA graph: one token each at position 0, seq_len 1, written to
+        and read from slot 0 of the scratch block."""
+        extra = size - len(seq_lens)
+        pad_tables = np.zeros((extra, tables.shape[1]), dtype=np.int32)
+        pad_tables[:, 0] = self.scratch_block
+        return (
+            np.concatenate([input_ids, np.zeros(extra, np.int64)]),
+            np.concatenate([positions, np.zeros(extra, np.int64)]),
+            np.concatenate([slots, np.full(extra, self.scratch_block * self.block_size)]),
+            np.concatenate([seq_lens, np.ones(extra, np.int64)]),
+            np.concatenate([tables, pad_tables]),
+            np.arange(size + 1, dtype=np.int64),
+        )
+
+    def _fill_pending(self, scheduled, cu, pending_rows, last_sampled) -> None:
+        """Writes the tokens the previous step sampled, still on the device, into input_ids."""
+        dst, src = [], []
+        for i, s in enumerate(scheduled):
+            if s.input_is_pending:
+                dst.append(int(cu[i + 1]) - 1)
+                src.append(pending_rows[s.request_id])
+        if not dst:
+            return
+        assert last_sampled is not None, "a pending input without a previous step"
+        index = self._to_device(np.array([dst, src], dtype=np.int64))  # [2, P]
+        self.input_ids.index_copy_(0, index[0], last_sampled.index_select(0, index[1]))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(array)
+        if not self.pin:
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _upload(self, buffer: torch.Tensor, array: np.ndarray) -> torch.Tensor:
+        """Copies `array` into the front of `buffer` (rows and, for 2-D, columns); returns
+        that view."""
+        view = buffer[tuple(slice(0, n) for n in array.shape)]
+        host = torch.from_numpy(np.ascontiguousarray(array))
+        if self.pin:
+            host = host.pin_memory()
+        view.copy_(host, non_blocking=self.pin)
+        return view

@@ -1,0 +1,155 @@
+"""Async scheduling (step N+1 scheduled and launched before step N's tokens reach the host)
+gives exactly the outputs of the synchronous engine, on the embedded model. It is the default
+on CUDA; here it runs on the CPU, where the same engine logic executes step by step."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+
+from octavo import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+MIXED = [
+    SamplingParams(temperature=0, max_tokens=16),  # may stop at EOS
+    SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=14),
+    SamplingParams(temperature=1.2, top_k=5, seed=12, max_tokens=12, min_tokens=6),
+    SamplingParams(temperature=0.7, min_p=0.1, seed=13, max_tokens=12, logprobs=2),
+    SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12),
+    SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5, max_tokens=12),
+    SamplingParams(temperature=0.8, seed=5, n=3, max_tokens=10),
+    SamplingParams(temperature=0, max_tokens=40, stop=[".", "\n"]),
+]
+
+
+def prompts_of(ids):
+    return [{"prompt_token_ids": p} for p in ids]
+
+
+def summary(outputs):
+    """What a completion says, without its log-prob values (see `logprob_values`)."""
+    return [
+        [
+            (c.token_ids, c.text, c.finish_reason, c.stop_reason,
+             None if c.logprobs is None else [sorted(d) for d in c.logprobs])
+            for c in o.outputs
+        ]
+        for o in outputs
+    ]
+
+
+def logprob_values(outputs) -> list[float]:
+    values = []
+    for o in outputs:
+        for c in o.outputs:
+            if c.logprobs is not None:
+                values.append(c.cumulative_logprob)
+                values += [d[t].logprob for d in c.logprobs for t in sorted(d)]
+    return values
+
+
+def assert_same(outs, ref) -> None:
+    """Tokens, text and reasons exactly; log-probs to 1e-4, since a batch of another shape
+    may round float32 matmuls differently on the CPU."""
+    assert summary(outs) == summary(ref)
+    assert logprob_values(outs) == pytest.approx(logprob_values(ref), abs=1e-4)
+
+
+@contextmanager
+def scheduling(llm, overlap: bool):
+    """Switches an idle engine between async and synchronous stepping (no new engine: each
+    costs seconds and a GiB of KV cache)."""
+    engine = llm.engine
+    before, engine.async_scheduling = engine.async_scheduling, overlap
+    try:
+        yield llm
+    finally:
+        engine.async_scheduling = before
+
+
+def generate_both(llm, prompts, params):
+    with scheduling(llm, False):
+        ref = llm.generate(prompts, params, use_tqdm=False)
+    with scheduling(llm, True):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    return ref, outs
+
+
+# The engines of test_engine_behaviour.py: preemption, preemption with caching, chunking.
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"num_kv_blocks": 14, "enable_prefix_caching": False},
+        {"num_kv_blocks": 14},
+        {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
+    ],
+    ids=["plain", "preempt", "preempt-cached", "chunked"],
+)
+def test_async_greedy_equals_sync(llm_factory, chat_prompt_ids, options):
+    llm = llm_factory(**options)
+    preemptions = llm.get_stats()["num_preemptions"]
+    ref, outs = generate_both(llm, prompts_of(chat_prompt_ids), GREEDY)
+    assert_same(outs, ref)
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    if "num_kv_blocks" in options:
+        assert stats["num_preemptions"] > preemptions
+
+
+def test_async_mixed_sampling_equals_sync(llm, chat_prompt_ids):
+    """Seeds, penalties (which wait for the tokens on the host), n > 1 (which forks when
+    its first tokens arrive), logprobs, min_tokens, EOS and stop strings."""
+    ref, outs = generate_both(llm, prompts_of(chat_prompt_ids), MIXED)
+    assert_same(outs, ref)
+    assert {o.outputs[0].finish_reason for o in outs} >= {"stop", "length"}
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_async_abort_in_flight_frees_blocks_and_spares_the_rest(llm, chat_prompt_ids):
+    with scheduling(llm, False):
+        ref = llm.generate(prompts_of(chat_prompt_ids[:3]), GREEDY, use_tqdm=False)
+    engine = llm.engine
+    finished = {}
+    with scheduling(llm, True):
+        for i, ids in enumerate(chat_prompt_ids[:4]):
+            engine.add_request(ids, GREEDY, f"abort-{i}")
+        for step in range(200):
+            outputs = engine.step()
+            if step == 3:  # step 3 is in flight for all four
+                outputs += engine.abort_request("abort-3")
+            for out in outputs:
+                if out.finished:
+                    finished[out.request_id] = out
+            if not engine.has_unfinished_requests():
+                break
+    assert finished["abort-3"].outputs[0].finish_reason == "abort"
+    assert_same([finished[f"abort-{i}"] for i in range(3)], ref)
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+def test_async_failed_step_aborts_its_requests_and_the_engine_goes_on(
+    llm, chat_prompt_ids, monkeypatch
+):
+    from octavo.runner.model_runner import PendingOutput
+
+    engine = llm.engine
+    with scheduling(llm, True):
+        engine.add_request(chat_prompt_ids[0], GREEDY, "fail-0")
+        engine.step()  # prefill launched
+        real = PendingOutput.result
+
+        def broken(self):
+            raise RuntimeError("device fault")
+
+        monkeypatch.setattr(PendingOutput, "result", broken)
+        with pytest.raises(RuntimeError, match="device fault"):
+            engine.step()
+        monkeypatch.setattr(PendingOutput, "result", real)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+    ref, outs = generate_both(llm, prompts_of(chat_prompt_ids[:2]), GREEDY)
+    assert_same(outs, ref)
