@@ -63,6 +63,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:  # one Triton kernel instead of ~9 small ones
+            from octavo.kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -151,6 +155,10 @@ class SiluAndMul(nn.Module):
     """SwiGLU's gate: x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:], [T, I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from octavo.kernels.activation import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -243,7 +251,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(VocabEmbedding):
-    """Projects hidden states to float32 logits: [N, hidden] -> [N, vocab]."""
+    """Projects hidden states to logits in the model's dtype: [N, hidden] -> [N, vocab].
+    The sampler upcasts to float32 where it computes with them."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        return F.linear(hidden, self.weight)

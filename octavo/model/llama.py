@@ -80,12 +80,31 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v.contiguous(), md)  # [T, H * D]
+        v = qkv[:, q_size + kv_size :]
+        if qkv.is_cuda:  # q/k norm and rotary in one Triton kernel
+            q, k = self._fused_qk(qkv, positions)  # [T, H, D], [T, KVH, D]
+        else:
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
+            q, k = self.rotary_emb(positions, q, k)
+            v = v.contiguous()
+        out = self.attn(q, k, v, md)  # [T, H * D]
         return self.o_proj(out)  # [T, hidden]
+
+    def _fused_qk(
+        self, qkv: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from octavo.kernels.rope import qk_norm_rope
+
+        norms = (None, None)
+        if self.q_norm is not None and self.k_norm is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight)
+        eps = self.q_norm.eps if self.q_norm is not None else 1e-6
+        return qk_norm_rope(
+            qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
+            self.head_dim, *norms, eps=eps,
+        )
 
 
 class LlamaMLP(nn.Module):
@@ -182,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, md)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+        """hidden [N, hidden] -> logits [N, vocab] in the model's dtype."""
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -16,6 +16,7 @@ output tokens so far): its tokens do not depend on the batch, the step split or 
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,15 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`. On CUDA the copy goes from pinned memory
+    without waiting (torch.tensor(..., device="cuda") would wait for all queued work)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def noise_seed(seed: int, num_output_tokens: int) -> int:
@@ -65,12 +75,27 @@ class SamplingMetadata:
     greedy_rows: torch.Tensor | None = None  # [B] bool; only when greedy and random rows mix
     temperature: torch.Tensor | None = None  # [B] float32; None when all rows are greedy
     top_k: torch.Tensor | None = None  # [B] int64 in [1, V]
+    max_top_k: int | None = None  # the largest top_k < V of any row, known on the host
     top_p: torch.Tensor | None = None  # [B] float32 in (0, 1]
     min_p: torch.Tensor | None = None  # [B] float32 in [0, 1]
     seeded_rows: tuple[tuple[int, int], ...] = ()  # (row, noise seed) of seeded random rows
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) -> -inf
     penalties: PenaltyState | None = None
     max_num_logprobs: int | None = None  # the largest `logprobs` of any row
+
+    @property
+    def has_filters(self) -> bool:
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+    @property
+    def is_plain(self) -> bool:
+        """Only temperature (or greedy): the logits need no float32 copy."""
+        return (
+            self.max_num_logprobs is None
+            and self.banned is None
+            and self.penalties is None
+            and not self.has_filters
+        )
 
     @classmethod
     def build(
@@ -81,17 +106,26 @@ class SamplingMetadata:
         vocab_size: int,
         eos_token_ids: list[int],
         device: torch.device,
+        num_output_tokens: list[int] | None = None,
     ) -> SamplingMetadata:
         """Builds the step's metadata; row i samples for params[i], whose sequence is
         prompt_token_ids[i] + output_token_ids[i]. EOS and stop ids are banned while a row
-        has fewer than min_tokens outputs (EOS not when it ignores EOS)."""
+        has fewer than min_tokens outputs (EOS not when it ignores EOS).
+
+        `num_output_tokens[i]` is how many tokens row i's sequence has generated before
+        this one (default: len(output_token_ids[i])); with async scheduling it counts a
+        token still on its way from the previous step. Penalties read output_token_ids, so
+        they need every earlier token on the host.
+        """
         if not len(params) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError("params, prompt_token_ids and output_token_ids differ in length")
+        if num_output_tokens is None:
+            num_output_tokens = [len(ids) for ids in output_token_ids]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         md = cls(
             num_rows=len(params),
             vocab_size=vocab_size,
-            banned=_min_tokens_bans(params, output_token_ids, eos_token_ids, vocab_size, device),
+            banned=_min_tokens_bans(params, num_output_tokens, eos_token_ids, vocab_size, device),
             max_num_logprobs=max(logprobs, default=None),
         )
         if any(p.has_penalties for p in params):
@@ -99,14 +133,14 @@ class SamplingMetadata:
                 params, prompt_token_ids, output_token_ids, vocab_size, device
             )
         if not all(p.is_greedy for p in params):
-            md._build_random(params, output_token_ids, device)
+            md._build_random(params, num_output_tokens, device)
         return md
 
     def _build_random(
-        self, params: list[SamplingParams], output_token_ids: list[list[int]], device
+        self, params: list[SamplingParams], num_output_tokens: list[int], device
     ) -> None:
         def per_row(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         vocab = self.vocab_size
         greedy = [p.is_greedy for p in params]
@@ -118,12 +152,13 @@ class SamplingMetadata:
         top_k = [min(p.top_k, vocab) if p and p.top_k else vocab for p in random]
         if min(top_k) < vocab:
             self.top_k = per_row(top_k, torch.int64)
+            self.max_top_k = max(k for k in top_k if k < vocab)
         if any(p and p.top_p < 1 for p in random):
             self.top_p = per_row([p.top_p if p else 1.0 for p in random])
         if any(p and p.min_p > 0 for p in random):
             self.min_p = per_row([p.min_p if p else 0.0 for p in random])
         self.seeded_rows = tuple(
-            (row, noise_seed(p.seed, len(output_token_ids[row])))
+            (row, noise_seed(p.seed, num_output_tokens[row]))
             for row, p in enumerate(params)
             if not greedy[row] and p.seed is not None
         )
@@ -135,7 +170,7 @@ def _flat_index(
     """(row, token id) of every listed token, as two [N] int64 tensors."""
     rows = [row for row, tokens in tokens_of_row.items() for _ in tokens]
     ids = [t for tokens in tokens_of_row.values() for t in tokens]
-    row_index, id_index = torch.tensor([rows, ids], dtype=torch.int64, device=device)  # [2, N]
+    row_index, id_index = to_device([rows, ids], torch.int64, device)  # [2, N]
     return row_index, id_index
 
 
@@ -148,7 +183,7 @@ def _build_penalties(
 ) -> PenaltyState:
     def column(name: str) -> torch.Tensor:
         values = [getattr(p, name) for p in params]
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]  # [B, 1]
+        return to_device(values, torch.float32, device)[:, None]  # [B, 1]
 
     rows = [r for r, p in enumerate(params) if p.has_penalties]
     counts = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
@@ -165,14 +200,14 @@ def _build_penalties(
 
 def _min_tokens_bans(
     params: list[SamplingParams],
-    output_ids: list[list[int]],
+    num_output_tokens: list[int],
     eos_token_ids: list[int],
     vocab_size: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     banned: dict[int, list[int]] = {}
-    for row, (p, output) in enumerate(zip(params, output_ids, strict=True)):
-        if len(output) < p.min_tokens:
+    for row, (p, num_output) in enumerate(zip(params, num_output_tokens, strict=True)):
+        if num_output < p.min_tokens:
             ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             banned[row] = sorted(t for t in ids if t < vocab_size)  # others are never sampled
     if not any(banned.values()):
@@ -219,6 +254,7 @@ def apply_top_k_top_p(
     top_k: torch.Tensor | None,
     top_p: torch.Tensor | None,
     head_size: int = 1024,
+    max_top_k: int | None = None,
 ) -> torch.Tensor:
     """Keeps each row's top_k most likely tokens, then, of those (renormalized), the smallest
     set whose probability reaches top_p; the most likely token always stays. The rest gets
@@ -227,15 +263,20 @@ def apply_top_k_top_p(
     Rows are cut at a logit value found in each row's descending head: the largest top_k
     (or `head_size` tokens with top_p) via torch.topk, which on a CPU is much cheaper than
     a sort; only when some row's kept set does not fit in the head is the whole row sorted.
-    NOTE: a token tied with the last kept one is kept too.
+    NOTE: a token tied with the last kept one is kept too. On CUDA nothing here waits for
+    the device: `max_top_k` (the largest top_k < V, from the host) sizes the head, and with
+    top_p the whole row is sorted, since whether the head decides it is known only there.
     """
     vocab = logits.shape[-1]
+    on_cuda = logits.device.type == "cuda"
     if top_k is None:
         top_k = torch.full(logits.shape[:1], vocab, dtype=torch.int64, device=logits.device)
-    k_max = int(top_k.masked_fill(top_k >= vocab, 1).max())
-    width = k_max if top_p is None else max(k_max, head_size)
+        max_top_k = 1
+    elif max_top_k is None:
+        max_top_k = int(top_k.masked_fill(top_k >= vocab, 1).max())
+    width = max_top_k if top_p is None else max(max_top_k, head_size)
     cutoff = None
-    if width < vocab:
+    if width < vocab and not (on_cuda and top_p is not None):
         head = logits.topk(width, dim=-1).values  # [B, W], descending
         cutoff, complete = _cutoff(head, logits, top_k, top_p)
         if not complete.all():
@@ -278,7 +319,7 @@ def apply_filters(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.min_p is not None:
         logits = apply_min_p(logits, md.min_p)
     if md.top_k is not None or md.top_p is not None:
-        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p, max_top_k=md.max_top_k)
     return logits
 
 
@@ -292,22 +333,28 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._host_rng = random.Random(seed)  # noise seeds of the fused CUDA path
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """Samples one token per row. logits: [B, V], any float dtype; not modified."""
+        """Samples one token per row. logits: [B, V], any float dtype; not modified.
+
+        On CUDA, random rows sample through one fused Triton kernel (`race_sample`); the
+        logits stay in their dtype unless a log-prob, ban, penalty or filter needs float32.
+        """
         assert logits.shape == (md.num_rows, md.vocab_size), (logits.shape, md.num_rows)
-        logits = logits.float()
+        if not (logits.is_cuda and md.is_plain):
+            logits = logits.float()
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(-1)  # [B, V]
         if md.banned is not None:
-            logits = logits.index_put(md.banned, torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put(md.banned, torch.tensor(float("-inf")))
         if md.penalties is not None:
             logits = apply_penalties(logits, md.penalties)
         if md.all_greedy:
             sampled = logits.argmax(-1)
         else:
-            sampled = self._sample(logits, md)
+            sampled = self._race(logits, md) if logits.is_cuda else self._sample(logits, md)
             if md.greedy_rows is not None:
                 sampled = torch.where(md.greedy_rows, logits.argmax(-1), sampled)
         out = SamplerOutput(sampled)
@@ -319,6 +366,20 @@ class Sampler:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device).manual_seed(self.seed)
         return self._generators[device]
+
+    def _race(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The exponential race in one Triton kernel (CUDA). Seeded rows key its noise with
+        their own seed; the others with seeds drawn from this sampler's generator."""
+        from octavo.kernels.sample import race_sample
+
+        temperature = md.temperature
+        if md.has_filters:
+            logits = apply_filters(logits, md)  # scaled by the temperature already
+            temperature = torch.ones_like(temperature)
+        seeds = [self._host_rng.getrandbits(63) for _ in range(md.num_rows)]
+        for row, seed in md.seeded_rows:
+            seeds[row] = seed
+        return race_sample(logits, temperature, to_device(seeds, torch.int64, logits.device))
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         probs = apply_filters(logits, md).softmax(-1)  # [B, V]

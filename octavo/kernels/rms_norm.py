@@ -1,0 +1,87 @@
+"""RMSNorm, optionally fused with the residual add of a pre-norm block, in one pass per row.
+
+    residual_out = x + residual                    (in x's dtype, as torch adds them)
+    out          = weight * to_dtype(r * rsqrt(mean(r^2) + eps)),  r = float32(residual_out)
+
+Unfused, torch runs ~9 kernels for this (add, cast, pow, mean, add, rsqrt, mul, cast, mul);
+each is tiny at decode batch sizes, so their launch and tail cost dominates. The torch
+reference is `octavo.model.layers.RMSNorm` on a non-CUDA tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [N, H]
+    residual_ptr,  # [N, H] (read only if HAS_RESIDUAL)
+    out_ptr,  # [N, H]
+    residual_out_ptr,  # [N, H] (written only if HAS_RESIDUAL)
+    weight_ptr,  # [H]
+    stride_x,
+    stride_r,
+    hidden_size,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,  # next power of two >= hidden_size
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden_size
+    # NOTE: arithmetic in float32, each result rounded to the dtype where torch rounds it.
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(residual_out_ptr + row * hidden_size + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden_size + eps)
+    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)  # HF rounds before the weight
+    weight = tl.load(weight_ptr + offs, mask=mask).to(tl.float32)
+    out = normed * weight
+    tl.store(out_ptr + row * hidden_size + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim of x [..., H] with weight [H].
+
+    Returns norm(x), or with a residual the pair (norm(x + residual), x + residual), both
+    new contiguous tensors in x's dtype (the first in the weight's dtype if they differ).
+    Rows may be strided (a slice of a larger tensor); the last dim must be contiguous.
+    """
+    hidden_size = x.shape[-1]
+    x2 = x.reshape(-1, hidden_size)
+    if x2.stride(-1) != 1 or weight.shape != (hidden_size,):
+        raise ValueError(f"rms_norm needs [..., {hidden_size}] rows and a [{hidden_size}] weight")
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    residual_out = r2 = None
+    if residual is not None:
+        r2 = residual.reshape(-1, hidden_size)
+        residual_out = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(hidden_size)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2,
+            r2 if r2 is not None else x2,
+            out,
+            residual_out if residual_out is not None else out,
+            weight,
+            x2.stride(0),
+            r2.stride(0) if r2 is not None else 0,
+            hidden_size,
+            eps,
+            HAS_RESIDUAL=r2 is not None,
+            BLOCK=block,
+            num_warps=min(max(block // 512, 1), 16),
+        )
+    out = out.view(x.shape)
+    if residual_out is None:
+        return out
+    return out, residual_out.view(x.shape)

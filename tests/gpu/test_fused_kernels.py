@@ -1,0 +1,117 @@
+"""The fused layer kernels (RMSNorm with residual, q/k norm + rotary, SiLU-and-mul) against
+the torch layers they replace, run on the CPU in float32 over the same fresh random inputs.
+
+Outputs are poisoned with NaN first, so an element a kernel forgot to write fails. With
+OCTAVO_TRITON_INTERPRET=1 a small subset runs on the CPU through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("OCTAVO_TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
+
+from octavo.kernels.activation import silu_and_mul
+from octavo.kernels.rms_norm import rms_norm
+from octavo.kernels.rope import qk_norm_rope
+from octavo.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cpu" if INTERPRET else "cuda"
+# bf16 outputs: the kernels round once, the torch layers after every op.
+TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+DTYPES = [torch.bfloat16, torch.float32] if INTERPRET else [torch.bfloat16, torch.float16,
+                                                           torch.float32]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    assert not torch.isnan(a).any(), "an output element was never written (NaN poison)"
+    return ((a - b).norm() / b.norm()).item()
+
+
+def rows(n: int) -> list[int]:
+    return [1, 7, n] if not INTERPRET else [1, 5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 1000, 4096] if not INTERPRET else [64, 100])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_torch_layer(dtype, hidden, with_residual):
+    for num_rows in rows(300):
+        torch.manual_seed(num_rows * hidden)
+        x = torch.randn(num_rows, hidden, dtype=dtype) * 3
+        residual = torch.randn(num_rows, hidden, dtype=dtype) if with_residual else None
+        layer = RMSNorm(hidden, eps=1e-5).to(dtype)
+        layer.weight.data.normal_(1, 0.3)
+        ref = layer(x.float(), None if residual is None else residual.float())  # CPU, float32
+        dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+        got = rms_norm(dev(x), dev(layer.weight), 1e-5, dev(residual))
+        if with_residual:
+            assert rel_err(got[1], ref[1]) <= TOLERANCE[dtype] / 4  # a single rounding
+            got, ref = got[0], ref[0]
+        assert got.shape == x.shape and got.dtype == dtype
+        assert rel_err(got, ref) <= TOLERANCE[dtype], (num_rows, hidden)
+
+
+def test_rms_norm_reads_strided_rows():
+    x = torch.randn(9, 2 * 128, device=DEVICE)[:, :128]  # rows 256 apart
+    w = torch.rand(128, device=DEVICE) + 0.5
+    ref = RMSNorm(128)
+    ref.weight.data.copy_(w.cpu())
+    assert rel_err(rms_norm(x, w, 1e-6), ref(x.cpu())) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128] if not INTERPRET else [64])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (4, 4)] if not INTERPRET else [(4, 2)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qk_norm_rope_matches_the_torch_layers(dtype, head_dim, heads, qk_norm):
+    num_heads, num_kv_heads = heads
+    rope = RotaryEmbedding(head_dim, 4096, 1_000_000.0)
+    for num_tokens in rows(200):
+        torch.manual_seed(num_tokens + head_dim)
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        qkv = torch.randn(num_tokens, width, dtype=dtype)
+        positions = torch.randint(0, 4096, (num_tokens,))
+        q_norm, k_norm = RMSNorm(head_dim), RMSNorm(head_dim)
+        q_norm.weight.data.normal_(1, 0.3)
+        k_norm.weight.data.normal_(1, 0.3)
+        q, k, _ = qkv.float().split(
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+        )
+        if qk_norm:
+            q = q_norm(q.reshape(num_tokens, num_heads, head_dim)).reshape(num_tokens, -1)
+            k = k_norm(k.reshape(num_tokens, num_kv_heads, head_dim)).reshape(num_tokens, -1)
+        ref_q, ref_k = rope(positions, q, k)
+        weights = (
+            (q_norm.weight.to(DEVICE, dtype), k_norm.weight.to(DEVICE, dtype))
+            if qk_norm
+            else (None, None)
+        )
+        got_q, got_k = qk_norm_rope(
+            qkv.to(DEVICE), positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE),
+            num_heads, num_kv_heads, head_dim, *weights,
+        )
+        assert got_q.shape == (num_tokens, num_heads, head_dim)
+        assert got_k.shape == (num_tokens, num_kv_heads, head_dim)
+        assert rel_err(got_q.reshape(num_tokens, -1), ref_q) <= TOLERANCE[dtype]
+        assert rel_err(got_k.reshape(num_tokens, -1), ref_k) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [128, 3072, 3000] if not INTERPRET else [64, 100])
+def test_silu_and_mul_matches_the_torch_layer(dtype, inter):
+    for num_rows in rows(257):
+        torch.manual_seed(num_rows + inter)
+        x = torch.randn(num_rows, 2 * inter, dtype=dtype) * 2
+        ref = SiluAndMul()(x.float())
+        got = silu_and_mul(x.to(DEVICE))
+        assert got.shape == (num_rows, inter) and got.dtype == dtype
+        assert rel_err(got, ref) <= TOLERANCE[dtype]
