@@ -41,7 +41,8 @@ from octavo.kernels.store_kv import store_kv
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
 SCALE = HEAD_DIM**-0.5
-DECODE_CASES = [(256, 1024), (1, 8192), (16, 4096)]  # (batch, context)
+# (batch, context); "mixed": the nano-vllm workload's decode, contexts uniform in 100..2048.
+DECODE_CASES = [(256, 1024), (256, "mixed"), (128, "mixed"), (1, 8192), (16, 4096)]
 PREFILL_CASES = [([1024] * 8, [1024] * 8), ([1024], [8192])]  # (query_lens, seq_lens)
 DECODE_CONFIGS = [
     {"block_n": n, "num_warps": w, "num_stages": s}
@@ -103,10 +104,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bench_decode(batch: int, context: int, copy_gbs: float, sweep: bool) -> list[dict]:
-    q, k, v, cache, md = make_batch([1] * batch, [context] * batch)
+def bench_decode(batch: int, context: int | str, copy_gbs: float, sweep: bool) -> list[dict]:
+    if context == "mixed":
+        rng = torch.Generator().manual_seed(batch)
+        seq_lens = torch.randint(100, 2049, (batch,), generator=rng).tolist()
+    else:
+        seq_lens = [context] * batch
+    q, k, v, cache, md = make_batch([1] * batch, seq_lens)
     ref = TorchAttentionBackend().forward(q, k, v, cache, md, SCALE)
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * cache.element_size()
+    kv_bytes = 2 * sum(seq_lens) * KV_HEADS * HEAD_DIM * cache.element_size()
     splits0 = choose_num_splits(
         batch, KV_HEADS, md.block_tables.shape[1] * BLOCK_SIZE, num_sms(q.device)
     )

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One round of GPU checks and timings through the device tool (the machine keeps nothing):
-#   stages: tests | e2e (tests/gpu/test_e2e_gpu.py alone) | kernels | tp06 | tp8b | latency   (default: all, in that order)
+#   stages: tests | e2e (tests/gpu/test_e2e_gpu.py alone) | kernels | tp06 | tp06-nopeer | tp8b
+#           | latency   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -20,6 +21,9 @@ for stage in $stages; do
     kernels) timeout 300 python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -20 ;;
     tp06) timeout 560 "${OCTAVO[@]}" bench throughput --model qwen3-0.6b --max-model-len 4096 \
             --load-format dummy --workload nanovllm --peer hf --peer-timeout 150 --progress \
+            --json "$OUT/throughput_qwen3_0.6b.json" 2>&1 | tee "$OUT/tp06.log" | tail -40 ;;
+    tp06-nopeer) timeout 300 "${OCTAVO[@]}" bench throughput --model qwen3-0.6b --max-model-len 4096 \
+            --load-format dummy --workload nanovllm --progress \
             --json "$OUT/throughput_qwen3_0.6b.json" 2>&1 | tee "$OUT/tp06.log" | tail -40 ;;
     tp8b) timeout 560 "${OCTAVO[@]}" bench throughput --model qwen3-8b --max-model-len 4096 \
             --load-format dummy --workload nanovllm --progress \

@@ -1,0 +1,101 @@
+"""Where the nano-vllm workload's time goes on the GPU, step by step, against each step's floor.
+
+With async scheduling a step's tokens reach the host once the device has finished it, so the
+time between two such arrivals is the device time of a step (when the device is the
+bottleneck) and the host's wait in between says whether it is (a wait near zero means the
+host is the bottleneck). Steps are grouped: prefill (any step computing more tokens than
+sequences) and decode steps by batch size. A decode step's floor reads its KV and every
+weight once: (sum of context lengths x KV bytes per token + weight bytes) / copy bandwidth.
+
+    PYTHONPATH=. python benchmarks/step_timeline.py [--model qwen3-0.6b] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from octavo import LLM, SamplingParams
+from octavo.engine.engine import Engine
+from octavo.entrypoints.bench_floor import measure_ceilings, workload_floor
+from octavo.entrypoints.bench_throughput import nanovllm_workload
+from octavo.runner.model_runner import PendingOutput
+
+BUCKETS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    llm = LLM(args.model, load_format="dummy", max_model_len=4096)
+    runner = llm.engine.runner
+    w = nanovllm_workload()
+    ceilings = measure_ceilings(runner.dtype)
+    fl = workload_floor(
+        runner.model, runner.hf_config, runner.dtype, [len(p) for p in w.prompts],
+        w.max_tokens, ceilings,
+    )
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
+
+    records: list[dict] = []
+    waits: list[float] = []
+    real_result, real_finish = PendingOutput.result, Engine._finish
+
+    def result(self):
+        start = time.perf_counter()
+        out = real_result(self)
+        waits.append(time.perf_counter() - start)
+        return out
+
+    def finish(self, so, pending, final_only):
+        out = real_finish(self, so, pending, final_only)
+        records.append({
+            "done": time.perf_counter(),
+            "wait": waits[-1],
+            "seqs": len(so.scheduled),
+            "tokens": so.num_batched_tokens,
+            "context": sum(s.num_computed_tokens + s.num_new_tokens for s in so.scheduled),
+        })
+        return out
+
+    PendingOutput.result, Engine._finish = result, finish
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False)
+    total = time.perf_counter() - start
+    PendingOutput.result, Engine._finish = real_result, real_finish
+
+    previous = start
+    for r in records:
+        r["seconds"], previous = r["done"] - previous, r["done"]
+        r["floor"] = (r["context"] * fl.kv_bytes_per_token + fl.weight_bytes) / (
+            ceilings.copy_bytes_per_s
+        )
+    groups = {"prefill": [r for r in records if r["tokens"] > r["seqs"]]}
+    decode = [r for r in records if r["tokens"] == r["seqs"]]
+    for lo, hi in BUCKETS:
+        groups[f"decode {lo}-{hi}"] = [r for r in decode if lo <= r["seqs"] <= hi]
+    print(f"{args.model}: {total:.2f} s, {len(records)} steps, workload floor {fl.seconds:.2f} s")
+    print(f"{'steps':<14}{'n':>6}{'seconds':>9}{'ms/step':>9}{'floor ms':>10}{'of floor':>9}"
+          f"{'host wait ms':>13}")
+    summary = {}
+    for name, rs in groups.items():
+        if not rs:
+            continue
+        secs = sum(r["seconds"] for r in rs)
+        floor = sum(r["floor"] for r in rs)
+        wait = sum(r["wait"] for r in rs) / len(rs)
+        summary[name] = {"steps": len(rs), "seconds": secs, "floor_s": floor, "mean_wait_s": wait}
+        ratio = f"{floor / secs:.0%}" if name != "prefill" else "-"
+        print(f"{name:<14}{len(rs):>6}{secs:>9.2f}{1e3 * secs / len(rs):>9.2f}"
+              f"{1e3 * floor / len(rs):>10.2f}{ratio:>9}{1e3 * wait:>13.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "seconds": total, "groups": summary}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
