@@ -288,12 +288,12 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(server, client
     def explode(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    server.ctx.engine.call_sync(lambda _: setattr(runner, "execute", explode))
+    server.ctx.engine.call_sync(lambda _: setattr(runner, "execute_async", explode))
     try:
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
         r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     finally:
-        server.ctx.engine.call_sync(lambda _: delattr(runner, "execute"))
+        server.ctx.engine.call_sync(lambda _: delattr(runner, "execute_async"))
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error"
     assert "injected failure" in r.json()["error"]["message"]
