@@ -51,7 +51,7 @@ def test_rms_norm_matches_the_torch_layer(dtype, hidden, with_residual):
         layer = RMSNorm(hidden, eps=1e-5).to(dtype)
         layer.weight.data.normal_(1, 0.3)
         ref = layer(x.float(), None if residual is None else residual.float())  # CPU, float32
-        dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+        dev = lambda t: None if t is None else t.to(DEVICE)
         got = rms_norm(dev(x), dev(layer.weight), 1e-5, dev(residual))
         if with_residual:
             assert rel_err(got[1], ref[1]) <= TOLERANCE[dtype] / 4  # a single rounding
