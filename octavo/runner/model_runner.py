@@ -67,7 +67,9 @@ class ModelRunner:
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[torch.Tensor] = []
         self.eos_token_ids: list[int] = []
-        self.use_cuda_graphs = device.type == "cuda" and not enforce_eager
+        # NOTE: the torch backend plans its work on the host from each step's lengths, which
+        # a graph replay would not see: graphs only with the Triton backend.
+        self.use_cuda_graphs = device.type == "cuda" and not enforce_eager and backend == "triton"
         self.graph_runner: CudaGraphRunner | None = None
         self.inputs: InputBuilder | None = None
         # The previous step's samples on the device: (request id -> row, [R] token ids).
