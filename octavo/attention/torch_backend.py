@@ -94,7 +94,10 @@ class TorchAttentionBackend(AttentionBackend):
             start, end = starts[i], starts[i + 1]
             if end == start:
                 continue
-            keys, values = gather_kv(kv_cache, md.block_tables[i], seq_len)
+            if end - start == seq_len and k.dtype == kv_cache.dtype:
+                keys, values = k[start:end], v[start:end]  # no cached prefix: the new K/V
+            else:
+                keys, values = gather_kv(kv_cache, md.block_tables[i], seq_len)
             out[start:end] = _attend(q[start:end], keys, values, scale)
         return out
 
@@ -186,15 +189,14 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     q: [q_len, H, D]; keys/values: [ctx_len, KVH, D]; returns [q_len, H, D].
     """
     q_len, ctx_len = q.shape[0], keys.shape[0]
-    qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
-    if q_len == ctx_len:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        # Query j sits at context position ctx_len - q_len + j and sees positions <= it.
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos  # [q_len, ctx_len]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    # 4-D with an explicit mask: torch's fused CPU kernel takes that with GQA, while 3-D
+    # inputs or is_causal with GQA fall back to the unfused math path (several times slower).
+    qh, kh, vh = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    # Query j sits at context position ctx_len - q_len + j and sees positions <= it.
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+    mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos  # [q_len, ctx_len]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def reference_attention(
