@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -34,11 +36,44 @@ def gather_kv(
     return blocks[0], blocks[1]
 
 
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """Rows lo:hi of the length-sorted batch, padded to num_blocks blocks of context."""
+
+    lo: int
+    hi: int
+    num_blocks: int
+    # Rows of the cache viewed as [2 * cache_blocks, block_size * KVH * D]: the keys' blocks
+    # of each sequence in turn, then the values' (value rows are offset by cache_blocks).
+    cache_rows: torch.Tensor  # [2 * (hi - lo) * num_blocks] int64
+    mask: torch.Tensor  # [hi - lo, 1, 1, num_blocks * block_size]: 0 in context, -inf past it
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    """What every layer of one decode step shares: built once per step from its metadata."""
+
+    order: torch.Tensor  # [B] sequences sorted by length
+    inverse: torch.Tensor  # [B] position of each sequence in `order`
+    groups: list[_DecodeGroup]
+    workspace_rows: int  # the most cache rows one group gathers
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Reference attention: one batched call for pure-decode steps, a loop over sequences
-    otherwise (prefill, chunked prefill and prefix hits all take the loop)."""
+    """Reference attention: one batched call per length group for pure-decode steps, a loop
+    over sequences otherwise (prefill, chunked prefill and prefix hits all take the loop).
+
+    NOTE: decode keeps two things between calls. The plan (gather indices and masks) is
+    keyed on the metadata object, which all layers of a step share, so it is built once per
+    step. The workspace the K/V are gathered into is reused by every layer and step: a fresh
+    tensor per layer costs more than the copy into it."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._plan_key: tuple | None = None
+        self._plan: _DecodePlan | None = None
+        self._workspace: torch.Tensor | None = None
 
     def forward(
         self,
@@ -59,7 +94,10 @@ class TorchAttentionBackend(AttentionBackend):
             start, end = starts[i], starts[i + 1]
             if end == start:
                 continue
-            keys, values = gather_kv(kv_cache, md.block_tables[i], seq_len)
+            if end - start == seq_len and k.dtype == kv_cache.dtype:
+                keys, values = k[start:end], v[start:end]  # no cached prefix: the new K/V
+            else:
+                keys, values = gather_kv(kv_cache, md.block_tables[i], seq_len)
             out[start:end] = _attend(q[start:end], keys, values, scale)
         return out
 
@@ -69,49 +107,80 @@ class TorchAttentionBackend(AttentionBackend):
         """One token per sequence. The sequences are sorted by length and attended in up to
         DECODE_GROUPS groups, each padded only to its own longest context: padding a batch
         of mixed lengths to its longest wastes about half of the K/V gathering."""
-        num_seqs = md.num_seqs
-        lens = md.seq_lens_cpu
-        groups = min(DECODE_GROUPS, num_seqs)
-        if groups == 1:
-            tables, seq_lens = md.block_tables[:num_seqs], md.seq_lens[:num_seqs]
-            return _decode_group(q, kv_cache, tables, seq_lens, max(lens), scale)
-        order_cpu = sorted(range(num_seqs), key=lens.__getitem__)
-        order = torch.tensor(order_cpu, device=q.device)
-        bounds = [num_seqs * g // groups for g in range(groups + 1)]
-        out = torch.empty_like(q)
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
-            rows = order[lo:hi]
-            longest = lens[order_cpu[hi - 1]]
-            out[rows] = _decode_group(
-                q[rows], kv_cache, md.block_tables[rows], md.seq_lens[rows], longest, scale
+        plan = self._decode_plan(q, kv_cache, md)
+        _, cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        rows = kv_cache.view(2 * cache_blocks, -1)  # [2 * cache_blocks, bs * KVH * D]
+        workspace = self._get_workspace(plan.workspace_rows, rows)
+        num_heads = q.shape[1]
+        group = num_heads // num_kv_heads
+        q_sorted = q.index_select(0, plan.order)
+        outs = []
+        for g in plan.groups:
+            n = g.hi - g.lo
+            kv = workspace[: g.cache_rows.numel()]
+            torch.index_select(rows, 0, g.cache_rows, out=kv)
+            kv = kv.view(2, n, g.num_blocks * block_size, num_kv_heads, head_dim)
+            # The query heads sharing a KV head become that head's query rows, so each KV
+            # head is read once: [n, KVH, group, D] against [n, KVH, L, D].
+            out = F.scaled_dot_product_attention(
+                q_sorted[g.lo : g.hi].view(n, num_kv_heads, group, head_dim),
+                kv[0].transpose(1, 2),
+                kv[1].transpose(1, 2),
+                attn_mask=g.mask,
+                scale=scale,
             )
-        return out
+            outs.append(out.reshape(n, num_heads, head_dim))
+        return torch.cat(outs).index_select(0, plan.inverse)
+
+    def _decode_plan(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
+    ) -> _DecodePlan:
+        key = (md, kv_cache.shape, kv_cache.device, q.dtype)
+        cached = self._plan_key
+        if cached is None or cached[0] is not md or cached[1:] != key[1:]:
+            self._plan = _build_decode_plan(md, kv_cache.shape[1], kv_cache.shape[2], q)
+            self._plan_key = key
+        assert self._plan is not None
+        return self._plan
+
+    def _get_workspace(self, num_rows: int, rows: torch.Tensor) -> torch.Tensor:
+        ws = self._workspace
+        if (
+            ws is None
+            or ws.shape[0] < num_rows
+            or ws.shape[1:] != rows.shape[1:]
+            or ws.dtype != rows.dtype
+            or ws.device != rows.device
+        ):
+            ws = torch.empty(num_rows, rows.shape[1], dtype=rows.dtype, device=rows.device)
+            self._workspace = ws
+        return ws
 
 
-def _decode_group(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seq_len: int,
-    scale: float,
-) -> torch.Tensor:
-    """Decode attention of B sequences padded to max_seq_len. q: [B, H, D] -> [B, H, D]."""
-    block_size = kv_cache.shape[2]
-    num_blocks = (max_seq_len + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks].long()
-    kv = kv_cache[:, table].flatten(2, 3)  # [2, B, L, KVH, D]
-    length = kv.shape[2]
-    valid = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [B, H, 1, D]
-        kv[0].transpose(1, 2),  # [B, KVH, L, D]
-        kv[1].transpose(1, 2),
-        attn_mask=valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.squeeze(2)  # [B, H, D]
+def _build_decode_plan(
+    md: AttentionMetadata, cache_blocks: int, block_size: int, q: torch.Tensor
+) -> _DecodePlan:
+    num_seqs, lens = md.num_seqs, md.seq_lens_cpu
+    num_groups = min(DECODE_GROUPS, num_seqs)
+    order_cpu = sorted(range(num_seqs), key=lens.__getitem__)
+    order = torch.tensor(order_cpu, device=q.device)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(num_seqs, device=q.device)
+    bounds = [num_seqs * g // num_groups for g in range(num_groups + 1)]
+    groups = []
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        num_blocks = -(-lens[order_cpu[hi - 1]] // block_size)
+        seqs = order[lo:hi]
+        blocks = md.block_tables[seqs, :num_blocks].long().flatten()  # [n * nb]
+        positions = torch.arange(num_blocks * block_size, device=q.device)
+        past = positions[None, :] >= md.seq_lens[seqs][:, None]  # [n, L]
+        mask = torch.zeros(past.shape, dtype=q.dtype, device=q.device).masked_fill_(
+            past, float("-inf")
+        )
+        cache_rows = torch.cat([blocks, blocks + cache_blocks])
+        groups.append(_DecodeGroup(lo, hi, num_blocks, cache_rows, mask[:, None, None, :]))
+    most = max(g.cache_rows.numel() for g in groups)
+    return _DecodePlan(order, inverse, groups, most)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -120,15 +189,14 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     q: [q_len, H, D]; keys/values: [ctx_len, KVH, D]; returns [q_len, H, D].
     """
     q_len, ctx_len = q.shape[0], keys.shape[0]
-    qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
-    if q_len == ctx_len:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        # Query j sits at context position ctx_len - q_len + j and sees positions <= it.
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos  # [q_len, ctx_len]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    # 4-D with an explicit mask: torch's fused CPU kernel takes that with GQA, while 3-D
+    # inputs or is_causal with GQA fall back to the unfused math path (several times slower).
+    qh, kh, vh = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    # Query j sits at context position ctx_len - q_len + j and sees positions <= it.
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+    mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos  # [q_len, ctx_len]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def reference_attention(
