@@ -80,9 +80,9 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        v = qkv[:, q_size + kv_size :]
         if qkv.is_cuda:  # q/k norm and rotary in one Triton kernel
             q, k = self._fused_qk(qkv, positions)  # [T, H, D], [T, KVH, D]
+            v = qkv[:, q_size + kv_size :]  # a strided view: the Triton backend takes it
         else:
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             if self.q_norm is not None and self.k_norm is not None:

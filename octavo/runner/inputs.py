@@ -20,6 +20,7 @@ import torch
 
 from octavo.attention.backend import AttentionMetadata
 from octavo.engine.scheduler import ScheduledRequest
+from octavo.runner.sampler import to_device
 
 
 class BlockTableRows:
@@ -76,7 +77,6 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64 (T includes CUDA-graph padding rows)
     positions: torch.Tensor  # [T] int64
     md: AttentionMetadata
-    graph_size: int | None  # the captured batch size to replay, None for eager
 
 
 class InputBuilder:
@@ -174,7 +174,7 @@ class InputBuilder:
         assert md.block_tables.shape[0] == size
         input_ids_dev = self._upload(self.input_ids, input_ids)
         self._fill_pending(scheduled, cu, pending_rows, last_sampled)
-        return StepInputs(input_ids_dev, self._upload(self.positions, positions), md, graph_size)
+        return StepInputs(input_ids_dev, self._upload(self.positions, positions), md)
 
     def _pad(self, size, input_ids, positions, slots, seq_lens, tables):
         """Padding rows for a CUDA graph: one token each at position 0, seq_len 1, written to
@@ -201,14 +201,8 @@ class InputBuilder:
         if not dst:
             return
         assert last_sampled is not None, "a pending input without a previous step"
-        index = self._to_device(np.array([dst, src], dtype=np.int64))  # [2, P]
+        index = to_device([dst, src], torch.int64, self.device)  # [2, P]
         self.input_ids.index_copy_(0, index[0], last_sampled.index_select(0, index[1]))
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(array)
-        if not self.pin:
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _upload(self, buffer: torch.Tensor, array: np.ndarray) -> torch.Tensor:
         """Copies `array` into the front of `buffer` (rows and, for 2-D, columns); returns
