@@ -42,7 +42,7 @@ from octavo.kernels.store_kv import store_kv
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
 SCALE = HEAD_DIM**-0.5
 # (batch, context); "mixed": the nano-vllm workload's decode, contexts uniform in 100..2048.
-DECODE_CASES = [(256, 1024), (256, "mixed"), (128, "mixed"), (1, 8192), (16, 4096)]
+DECODE_CASES = [(256, 1024), (256, "mixed"), (128, "mixed"), (64, "mixed"), (1, 8192), (16, 4096)]
 PREFILL_CASES = [([1024] * 8, [1024] * 8), ([1024], [8192])]  # (query_lens, seq_lens)
 DECODE_CONFIGS = [
     {"block_n": n, "num_warps": w, "num_stages": s}
@@ -117,19 +117,24 @@ def bench_decode(batch: int, context: int | str, copy_gbs: float, sweep: bool) -
         batch, KV_HEADS, md.block_tables.shape[1] * BLOCK_SIZE, num_sms(q.device)
     )
     cfg0 = default_decode_config(HEAD_DIM)
-    variants = [(splits0, cfg0)]
+    # The engine passes the longest-first order; one row without it shows what it buys.
+    order = torch.argsort(md.seq_lens, descending=True).to(torch.int32)
+    variants = [(splits0, cfg0, True), (splits0, cfg0, False)]
     if sweep:
-        variants += [(s, cfg0) for s in DECODE_SPLITS if s != splits0]
-        variants += [(splits0, c) for c in DECODE_CONFIGS if c != cfg0]
+        variants += [(s, cfg0, True) for s in DECODE_SPLITS if s != splits0]
+        variants += [(splits0, c, True) for c in DECODE_CONFIGS if c != cfg0]
     rows = []
-    for splits, cfg in variants:
+    for splits, cfg, ordered in variants:
         run = partial(
-            decode_attention, q, cache, md.seq_lens, md.block_tables, SCALE, splits, config=cfg
+            decode_attention, q, cache, md.seq_lens, md.block_tables, SCALE, splits, config=cfg,
+            order=order if ordered else None,
         )
         us, err = measure(run, ref)
+        label = _cfg_str(cfg, splits) + ("" if ordered else " unordered")
         rows.append(
-            _row("decode", f"{batch} x {context}", _cfg_str(cfg, splits),
-                 (splits, cfg) == (splits0, cfg0), us, err, _bandwidth(kv_bytes, us, copy_gbs))
+            _row("decode", f"{batch} x {context}", label,
+                 (splits, cfg, ordered) == (splits0, cfg0, True), us, err,
+                 _bandwidth(kv_bytes, us, copy_gbs))
         )  # fmt: skip
     return rows
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from octavo import LLM, SamplingParams
-from octavo.entrypoints.bench_floor import measure_ceilings
+from octavo.entrypoints.bench_floor import measure_ceilings, weights_read_per_step
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     tpot = (end - first) / (args.output_len - 1)
 
     runner = engine.runner
-    params_ = {p.data_ptr(): p for p in runner.model.parameters()}.values()
+    params_ = weights_read_per_step(runner.model)
     weight_bytes = sum(p.numel() * p.element_size() for p in params_)
     ceilings = measure_ceilings(runner.dtype)
     floor = weight_bytes / ceilings.copy_bytes_per_s

@@ -30,7 +30,8 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    llm = LLM(args.model, load_format="dummy", max_model_len=4096)
+    # nano-vllm's settings for its workload, as `octavo bench throughput --workload nanovllm`.
+    llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=16384)
     runner = llm.engine.runner
     w = nanovllm_workload()
     ceilings = measure_ceilings(runner.dtype)

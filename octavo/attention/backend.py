@@ -35,6 +35,9 @@ class AttentionMetadata:
     # Host copies, so CPU-side code never synchronizes with the device to read them.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Decode steps may carry [B] int32: the sequences by context length, longest first. The
+    # Triton decode kernel starts them in that order (a scheduling hint, not a semantic).
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -54,6 +57,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # True if `attend` exists: attention over K/V that an earlier kernel already stored
+    # (the fused rotary kernel writes them on CUDA).
+    attends_stored_kv: bool = False
 
     @abstractmethod
     def forward(

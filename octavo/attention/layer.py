@@ -36,6 +36,18 @@ class Attention(nn.Module):
         out = self.backend.forward(q, k, v, self.kv_cache, md, self.scale)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
+    @property
+    def attends_stored_kv(self) -> bool:
+        """Whether the model may write this step's K/V itself and call `attend_stored`."""
+        return self.backend is not None and self.backend.attends_stored_kv
+
+    def attend_stored(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D], with this step's K/V already in `kv_cache` -> [T, H*D]."""
+        if self.kv_cache is None or self.backend is None:
+            raise RuntimeError("Attention used before the model runner bound a KV cache")
+        out = self.backend.attend(q, self.kv_cache, md, self.scale)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
 
 def bind_kv_caches(
     model: nn.Module, kv_caches: list[torch.Tensor], backend: AttentionBackend

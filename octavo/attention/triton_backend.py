@@ -33,6 +33,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    attends_stored_kv = True
 
     def forward(
         self,
@@ -46,10 +47,18 @@ class TritonAttentionBackend(AttentionBackend):
         """See AttentionBackend.forward. Returns [md.num_tokens, H, D] in q's dtype."""
         num_tokens = md.num_tokens
         store_kv(k[:num_tokens], v[:num_tokens], kv_cache, md.slot_mapping[:num_tokens])
-        q = q[:num_tokens]  # [T, H, D]
+        return self.attend(q, kv_cache, md, scale)
+
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Attention of q [T, H, D] over the cache, which already holds this step's K/V."""
+        q = q[: md.num_tokens]  # [T, H, D]
         if md.is_all_decode:
             # One token per sequence: row b of q is sequence b.
-            return decode_attention(q, kv_cache, md.seq_lens, md.block_tables, scale)
+            return decode_attention(
+                q, kv_cache, md.seq_lens, md.block_tables, scale, order=md.decode_order
+            )
         return prefill_attention(
             q,
             kv_cache,

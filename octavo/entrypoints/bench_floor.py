@@ -55,6 +55,22 @@ def measure_ceilings(dtype: torch.dtype = torch.bfloat16, device: str = "cuda") 
     return DeviceCeilings(2 * (1 << 30) / copy_s, 2 * n**3 / mm_s)
 
 
+def weights_read_per_step(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters one forward pass reads whole: all of them, tied ones once, except an
+    input embedding table that is not also the LM head (a step reads only its batch's rows
+    of that table)."""
+    from octavo.model.layers import LMHead, VocabEmbedding
+
+    heads = {m.weight.data_ptr() for m in model.modules() if isinstance(m, LMHead)}
+    lookups = {
+        m.weight.data_ptr()
+        for m in model.modules()
+        if type(m) is VocabEmbedding and m.weight.data_ptr() not in heads
+    }
+    params = {p.data_ptr(): p for p in model.parameters() if p.data_ptr() not in lookups}
+    return list(params.values())
+
+
 def workload_floor(
     model: torch.nn.Module,
     hf_config,
@@ -67,7 +83,7 @@ def workload_floor(
     compute floor = 2 x params x all tokens / matmul rate; the floor is the larger."""
     from octavo.model.hf_config import get_head_dim
 
-    params = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights once
+    params = weights_read_per_step(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     num_params = sum(p.numel() for p in params)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads

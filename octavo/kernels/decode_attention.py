@@ -21,6 +21,12 @@ Decode is memory-bound: every step reads each sequence's whole K/V once, and doe
 num_splits depends only on the batch size and the block-table width (the largest context the
 table can describe), never on this step's lengths, so a CUDA graph captured for a padded batch
 launches the same grid on every replay. A sequence with seq_len 0 (graph padding) gets zeros.
+
+3. Longest first. With many sequences there is one split each, and contexts differ (100 to
+   2k positions in one batch); the GPU starts programs in grid order as others finish, so a
+   long sequence that starts last runs alone at the end while most SMs idle. Given `order`
+   (the sequences sorted by length, longest first, made on the host with the step's inputs),
+   grid row i runs sequence order[i], with its KV heads next to each other in the grid.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ def _decode_split_kernel(
     v_cache_ptr,
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_blocks] int32
+    order_ptr,  # [B] int32: the sequence of each grid row, longest first (if HAS_ORDER)
     out_ptr,  # [B, H, D], written when SINGLE_SPLIT
     part_out_ptr,  # [B, H, num_splits, D] fp32, written otherwise
     part_lse_ptr,  # [B, H, num_splits] fp32 (log2 domain)
@@ -61,9 +68,12 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output directly
+    HAS_ORDER: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
+    if HAS_ORDER:
+        seq = tl.load(order_ptr + seq)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -183,6 +193,7 @@ def decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its whole paged context.
 
@@ -198,6 +209,8 @@ def decode_attention(
             block-table width, so it is fixed for fixed input shapes.
         out: optional [B, H, D] buffer to write into.
         config: optional override of `default_decode_config` (benchmarks sweep it).
+        order: optional [B] int32 permutation of the sequences, longest first: programs start
+            in that order, so the long ones do not run alone at the end (see the module doc).
     Returns:
         [B, H, D] in q's dtype (`out` when given).
     """
@@ -222,12 +235,13 @@ def decode_attention(
         )
     else:
         part_out = part_lse = out  # unused by the kernel
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q,
         kv_cache[0],
         kv_cache[1],
         seq_lens,
         block_tables,
+        seq_lens if order is None else order,
         out,
         part_out,
         part_lse,
@@ -245,6 +259,7 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=cfg["block_n"],
         SINGLE_SPLIT=num_splits == 1,
+        HAS_ORDER=order is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

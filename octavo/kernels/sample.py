@@ -4,8 +4,9 @@
 
 picks v with probability softmax(logits / T)[v]: the same rule as the torch sampler's
 `argmax(probs / E)`, without materializing probabilities or noise. U comes from Triton's
-Philox generator keyed by a 63-bit seed per row and the vocabulary index, so a row's token
-depends only on its seed. A row with T = 0 takes the plain argmax. Each program scans one
+Philox generator keyed by a 63-bit seed per row and the vocabulary index (each Philox call
+gives four uniforms, for four entries: drawing them is most of the kernel's work at B = 256),
+so a row's token depends only on its seed. A row with T = 0 takes the plain argmax. Each program scans one
 chunk of one row; a second, tiny step picks the best chunk.
 
 The unfused sampler reads and writes [B, V] float32 tensors ~10 times (cast, scale, softmax,
@@ -19,6 +20,18 @@ import triton
 import triton.language as tl
 
 CHUNK = 8192  # vocabulary entries per program
+
+
+@triton.jit
+def _race_window(best_val, best_idx, row_ptr, offs, u, inv_t, vocab_size, NOISE: tl.constexpr):
+    """Folds the entries `offs` (with uniforms u) into each lane's best so far."""
+    mask = offs < vocab_size
+    val = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+    if NOISE:
+        # -log(E) with E = -log(U); U = 0 would give E = inf: a token that can never win.
+        val += -tl.log(-tl.log(tl.maximum(u, 1e-20)))
+    better = val > best_val  # strict: the first index wins a tie
+    return tl.where(better, val, best_val), tl.where(better, offs.to(tl.int64), best_idx)
 
 
 @triton.jit
@@ -38,21 +51,35 @@ def _race_kernel(
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     seed = tl.load(seeds_ptr + row)
-    greedy = temperature == 0.0
-    inv_t = 1.0 / tl.where(greedy, 1.0, temperature)
-    best_val = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK], 0, tl.int64)
-    for start in range(0, CHUNK, BLOCK):
-        offs = chunk * CHUNK + start + tl.arange(0, BLOCK)
-        mask = offs < vocab_size
-        logit = tl.load(logits_ptr + row * stride_row + offs, mask=mask, other=float("-inf"))
-        u = tl.rand(seed, offs)  # [0, 1)
-        # -log(E) with E = -log(U); U = 0 would give E = inf: a token that can never win.
-        gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
-        val = logit.to(tl.float32) * inv_t + tl.where(greedy, 0.0, gumbel)
-        better = val > best_val  # strict: the first index wins a tie
-        best_val = tl.where(better, val, best_val)
-        best_idx = tl.where(better, offs.to(tl.int64), best_idx)
+    row_ptr = logits_ptr + row * stride_row
+    # One Philox call gives four uniforms, one for each quarter of a BLOCK-entry window:
+    # window w, lane i -> Philox counter w * BLOCK / 4 + i, entries w * BLOCK + j * Q + i.
+    Q: tl.constexpr = BLOCK // 4
+    lanes = tl.arange(0, Q)
+    best_val = tl.full([Q], float("-inf"), tl.float32)
+    best_idx = tl.full([Q], 0, tl.int64)
+    end = tl.minimum(chunk * CHUNK + CHUNK, vocab_size)
+    if temperature == 0.0:  # argmax: no noise to draw
+        for start in range(chunk * CHUNK, end, Q):
+            best_val, best_idx = _race_window(
+                best_val, best_idx, row_ptr, start + lanes, best_val, 1.0, vocab_size, False
+            )
+    else:
+        inv_t = 1.0 / temperature
+        for start in range(chunk * CHUNK, end, BLOCK):
+            u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + lanes)
+            best_val, best_idx = _race_window(
+                best_val, best_idx, row_ptr, start + lanes, u0, inv_t, vocab_size, True
+            )
+            best_val, best_idx = _race_window(
+                best_val, best_idx, row_ptr, start + Q + lanes, u1, inv_t, vocab_size, True
+            )
+            best_val, best_idx = _race_window(
+                best_val, best_idx, row_ptr, start + 2 * Q + lanes, u2, inv_t, vocab_size, True
+            )
+            best_val, best_idx = _race_window(
+                best_val, best_idx, row_ptr, start + 3 * Q + lanes, u3, inv_t, vocab_size, True
+            )
     value = tl.max(best_val, axis=0)
     # Ties across lanes: the smallest index among the lanes holding the maximum.
     index = tl.min(tl.where(best_val == value, best_idx, vocab_size), axis=0)

@@ -80,6 +80,10 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        if qkv.is_cuda and self.attn.attends_stored_kv:
+            # One Triton kernel: q/k norm, rotary, and k/v into their cache slots.
+            q = self._fused_qk_store(qkv, positions, md)  # [T, H, D]
+            return self.o_proj(self.attn.attend_stored(q, md))
         if qkv.is_cuda:  # q/k norm and rotary in one Triton kernel
             q, k = self._fused_qk(qkv, positions)  # [T, H, D], [T, KVH, D]
             v = qkv[:, q_size + kv_size :]  # a strided view: the Triton backend takes it
@@ -92,18 +96,31 @@ class LlamaAttention(nn.Module):
         out = self.attn(q, k, v, md)  # [T, H * D]
         return self.o_proj(out)  # [T, hidden]
 
+    def _norms(self) -> tuple[tuple[torch.Tensor | None, torch.Tensor | None], float]:
+        if self.q_norm is not None and self.k_norm is not None:
+            return (self.q_norm.weight, self.k_norm.weight), self.q_norm.eps
+        return (None, None), 1e-6
+
     def _fused_qk(
         self, qkv: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from octavo.kernels.rope import qk_norm_rope
 
-        norms = (None, None)
-        if self.q_norm is not None and self.k_norm is not None:
-            norms = (self.q_norm.weight, self.k_norm.weight)
-        eps = self.q_norm.eps if self.q_norm is not None else 1e-6
+        norms, eps = self._norms()
         return qk_norm_rope(
             qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
             self.head_dim, *norms, eps=eps,
+        )
+
+    def _fused_qk_store(
+        self, qkv: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        from octavo.kernels.rope import qk_norm_rope_store
+
+        norms, eps = self._norms()
+        return qk_norm_rope_store(
+            qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
+            self.head_dim, self.attn.kv_cache, md.slot_mapping[: qkv.shape[0]], *norms, eps=eps,
         )
 
 

@@ -59,6 +59,7 @@ class CudaGraphRunner:
             max_seq_len=max_seq_len,
             query_start_loc_cpu=list(range(batch + 1)),
             seq_lens_cpu=[max_seq_len] * batch,
+            decode_order=buffers.decode_order[:batch],
         )
 
     @torch.inference_mode()
@@ -71,6 +72,7 @@ class CudaGraphRunner:
         buffers.seq_lens[:largest].fill_(1)
         buffers.block_tables[:largest].fill_(buffers.scratch_block)
         buffers.query_start_loc[: largest + 1].copy_(torch.arange(largest + 1))
+        buffers.decode_order[:largest].copy_(torch.arange(largest))
         for batch in reversed(self.sizes):
             md = self._metadata(batch)
             args = (buffers.input_ids[:batch], buffers.positions[:batch], md)

@@ -114,6 +114,7 @@ class InputBuilder:
         self.query_start_loc = zeros(b + 1, dtype=torch.int32)
         self.seq_lens = zeros(b, dtype=torch.int32)
         self.block_tables = zeros(b, max_blocks_per_seq, dtype=torch.int32)
+        self.decode_order = zeros(b, dtype=torch.int32)
 
     def build(
         self,
@@ -160,6 +161,10 @@ class InputBuilder:
                 graph_size, input_ids, positions, slots, seq_lens, tables
             )
         size = graph_size or num_seqs
+        decode_order = None
+        if num_tokens == num_seqs:  # longest first: see octavo/kernels/decode_attention.py
+            order = np.argsort(-seq_lens, kind="stable").astype(np.int32)
+            decode_order = self._upload(self.decode_order, order)
         md = AttentionMetadata(
             num_tokens=num_tokens,
             query_start_loc=self._upload(self.query_start_loc, cu.astype(np.int32)),
@@ -170,6 +175,7 @@ class InputBuilder:
             max_seq_len=int(seq_lens[:num_seqs].max()),
             query_start_loc_cpu=cu[: num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens[:num_seqs].tolist(),
+            decode_order=decode_order,
         )
         assert md.block_tables.shape[0] == size
         input_ids_dev = self._upload(self.input_ids, input_ids)

@@ -19,7 +19,7 @@ if not INTERPRET and not torch.cuda.is_available():
 
 from octavo.kernels.activation import silu_and_mul
 from octavo.kernels.rms_norm import rms_norm
-from octavo.kernels.rope import qk_norm_rope
+from octavo.kernels.rope import qk_norm_rope, qk_norm_rope_store
 from octavo.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
 
 pytestmark = pytest.mark.gpu
@@ -103,6 +103,46 @@ def test_qk_norm_rope_matches_the_torch_layers(dtype, head_dim, heads, qk_norm):
         assert got_k.shape == (num_tokens, num_kv_heads, head_dim)
         assert rel_err(got_q.reshape(num_tokens, -1), ref_q) <= TOLERANCE[dtype]
         assert rel_err(got_k.reshape(num_tokens, -1), ref_k) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (12, 3)] if not INTERPRET else [(4, 2), (6, 3)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qk_norm_rope_store_writes_k_and_v_to_their_slots(dtype, heads, qk_norm):
+    """The fused variant returns the same q as `qk_norm_rope` and puts the same k, and v as
+    given, into each token's slot of the paged cache; every other slot keeps its data."""
+    num_heads, num_kv_heads = heads
+    head_dim, block_size, num_blocks = (128 if not INTERPRET else 32), 16, 9
+    rope = RotaryEmbedding(head_dim, 4096, 1_000_000.0)
+    for num_tokens in rows(100):
+        torch.manual_seed(num_tokens + num_heads)
+        width = (num_heads + 2 * num_kv_heads) * head_dim
+        qkv = torch.randn(num_tokens, width, dtype=dtype, device=DEVICE)
+        positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
+        weights = (None, None)
+        if qk_norm:
+            weights = tuple(torch.randn(head_dim, device=DEVICE).to(dtype) for _ in range(2))
+        cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
+        cache = cache.to(dtype)
+        before = cache.clone()
+        slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+        cos_sin = rope.cos_sin_cache.to(DEVICE)
+        want_q, want_k = qk_norm_rope(
+            qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, *weights
+        )
+        got_q = qk_norm_rope_store(
+            qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, cache, slots, *weights
+        )
+        assert got_q.shape == (num_tokens, num_heads, head_dim)
+        assert torch.equal(got_q, want_q)
+        flat, old = cache.view(2, -1, num_kv_heads, head_dim), before.view(2, -1, num_kv_heads,
+                                                                            head_dim)
+        assert torch.equal(flat[0, slots], want_k)
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, -1)
+        assert torch.equal(flat[1, slots], v)
+        others = torch.ones(flat.shape[1], dtype=torch.bool, device=DEVICE)
+        others[slots] = False
+        assert torch.equal(flat[:, others], old[:, others])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -49,6 +49,24 @@ def test_random_rows_follow_the_softmax():
     assert ((freq - expected).abs() <= 5 * sigma + 1e-12).all(), (freq, expected)
 
 
+def test_entries_in_every_quarter_of_a_philox_draw_follow_the_softmax():
+    """The kernel draws four uniforms per Philox call, for entries a quarter-window apart
+    (window 1024, quarter 256): entries in each quarter, in a second window and in a second
+    chunk must still be independent draws."""
+    torch.manual_seed(2)
+    positions = [3, 259, 515, 771, 1030] + ([] if INTERPRET else [CHUNK + 5])
+    vocab = positions[-1] + 1
+    rows, temperature = (2000 if INTERPRET else 200_000), 1.0
+    base = torch.full((vocab,), float("-inf"))
+    base[positions] = torch.linspace(0.5, -0.5, len(positions))
+    logits = base.repeat(rows, 1).to(DEVICE)
+    got = race_sample(logits, torch.full((rows,), temperature, device=DEVICE), seeds_for(rows))
+    freq = torch.bincount(got.cpu(), minlength=vocab)[positions].double() / rows
+    expected = base[positions].softmax(-1).double()
+    sigma = (expected * (1 - expected) / rows).sqrt()
+    assert ((freq - expected).abs() <= 5 * sigma).all(), (freq, expected)
+
+
 def test_a_rows_token_depends_only_on_its_seed():
     torch.manual_seed(1)
     vocab = 3000

@@ -190,6 +190,23 @@ def test_decode_matches_reference(num_splits, dtype, block_size, group, head_dim
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_order_changes_only_the_schedule(num_splits):
+    """Given an order (any permutation of the sequences), each sequence still gets exactly its
+    own output: the order only says which program starts first."""
+    seq_lens = DECODE_SEQ_LENS
+    q, k, v, cache, md = make_batch(
+        [1] * len(seq_lens), seq_lens, 2, 4, 64, 16, torch.bfloat16, extra_table_width=2
+    )
+    store_kv(k, v, cache, md.slot_mapping)
+    plain = decode_attention(q, cache, md.seq_lens, md.block_tables, 0.125, num_splits)
+    for order in (torch.argsort(md.seq_lens, descending=True), torch.randperm(len(seq_lens))):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, cache, md.seq_lens, md.block_tables, 0.125, num_splits, out=out,
+                         order=order.to(device=DEVICE, dtype=torch.int32))
+        assert torch.equal(out, plain)
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_padding_sequence_gives_zeros(num_splits):
     """A seq_len-0 row (CUDA-graph padding) yields zeros, not NaN, and leaves others intact."""
