@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One round of GPU checks and timings through the device tool (the machine keeps nothing):
 #   stages: tests | e2e (tests/gpu/test_e2e_gpu.py alone) | kernels | tp06 | tp06-nopeer | tp8b
-#           | kernels-sweep | gemm | profile06 | profile8b | timeline06 | latency   (default: tests kernels tp06 tp8b latency, in that order)
+#           | tp8b-peer | kernels-sweep | gemm | profile06 | profile8b | timeline06 | latency
+#   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -27,6 +28,9 @@ for stage in $stages; do
             --json "$OUT/throughput_qwen3_0.6b.json" 2>&1 | tee "$OUT/tp06.log" | tail -40 ;;
     tp8b) timeout 560 "${OCTAVO[@]}" bench throughput --model qwen3-8b --max-model-len 4096 \
             --load-format dummy --workload nanovllm --progress \
+            --json "$OUT/throughput_qwen3_8b.json" 2>&1 | tee "$OUT/tp8b.log" | tail -40 ;;
+    tp8b-peer) timeout 560 "${OCTAVO[@]}" bench throughput --model qwen3-8b --max-model-len 4096 \
+            --load-format dummy --workload nanovllm --peer hf --peer-timeout 120 --progress \
             --json "$OUT/throughput_qwen3_8b.json" 2>&1 | tee "$OUT/tp8b.log" | tail -40 ;;
     kernels-sweep) timeout 300 python3 benchmarks/gpu_kernels.py --sweep --json "$OUT/kernels_sweep.json" 2>&1 | tee "$OUT/kernels_sweep.log" | tail -60 ;;
     gemm) timeout 400 python3 benchmarks/gemm_small.py --json "$OUT/gemm_small.json" 2>&1 | tee "$OUT/gemm_small.log" | tail -60 ;;
