@@ -113,10 +113,12 @@ def run_hf_continuous_batching(model_dir: str, w: Workload, timeout_s: float) ->
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     cfg = AutoConfig.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_config(
-        cfg, dtype=torch.bfloat16, attn_implementation="paged|sdpa"
-    )
-    model = model.to("cuda").eval()
+    # NOTE: built on the GPU: the random init of an 8B model on the CPU outlasts a benchmark.
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(
+            cfg, dtype=torch.bfloat16, attn_implementation="paged|sdpa"
+        )
+    model = model.eval()
     gen = GenerationConfig(
         max_new_tokens=max(w.max_tokens), do_sample=True, temperature=0.6,
         eos_token_id=-1, pad_token_id=0,
