@@ -12,6 +12,18 @@ from octavo.attention.layer import bind_kv_caches
 from octavo.attention.torch_backend import TorchAttentionBackend
 from octavo.model.hf_config import get_head_dim
 
+# Dimensions of a tiny random decoder, for tests against HF on the same weights.
+TINY = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+}
+
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b||, in float64."""

@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_utils import TINY
 from transformers import LlamaConfig
 
 from octavo.entrypoints.bench_floor import DeviceCeilings, weights_read_per_step, workload_floor
 from octavo.model.loader import load_model
 
-TINY = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "architectures": ["LlamaForCausalLM"],
-}
-
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_weights_read_per_step(tied):
-    cfg = LlamaConfig(**TINY, tie_word_embeddings=tied)
+    cfg = LlamaConfig(**TINY, architectures=["LlamaForCausalLM"], tie_word_embeddings=tied)
     model = load_model("unused", cfg, torch.float32, torch.device("cpu"), "dummy")
     everything = {p.data_ptr(): p.numel() for p in model.parameters()}
     table = 256 * 64

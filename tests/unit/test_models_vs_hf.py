@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from model_utils import PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
+from model_utils import TINY, PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -19,16 +19,6 @@ from octavo.model.hf_config import get_rope_scaling, load_hf_config
 from octavo.model.loader import load_model
 
 TOL = 1e-4
-TINY = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-}
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
