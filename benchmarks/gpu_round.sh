@@ -25,7 +25,7 @@ for stage in $stages; do
             --json "$OUT/throughput_qwen3_0.6b.json" 2>&1 | tee "$OUT/tp06.log" | tail -40 ;;
     tp06-nopeer) timeout 300 "${OCTAVO[@]}" bench throughput --model qwen3-0.6b --max-model-len 4096 \
             --load-format dummy --workload nanovllm --progress \
-            --json "$OUT/throughput_qwen3_0.6b.json" 2>&1 | tee "$OUT/tp06.log" | tail -40 ;;
+            --json "$OUT/throughput_qwen3_0.6b${TAG:-}.json" 2>&1 | tee "$OUT/tp06${TAG:-}.log" | tail -4 ;;
     tp8b) timeout 560 "${OCTAVO[@]}" bench throughput --model qwen3-8b --max-model-len 4096 \
             --load-format dummy --workload nanovllm --progress \
             --json "$OUT/throughput_qwen3_8b.json" 2>&1 | tee "$OUT/tp8b.log" | tail -40 ;;
@@ -36,8 +36,8 @@ for stage in $stages; do
     gemm) timeout 400 python3 benchmarks/gemm_small.py --json "$OUT/gemm_small.json" 2>&1 | tee "$OUT/gemm_small.log" | tail -60 ;;
     profile06) timeout 300 python3 benchmarks/step_profile.py --model qwen3-0.6b --prefill-tokens 16384 \
             --json "$OUT/step_profile_0.6b.json" 2>&1 | tee "$OUT/step_profile_0.6b.log" | tail -120 ;;
-    timeline06) timeout 300 python3 benchmarks/step_timeline.py --model qwen3-0.6b \
-            --json "$OUT/timeline_0.6b.json" 2>&1 | tee "$OUT/timeline_0.6b.log" | tail -12 ;;
+    timeline06) timeout 300 python3 benchmarks/step_timeline.py --model qwen3-0.6b --profile-prefill \
+            --json "$OUT/timeline_0.6b${TAG:-}.json" 2>&1 | tee "$OUT/timeline_0.6b${TAG:-}.log" | tail -70 ;;
     profile8b) timeout 300 python3 benchmarks/step_profile.py --model qwen3-8b \
             --json "$OUT/step_profile_8b.json" 2>&1 | tee "$OUT/step_profile_8b.log" | tail -120 ;;
     latency) timeout 300 python3 benchmarks/latency.py --model qwen3-8b \
@@ -46,5 +46,6 @@ for stage in $stages; do
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"
 done
-# The device tool brings back at most 8 files: pack them into one.
-(cd "$OUT" && tar czf /tmp/round.tgz ./* && rm -f ./* && mv /tmp/round.tgz .)
+# The device tool brings back at most 8 files: pack them into one (PACK=0: not yet, another
+# invocation follows; TAG=_x suffixes tp06-nopeer's files, for A/B runs in one call).
+[ "${PACK:-1}" = 0 ] || (cd "$OUT" && tar czf /tmp/round.tgz ./* && rm -f ./* && mv /tmp/round.tgz .)

@@ -29,6 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile-prefill", action="store_true")
     args = parser.parse_args()
     # nano-vllm's settings for its workload, as `octavo bench throughput --workload nanovllm`.
     llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=16384)
@@ -44,7 +45,19 @@ def main() -> None:
 
     records: list[dict] = []
     waits: list[float] = []
+    launches: dict[int, float] = {}  # id(scheduler output) -> host seconds in schedule + launch
     real_result, real_finish = PendingOutput.result, Engine._finish
+    real_schedule, real_launch = engine_scheduler_type(llm).schedule, Engine._launch
+    scheduled_at = [0.0]
+
+    def schedule(self):
+        scheduled_at[0] = time.perf_counter()
+        return real_schedule(self)
+
+    def launch(self, so):
+        out = real_launch(self, so)
+        launches[id(so)] = time.perf_counter() - scheduled_at[0]
+        return out
 
     def result(self):
         start = time.perf_counter()
@@ -57,17 +70,25 @@ def main() -> None:
         records.append({
             "done": time.perf_counter(),
             "wait": waits[-1],
+            "host": launches.pop(id(so), 0.0),
             "seqs": len(so.scheduled),
             "tokens": so.num_batched_tokens,
             "context": sum(s.num_computed_tokens + s.num_new_tokens for s in so.scheduled),
         })
         return out
 
+    sched_type = engine_scheduler_type(llm)
     PendingOutput.result, Engine._finish = result, finish
+    sched_type.schedule, Engine._launch = schedule, launch
+    compiled = triton_variants()
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False)
     total = time.perf_counter() - start
+    compiled = {k: n - compiled.get(k, 0) for k, n in triton_variants().items()}
     PendingOutput.result, Engine._finish = real_result, real_finish
+    sched_type.schedule, Engine._launch = real_schedule, real_launch
+    new_variants = {k: n for k, n in compiled.items() if n}
+    print(f"Triton kernel variants compiled during the timed run: {new_variants or 'none'}")
 
     previous = start
     for r in records:
@@ -93,9 +114,59 @@ def main() -> None:
         ratio = f"{floor / secs:.0%}" if name != "prefill" else "-"
         print(f"{name:<14}{len(rs):>6}{secs:>9.2f}{1e3 * secs / len(rs):>9.2f}"
               f"{1e3 * floor / len(rs):>10.2f}{ratio:>9}{1e3 * wait:>13.2f}")
+    print("first steps: tokens, seqs, ms since the previous, host ms (schedule + launch), "
+          "wait ms")
+    for r in records[:12]:
+        print(f"  {r['tokens']:>6} {r['seqs']:>4} {1e3 * r['seconds']:>8.2f} "
+              f"{1e3 * r['host']:>8.2f} {1e3 * r['wait']:>8.2f}")
+    if args.profile_prefill:
+        profile_prefill(llm, w)
     if args.json:
+        steps = [{k: r[k] for k in ("tokens", "seqs", "context", "seconds", "host", "wait")}
+                 for r in records]
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "seconds": total, "groups": summary}, f, indent=2)
+            json.dump({"model": args.model, "seconds": total, "groups": summary,
+                       "new_triton_variants": new_variants, "steps": steps}, f, indent=1)
+
+
+def engine_scheduler_type(llm: LLM) -> type:
+    return type(llm.engine.scheduler)
+
+
+def triton_variants() -> dict[str, int]:
+    """Compiled variants of each of octavo's Triton kernels, by kernel name."""
+    import triton
+
+    from octavo import kernels
+
+    counts = {}
+    for module in kernels.__dict__.values():
+        for name, fn in getattr(module, "__dict__", {}).items():
+            if isinstance(fn, triton.runtime.jit.JITFunction):
+                caches = getattr(fn, "device_caches", {})
+                counts[name] = sum(len(c[0]) for c in caches.values() if isinstance(c, tuple))
+    return counts
+
+
+def profile_prefill(llm: LLM, w) -> None:
+    """The workload's prompts with one output token each (prefill steps only), under cProfile:
+    where the host's time goes in a prefill step."""
+    import cProfile
+    import pstats
+
+    prompts = [{"prompt_token_ids": p} for p in w.prompts]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1) for _ in prompts]
+    llm.generate(prompts, params, use_tqdm=False)  # same shapes as the timed run: warm
+    steps = llm.get_stats()["num_steps"]
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profile.disable()
+    seconds = time.perf_counter() - start
+    steps = llm.get_stats()["num_steps"] - steps
+    print(f"prefill only, under cProfile: {seconds:.3f} s, {steps} steps")
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":
