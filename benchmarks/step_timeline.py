@@ -13,8 +13,11 @@ weight once: (sum of context lengths x KV bytes per token + weight bytes) / copy
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
+
+import torch
 
 from octavo import LLM, SamplingParams
 from octavo.engine.engine import Engine
@@ -81,9 +84,25 @@ def main() -> None:
     PendingOutput.result, Engine._finish = result, finish
     sched_type.schedule, Engine._launch = schedule, launch
     compiled = triton_variants()
+    gc_seconds = [0.0, 0.0]  # total, start of the collection in progress
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_seconds[1] = time.perf_counter()
+        else:
+            gc_seconds[0] += time.perf_counter() - gc_seconds[1]
+
+    gc.callbacks.append(on_gc)
+    memory = torch.cuda.memory_stats()
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False)
     total = time.perf_counter() - start
+    gc.callbacks.remove(on_gc)
+    after = torch.cuda.memory_stats()
+    allocator = {k: after.get(k, 0) - memory.get(k, 0)
+                 for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")}
+    print(f"Python GC during the timed run: {1e3 * gc_seconds[0]:.1f} ms; "
+          f"CUDA caching allocator: {allocator}")
     compiled = {k: n - compiled.get(k, 0) for k, n in triton_variants().items()}
     PendingOutput.result, Engine._finish = real_result, real_finish
     sched_type.schedule, Engine._launch = real_schedule, real_launch
@@ -126,7 +145,8 @@ def main() -> None:
                  for r in records]
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "seconds": total, "groups": summary,
-                       "new_triton_variants": new_variants, "steps": steps}, f, indent=1)
+                       "new_triton_variants": new_variants, "gc_seconds": gc_seconds[0],
+                       "allocator": allocator, "steps": steps}, f, indent=1)
 
 
 def engine_scheduler_type(llm: LLM) -> type:
@@ -154,19 +174,23 @@ def profile_prefill(llm: LLM, w) -> None:
     import cProfile
     import pstats
 
-    prompts = [{"prompt_token_ids": p} for p in w.prompts]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1) for _ in prompts]
-    llm.generate(prompts, params, use_tqdm=False)  # same shapes as the timed run: warm
+    def fresh(shift: int) -> list[dict]:  # the workload's lengths, tokens no cache holds
+        return [{"prompt_token_ids": [10_000 + shift + t for t in p]} for p in w.prompts]
+
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1) for _ in w.prompts]
+    torch.cuda.set_sync_debug_mode("warn")  # names any call that waits for the device
+    llm.generate(fresh(1), params, use_tqdm=False)
+    torch.cuda.set_sync_debug_mode(0)
     steps = llm.get_stats()["num_steps"]
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.enable()
-    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(fresh(2), params, use_tqdm=False)
     profile.disable()
     seconds = time.perf_counter() - start
     steps = llm.get_stats()["num_steps"] - steps
     print(f"prefill only, under cProfile: {seconds:.3f} s, {steps} steps")
-    pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
