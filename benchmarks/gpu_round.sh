@@ -33,7 +33,7 @@ for stage in $stages; do
             --load-format dummy --workload nanovllm --peer hf --peer-timeout 120 --progress \
             --json "$OUT/throughput_qwen3_8b.json" 2>&1 | tee "$OUT/tp8b.log" | tail -40 ;;
     kernels-sweep) timeout 300 python3 benchmarks/gpu_kernels.py --sweep --json "$OUT/kernels_sweep.json" 2>&1 | tee "$OUT/kernels_sweep.log" | tail -60 ;;
-    splitk) timeout 500 python3 benchmarks/gemm_splitk.py --json "$OUT/gemm_splitk.json" 2>&1 | tee "$OUT/gemm_splitk.log" | tail -30 ;;
+    splitk) timeout 500 python3 benchmarks/gemm_splitk.py ${SPLITK_ARGS:-} --json "$OUT/gemm_splitk.json" 2>&1 | tee "$OUT/gemm_splitk.log" | tail -30 ;;
     gemm) timeout 400 python3 benchmarks/gemm_small.py --json "$OUT/gemm_small.json" 2>&1 | tee "$OUT/gemm_small.log" | tail -60 ;;
     profile06) timeout 300 python3 benchmarks/step_profile.py --model qwen3-0.6b --prefill-tokens 16384 \
             --json "$OUT/step_profile_0.6b.json" 2>&1 | tee "$OUT/step_profile_0.6b.log" | tail -120 ;;
