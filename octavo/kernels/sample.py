@@ -1,16 +1,22 @@
-"""Sampling by the exponential race (Gumbel-max) in one pass over the logits.
+"""Sampling from softmax(logits / T) by the inverse CDF, in two small passes over the logits.
 
-    token = argmax_v  logits[v] / T - log(E_v),   E_v = -log(U_v),  U_v ~ Uniform(0, 1)
+    pass 1, one program per (row, chunk of CHUNK entries):
+        M_c = max_v logits[v] / T,   S_c = sum_v exp(logits[v] / T - M_c)
+    pass 2, one program per row:
+        w_c = S_c exp(M_c - M),  M = max_c M_c          (the chunk's share of the row's mass)
+        target = U * sum_c w_c,  U ~ Uniform[0, 1) from Philox keyed by the row's seed
+        the chunk c where the running sum of w passes target, then the entry of chunk c where
+        the running sum of exp(logits[v] / T - M) passes what is left of target
 
-picks v with probability softmax(logits / T)[v]: the same rule as the torch sampler's
-`argmax(probs / E)`, without materializing probabilities or noise. U comes from Triton's
-Philox generator keyed by a 63-bit seed per row and the vocabulary index (each Philox call
-gives four uniforms, for four entries: drawing them is most of the kernel's work at B = 256),
-so a row's token depends only on its seed. A row with T = 0 takes the plain argmax. Each program scans one
-chunk of one row; a second, tiny step picks the best chunk.
+Token v comes out with probability softmax(logits / T)[v], and a row's token depends only on
+its logits and its seed. One uniform per row: the exponential race (Gumbel-max) this
+replaced drew one per vocabulary entry, and at B = 256, V = 152k drawing them was most of its
+122 us (docs/PERFORMANCE.md). Pass 1 reads the logits once, in their own dtype; pass 2 reads
+one chunk per row again. A row with T = 0 takes the argmax, ties to the smallest index.
 
-The unfused sampler reads and writes [B, V] float32 tensors ~10 times (cast, scale, softmax,
-noise, log, divide, argmax); at B = 256 and V = 152k that is ~2 GB per step.
+The two passes sum the same terms in different orders, so in fp32 they can disagree in the
+last bits. If what is left of target lands in that sliver at the end of chunk c, the scan
+never passes it, and the chunk's last entry with non-zero mass is taken (a bias of ~1e-7).
 """
 
 from __future__ import annotations
@@ -19,28 +25,19 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 8192  # vocabulary entries per program
+CHUNK = 8192  # vocabulary entries per program of pass 1
+BLOCK = 1024  # entries per step of a program's loop
+LOG2E = 1.4426950408889634
+NEG = -1.0e30  # finite "minus infinity": exp2(NEG - NEG) stays 1, never nan
 
 
 @triton.jit
-def _race_window(best_val, best_idx, row_ptr, offs, u, inv_t, vocab_size, NOISE: tl.constexpr):
-    """Folds the entries `offs` (with uniforms u) into each lane's best so far."""
-    mask = offs < vocab_size
-    val = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-    if NOISE:
-        # -log(E) with E = -log(U); U = 0 would give E = inf: a token that can never win.
-        val += -tl.log(-tl.log(tl.maximum(u, 1e-20)))
-    better = val > best_val  # strict: the first index wins a tie
-    return tl.where(better, val, best_val), tl.where(better, offs.to(tl.int64), best_idx)
-
-
-@triton.jit
-def _race_kernel(
+def _chunk_stats_kernel(
     logits_ptr,  # [B, V], any float dtype, row stride stride_row
     temperature_ptr,  # [B] float32, 0 = greedy
-    seeds_ptr,  # [B] int64
-    best_val_ptr,  # [B, num_chunks] float32
-    best_idx_ptr,  # [B, num_chunks] int64
+    max_ptr,  # [B, num_chunks] float32: M_c (greedy rows: the chunk's max logit)
+    sum_ptr,  # [B, num_chunks] float32: S_c (greedy rows: unused)
+    index_ptr,  # [B, num_chunks] int64: greedy rows: the chunk's first argmax
     vocab_size,
     stride_row,
     num_chunks,
@@ -50,60 +47,114 @@ def _race_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
-    seed = tl.load(seeds_ptr + row)
+    greedy = temperature == 0.0
+    scale = tl.where(greedy, 1.0, LOG2E / temperature)  # logits -> log2 domain of p
     row_ptr = logits_ptr + row * stride_row
-    # One Philox call gives four uniforms, one for each quarter of a BLOCK-entry window:
-    # window w, lane i -> Philox counter w * BLOCK / 4 + i, entries w * BLOCK + j * Q + i.
-    Q: tl.constexpr = BLOCK // 4
-    lanes = tl.arange(0, Q)
-    best_val = tl.full([Q], float("-inf"), tl.float32)
-    best_idx = tl.full([Q], 0, tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    # Each lane keeps its own running max and sum (online softmax), merged at the end.
+    m = tl.full([BLOCK], NEG, tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    best = tl.zeros([BLOCK], tl.int64)
     end = tl.minimum(chunk * CHUNK + CHUNK, vocab_size)
-    if temperature == 0.0:  # argmax: no noise to draw
-        for start in range(chunk * CHUNK, end, Q):
-            best_val, best_idx = _race_window(
-                best_val, best_idx, row_ptr, start + lanes, best_val, 1.0, vocab_size, False
-            )
+    for start in range(chunk * CHUNK, end, BLOCK):
+        offs = start + lanes
+        x = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
+        x = x * scale
+        better = x > m  # strict: a lane keeps its first index on ties
+        best = tl.where(better, offs.to(tl.int64), best)
+        m_new = tl.maximum(m, x)
+        s = s * tl.exp2(m - m_new) + tl.exp2(x - m_new)
+        m = m_new
+    m_chunk = tl.max(m, axis=0)
+    s_chunk = tl.sum(s * tl.exp2(m - m_chunk), axis=0)
+    first = tl.min(tl.where(m == m_chunk, best, vocab_size), axis=0)
+    out = row * num_chunks + chunk
+    tl.store(max_ptr + out, m_chunk)
+    tl.store(sum_ptr + out, s_chunk)
+    tl.store(index_ptr + out, first)
+
+
+@triton.jit
+def _pick_kernel(
+    logits_ptr,
+    temperature_ptr,
+    seeds_ptr,  # [B] int64
+    max_ptr,
+    sum_ptr,
+    index_ptr,
+    out_ptr,  # [B] int64
+    vocab_size,
+    stride_row,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,  # next power of two >= num_chunks
+):
+    row = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temperature_ptr + row)
+    offs_c = tl.arange(0, CHUNKS_PAD)
+    chunk_ok = offs_c < num_chunks
+    m_c = tl.load(max_ptr + row * num_chunks + offs_c, mask=chunk_ok, other=NEG)
+    m_row = tl.max(m_c, axis=0)
+    if temperature == 0.0:  # the first chunk holding the max, then its first argmax
+        c = tl.min(tl.where(m_c == m_row, offs_c, CHUNKS_PAD), axis=0)
+        tl.store(out_ptr + row, tl.load(index_ptr + row * num_chunks + c))
     else:
-        inv_t = 1.0 / temperature
-        for start in range(chunk * CHUNK, end, BLOCK):
-            u0, u1, u2, u3 = tl.rand4x(seed, start // 4 + lanes)
-            best_val, best_idx = _race_window(
-                best_val, best_idx, row_ptr, start + lanes, u0, inv_t, vocab_size, True
-            )
-            best_val, best_idx = _race_window(
-                best_val, best_idx, row_ptr, start + Q + lanes, u1, inv_t, vocab_size, True
-            )
-            best_val, best_idx = _race_window(
-                best_val, best_idx, row_ptr, start + 2 * Q + lanes, u2, inv_t, vocab_size, True
-            )
-            best_val, best_idx = _race_window(
-                best_val, best_idx, row_ptr, start + 3 * Q + lanes, u3, inv_t, vocab_size, True
-            )
-    value = tl.max(best_val, axis=0)
-    # Ties across lanes: the smallest index among the lanes holding the maximum.
-    index = tl.min(tl.where(best_val == value, best_idx, vocab_size), axis=0)
-    tl.store(best_val_ptr + row * num_chunks + chunk, value)
-    tl.store(best_idx_ptr + row * num_chunks + chunk, index)
+        s_c = tl.load(sum_ptr + row * num_chunks + offs_c, mask=chunk_ok, other=0.0)
+        w = s_c * tl.exp2(m_c - m_row)  # [C] each chunk's mass, relative to exp2(m_row)
+        cum = tl.cumsum(w, axis=0)
+        u = tl.rand(tl.load(seeds_ptr + row), tl.full([], 0, tl.int32))  # counter 0: [0, 1)
+        target = u * tl.sum(w, axis=0)
+        # The first chunk whose running sum passes target (the last one with mass, at most).
+        last_c = tl.max(tl.where(w > 0, offs_c, 0), axis=0)
+        c = tl.minimum(tl.sum((cum <= target) & chunk_ok, axis=0), last_c)
+        left = target - tl.sum(tl.where(offs_c < c, w, 0.0), axis=0)
+        scale = LOG2E / temperature
+        row_ptr = logits_ptr + row * stride_row
+        lanes = tl.arange(0, BLOCK)
+        end = tl.minimum(c * CHUNK + CHUNK, vocab_size)
+        found = vocab_size  # none yet
+        last_with_mass = c * CHUNK
+        running = 0.0
+        for start in range(c * CHUNK, end, BLOCK):
+            offs = start + lanes
+            x = tl.load(row_ptr + offs, mask=offs < end, other=float("-inf")).to(tl.float32)
+            p = tl.exp2(x * scale - m_row)
+            within = tl.cumsum(p, axis=0) + running
+            passed = (within > left) & (p > 0)
+            found = tl.minimum(found, tl.min(tl.where(passed, offs, vocab_size), axis=0))
+            last_with_mass = tl.maximum(last_with_mass, tl.max(tl.where(p > 0, offs, 0), axis=0))
+            running += tl.sum(p, axis=0)
+        token = tl.where(found < vocab_size, found, last_with_mass)
+        tl.store(out_ptr + row, token.to(tl.int64))
 
 
-def race_sample(
+def sample_tokens(
     logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor
 ) -> torch.Tensor:
-    """One token per row of logits [B, V] (last dim contiguous): the exponential race at
-    temperature[b] (0 = argmax) with noise from seeds[b]. Returns [B] int64."""
+    """One token per row of logits [B, V] (last dim contiguous), drawn from
+    softmax(logits / temperature[b]) with the uniform keyed by seeds[b]; temperature 0 is the
+    argmax. Returns [B] int64."""
     num_rows, vocab = logits.shape
     if logits.stride(-1) != 1:
-        raise ValueError("race_sample needs logits with a contiguous last dim")
+        raise ValueError("sample_tokens needs logits with a contiguous last dim")
     if temperature.shape != (num_rows,) or seeds.shape != (num_rows,):
         raise ValueError("temperature and seeds need one entry per row")
     num_chunks = triton.cdiv(vocab, CHUNK)
-    best_val = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
-    best_idx = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=logits.device)
+    device = logits.device
+    chunk_max = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=device)
+    chunk_sum = torch.empty_like(chunk_max)
+    chunk_index = torch.empty(num_rows, num_chunks, dtype=torch.int64, device=device)
+    out = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows:
-        _race_kernel[(num_rows, num_chunks)](
-            logits, temperature, seeds, best_val, best_idx, vocab, logits.stride(0),
-            num_chunks, CHUNK=CHUNK, BLOCK=1024, num_warps=4,
-        )
-    # NOTE: argmax returns the first best chunk, so ties go to the smallest index overall.
-    return best_idx.gather(1, best_val.argmax(1, keepdim=True))[:, 0]
+        args = (vocab, logits.stride(0), num_chunks)
+        _chunk_stats_kernel[(num_rows, num_chunks)](
+            logits, temperature, chunk_max, chunk_sum, chunk_index, *args, CHUNK=CHUNK,
+            BLOCK=BLOCK, num_warps=4,
+        )  # fmt: skip
+        _pick_kernel[(num_rows,)](
+            logits, temperature, seeds, chunk_max, chunk_sum, chunk_index, out, *args,
+            CHUNK=CHUNK, BLOCK=BLOCK, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
+            num_warps=4,
+        )  # fmt: skip
+    return out

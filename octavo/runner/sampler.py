@@ -12,6 +12,8 @@ Order, as in vLLM v1:
 The exponential race picks token i with probability probs[i] and needs only independent noise
 per row, so a seeded row draws its noise from its own generator, seeded from (seed, number of
 output tokens so far): its tokens do not depend on the batch, the step split or preemption.
+On CUDA the random rows go through `octavo/kernels/sample.py` instead: the inverse CDF, with
+one uniform per row keyed the same way.
 """
 
 from __future__ import annotations
@@ -338,8 +340,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """Samples one token per row. logits: [B, V], any float dtype; not modified.
 
-        On CUDA, random rows sample through one fused Triton kernel (`race_sample`); the
-        logits stay in their dtype unless a log-prob, ban, penalty or filter needs float32.
+        On CUDA, random rows sample through two small Triton kernels (`sample_tokens`, by the
+        inverse CDF); the logits stay in their dtype unless a log-prob, ban, penalty or filter
+        needs float32.
         """
         assert logits.shape == (md.num_rows, md.vocab_size), (logits.shape, md.num_rows)
         if not (logits.is_cuda and md.is_plain):
@@ -354,7 +357,7 @@ class Sampler:
         if md.all_greedy:
             sampled = logits.argmax(-1)
         else:
-            sampled = self._race(logits, md) if logits.is_cuda else self._sample(logits, md)
+            sampled = self._sample_cuda(logits, md) if logits.is_cuda else self._sample(logits, md)
             if md.greedy_rows is not None:
                 sampled = torch.where(md.greedy_rows, logits.argmax(-1), sampled)
         out = SamplerOutput(sampled)
@@ -367,10 +370,10 @@ class Sampler:
             self._generators[device] = torch.Generator(device).manual_seed(self.seed)
         return self._generators[device]
 
-    def _race(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """The exponential race in one Triton kernel (CUDA). Seeded rows key its noise with
-        their own seed; the others with seeds drawn from this sampler's generator."""
-        from octavo.kernels.sample import race_sample
+    def _sample_cuda(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The Triton sampler (CUDA). Seeded rows key its uniform with their own seed; the
+        others with seeds drawn from this sampler's generator."""
+        from octavo.kernels.sample import sample_tokens
 
         temperature = md.temperature
         if md.has_filters:
@@ -379,7 +382,7 @@ class Sampler:
         seeds = [self._host_rng.getrandbits(63) for _ in range(md.num_rows)]
         for row, seed in md.seeded_rows:
             seeds[row] = seed
-        return race_sample(logits, temperature, to_device(seeds, torch.int64, logits.device))
+        return sample_tokens(logits, temperature, to_device(seeds, torch.int64, logits.device))
 
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         probs = apply_filters(logits, md).softmax(-1)  # [B, V]

@@ -1,5 +1,6 @@
-"""The fused sampling kernel (`race_sample`): greedy rows are argmax, random rows follow
-softmax(logits / T), a row's token depends only on its seed, and masked tokens never win.
+"""The Triton sampler (`sample_tokens`): greedy rows are argmax, random rows follow
+softmax(logits / T) wherever the mass sits (any chunk, any block of a chunk), a row's token
+depends only on its seed, and masked tokens never win.
 With OCTAVO_TRITON_INTERPRET=1 a small subset runs on the CPU through Triton's interpreter."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ INTERPRET = os.environ.get("OCTAVO_TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
 
-from octavo.kernels.sample import CHUNK, race_sample
+from octavo.kernels.sample import BLOCK, CHUNK, sample_tokens
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -31,7 +32,7 @@ def test_zero_temperature_is_argmax_first_index_on_ties(dtype, vocab):
     logits = torch.randn(6, vocab, device=DEVICE).to(dtype)
     logits[0, :] = 1.0  # all tied: the first index
     logits[1, vocab - 1] = 100.0  # the last index, in the last chunk
-    got = race_sample(logits, torch.zeros(6, device=DEVICE), seeds_for(6))
+    got = sample_tokens(logits, torch.zeros(6, device=DEVICE), seeds_for(6))
     assert got.tolist() == [0] + logits[1:].float().argmax(-1).tolist()
 
 
@@ -40,7 +41,7 @@ def test_random_rows_follow_the_softmax():
     vocab, rows, temperature = 6, 4000 if INTERPRET else 200_000, 0.7
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")])
     logits = base.repeat(rows, 1).to(DEVICE)
-    got = race_sample(logits, torch.full((rows,), temperature, device=DEVICE), seeds_for(rows))
+    got = sample_tokens(logits, torch.full((rows,), temperature, device=DEVICE), seeds_for(rows))
     freq = torch.bincount(got.cpu(), minlength=vocab).double() / rows
     expected = (base / temperature).softmax(-1).double()
     assert freq[-1] == 0  # a masked token never wins
@@ -49,20 +50,25 @@ def test_random_rows_follow_the_softmax():
     assert ((freq - expected).abs() <= 5 * sigma + 1e-12).all(), (freq, expected)
 
 
-def test_entries_in_every_quarter_of_a_philox_draw_follow_the_softmax():
-    """The kernel draws four uniforms per Philox call, for entries a quarter-window apart
-    (window 1024, quarter 256): entries in each quarter, in a second window and in a second
-    chunk must still be independent draws."""
+def test_mass_in_several_chunks_and_blocks_follows_the_softmax():
+    """Pass 2 picks a chunk by its share of the mass, then scans it block by block: tokens at
+    the edges of blocks and chunks, and in a later chunk than the row's max, keep their odds."""
     torch.manual_seed(2)
-    positions = [3, 259, 515, 771, 1030] + ([] if INTERPRET else [CHUNK + 5])
-    vocab = positions[-1] + 1
-    rows, temperature = (2000 if INTERPRET else 200_000), 1.0
+    positions = [3, BLOCK - 1, BLOCK, 2 * BLOCK + 7]
+    if not INTERPRET:
+        positions += [CHUNK - 1, CHUNK, 2 * CHUNK + BLOCK + 5]
+    vocab = positions[-1] + 2
+    rows, temperature = (2000 if INTERPRET else 200_000), 0.8
     base = torch.full((vocab,), float("-inf"))
-    base[positions] = torch.linspace(0.5, -0.5, len(positions))
+    base[positions] = torch.linspace(-0.4, 0.6, len(positions))  # the max in the last chunk
     logits = base.repeat(rows, 1).to(DEVICE)
-    got = race_sample(logits, torch.full((rows,), temperature, device=DEVICE), seeds_for(rows))
-    freq = torch.bincount(got.cpu(), minlength=vocab)[positions].double() / rows
-    expected = base[positions].softmax(-1).double()
+    got = sample_tokens(
+        logits, torch.full((rows,), temperature, device=DEVICE), seeds_for(rows)
+    )
+    counts = torch.bincount(got.cpu(), minlength=vocab)
+    assert counts.sum() == counts[positions].sum()  # nothing outside the allowed tokens
+    freq = counts[positions].double() / rows
+    expected = (base[positions] / temperature).softmax(-1).double()
     sigma = (expected * (1 - expected) / rows).sqrt()
     assert ((freq - expected).abs() <= 5 * sigma).all(), (freq, expected)
 
@@ -73,11 +79,40 @@ def test_a_rows_token_depends_only_on_its_seed():
     logits = torch.randn(8, vocab, device=DEVICE)
     temperature = torch.full((8,), 1.0, device=DEVICE)
     seeds = seeds_for(8)
-    first = race_sample(logits, temperature, seeds)
-    again = race_sample(logits, temperature, seeds)
+    first = sample_tokens(logits, temperature, seeds)
+    again = sample_tokens(logits, temperature, seeds)
     assert first.tolist() == again.tolist()
     # Row 3 alone, in another batch position: the same token.
-    alone = race_sample(logits[3:4], temperature[:1], seeds[3:4])
+    alone = sample_tokens(logits[3:4], temperature[:1], seeds[3:4])
     assert alone.item() == first[3].item()
-    others = race_sample(logits, temperature, seeds_for(8, start=100))
+    others = sample_tokens(logits, temperature, seeds_for(8, start=100))
     assert others.tolist() != first.tolist()
+
+
+@pytest.mark.skipif(INTERPRET, reason="the Sampler's CUDA path needs a GPU")
+def test_sampler_on_cuda_mixes_greedy_seeded_and_filtered_rows():
+    """`Sampler` on CUDA: greedy rows are the argmax, top-k rows stay in their top k, and a
+    seeded row's tokens do not depend on the rows around it."""
+    from octavo.runner.sampler import Sampler, SamplingMetadata
+    from octavo.sampling_params import SamplingParams as SP
+
+    vocab, cuda = 3000, torch.device("cuda")
+
+    def run(params, logits, num_outputs):
+        md = SamplingMetadata.build(
+            params, [[] for _ in params], [[1] * num_outputs for _ in params], vocab, [], cuda
+        )
+        return Sampler(seed=5)(logits, md).sampled_token_ids.tolist()
+
+    torch.manual_seed(3)
+    params = [SP(temperature=0), SP(seed=42), SP(top_k=5), SP(), SP(temperature=0.5, seed=7)]
+    seeded_alone, seeded_in_batch = [], []
+    for step in range(8):
+        logits = torch.randn(len(params), vocab, device=cuda).to(torch.bfloat16)
+        got = run(params, logits, step)
+        assert got[0] == logits[0].float().argmax().item()
+        assert got[2] in logits[2].float().topk(5).indices.tolist()
+        seeded_in_batch.append(got[1])
+        seeded_alone.append(run(params[1:2], logits[1:2], step)[0])
+    assert seeded_in_batch == seeded_alone
+    assert len(set(seeded_alone)) > 3
