@@ -27,8 +27,8 @@ import triton.language as tl
 
 CHUNK = 8192  # vocabulary entries per program of pass 1
 BLOCK = 1024  # entries per step of a program's loop
-LOG2E = 1.4426950408889634
-NEG = -1.0e30  # finite "minus infinity": exp2(NEG - NEG) stays 1, never nan
+LOG2E = tl.constexpr(1.4426950408889634)
+NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": exp2(NEG - NEG) stays 1, never nan
 
 
 @triton.jit
@@ -107,7 +107,7 @@ def _pick_kernel(
         target = u * tl.sum(w, axis=0)
         # The first chunk whose running sum passes target (the last one with mass, at most).
         last_c = tl.max(tl.where(w > 0, offs_c, 0), axis=0)
-        c = tl.minimum(tl.sum((cum <= target) & chunk_ok, axis=0), last_c)
+        c = tl.minimum(tl.sum(((cum <= target) & chunk_ok).to(tl.int32), axis=0), last_c)
         left = target - tl.sum(tl.where(offs_c < c, w, 0.0), axis=0)
         scale = LOG2E / temperature
         row_ptr = logits_ptr + row * stride_row
