@@ -60,6 +60,9 @@ class AttentionBackend(ABC):
     # True if `attend` exists: attention over K/V that an earlier kernel already stored
     # (the fused rotary kernel writes them on CUDA).
     attends_stored_kv: bool = False
+    # True if `decode_from_qkv` exists: a pure-decode step straight from the qkv projection,
+    # q/k norm, rotary and the K/V store included (one Triton kernel on CUDA).
+    decodes_from_qkv: bool = False
 
     @abstractmethod
     def forward(

@@ -41,6 +41,30 @@ class Attention(nn.Module):
         """Whether the model may write this step's K/V itself and call `attend_stored`."""
         return self.backend is not None and self.backend.attends_stored_kv
 
+    @property
+    def decodes_from_qkv(self) -> bool:
+        """Whether the model may hand a pure-decode step's qkv to `decode_from_qkv`."""
+        return self.backend is not None and self.backend.decodes_from_qkv
+
+    def decode_from_qkv(
+        self,
+        qkv: torch.Tensor,
+        md: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        """qkv [B, (H + 2 * KVH) * D] of a pure-decode step -> [B, H*D]: norm, rotary, the
+        K/V store and attention in the backend (see TritonAttentionBackend.decode_from_qkv)."""
+        if self.kv_cache is None or self.backend is None:
+            raise RuntimeError("Attention used before the model runner bound a KV cache")
+        out = self.backend.decode_from_qkv(
+            qkv, self.kv_cache, md, self.scale, self.num_heads, cos_sin_cache, q_norm, k_norm,
+            eps,
+        )  # fmt: skip
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
     def attend_stored(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D], with this step's K/V already in `kv_cache` -> [T, H*D]."""
         if self.kv_cache is None or self.backend is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from octavo.attention.backend import AttentionBackend, AttentionMetadata
-from octavo.kernels.decode_attention import decode_attention
+from octavo.kernels.decode_attention import decode_attention, decode_attention_qkv
 from octavo.kernels.prefill_attention import prefill_attention
 from octavo.kernels.store_kv import store_kv
 
@@ -34,6 +34,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     attends_stored_kv = True
+    decodes_from_qkv = True
 
     def forward(
         self,
@@ -68,3 +69,23 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             num_seqs=md.num_seqs,
         )
+
+    def decode_from_qkv(
+        self,
+        qkv: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        num_heads: int,
+        cos_sin_cache: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:
+        """A pure-decode step (md.is_all_decode) from qkv [B, (H + 2 * KVH) * D]: q/k norm
+        (if given) and rotary at position seq_len - 1, the K/V store and attention, in one
+        kernel (`decode_attention_qkv`). Returns [B, H, D]."""
+        return decode_attention_qkv(
+            qkv, kv_cache, md.seq_lens, md.block_tables, md.slot_mapping[: qkv.shape[0]],
+            cos_sin_cache, scale, num_heads, q_norm, k_norm, eps, order=md.decode_order,
+        )  # fmt: skip

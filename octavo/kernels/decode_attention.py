@@ -43,6 +43,28 @@ MIN_SPLIT_LEN = 256  # context positions per split: below this the partial write
 MAX_SPLITS = 64
 
 
+@triton.jit
+def _norm_rope_rows(row_ptrs, row_ok, weight_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
+                    HAS_NORM: tl.constexpr):  # fmt: skip
+    """Heads [R, D] starting at row_ptrs [R, 1]: RMS-normalized with weight_ptr (if HAS_NORM),
+    then rotated (HF's rotate-half), in float32. The same arithmetic and roundings as
+    `octavo/kernels/rope.py`, on whole heads: element d pairs with d +- D/2."""
+    half: tl.constexpr = HEAD_DIM // 2
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    partner = (offs_d + half) % HEAD_DIM
+    x = tl.load(row_ptrs + offs_d, mask=row_ok, other=0.0)
+    xr = tl.load(row_ptrs + partner, mask=row_ok, other=0.0)
+    if HAS_NORM:
+        xf = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(weight_ptr + offs_d).to(tl.float32)
+        wr = tl.load(weight_ptr + partner).to(tl.float32)
+        x = ((xf * inv_rms).to(x.dtype).to(tl.float32) * w).to(x.dtype)
+        xr = ((xr.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32) * wr).to(x.dtype)
+    sign = tl.where(offs_d < half, -1.0, 1.0)  # first half: x1 cos - x2 sin; second: x2 cos + x1 sin
+    return x.to(tl.float32) * cos + sign * xr.to(tl.float32) * sin
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr,  # [B, H, D]
@@ -54,6 +76,11 @@ def _decode_split_kernel(
     out_ptr,  # [B, H, D], written when SINGLE_SPLIT
     part_out_ptr,  # [B, H, num_splits, D] fp32, written otherwise
     part_lse_ptr,  # [B, H, num_splits] fp32 (log2 domain)
+    cos_sin_ptr,  # FUSED_QK: [max_position, D] float32, cos | sin halves
+    q_norm_ptr,  # FUSED_QK and HAS_NORM: [D] per-head norm weights of q and k
+    k_norm_ptr,
+    slot_ptr,  # FUSED_QK: [B] int64 cache slot of each sequence's new token
+    eps,
     qk_scale,
     num_splits,  # a run-time value, so changing it costs no recompilation
     stride_q_tok,
@@ -69,6 +96,8 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output directly
     HAS_ORDER: tl.constexpr,
+    FUSED_QK: tl.constexpr,  # q_ptr is the qkv projection: norm, rotate and store here
+    HAS_NORM: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -85,7 +114,36 @@ def _decode_split_kernel(
     head = kv_head * GROUP + offs_g  # [G]
     head_ok = offs_g < GROUP
     q_off = seq.to(tl.int64) * stride_q_tok + head * stride_q_head
-    q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=head_ok[:, None], other=0.0)
+    if FUSED_QK:
+        # The new token's q heads, k and v come raw from the qkv projection. It attends to
+        # itself from registers (below), so the cache loop stops one position short, and the
+        # program whose split holds that position writes k and v to the cache.
+        pos = tl.maximum(seq_len - 1, 0)
+        half: tl.constexpr = HEAD_DIM // 2
+        cs_row = cos_sin_ptr + pos.to(tl.int64) * HEAD_DIM
+        cos = tl.load(cs_row + offs_d % half)[None, :]  # [1, D]: cos of each pair, twice
+        sin = tl.load(cs_row + half + offs_d % half)[None, :]
+        q = _norm_rope_rows(
+            q_ptr + q_off[:, None], head_ok[:, None], q_norm_ptr, cos, sin, eps, HEAD_DIM,
+            HAS_NORM,
+        ).to(q_ptr.dtype.element_ty)  # fmt: skip
+        tok = q_ptr + seq.to(tl.int64) * stride_q_tok
+        k_src = tok + (NUM_KV_HEADS * GROUP + kv_head) * HEAD_DIM
+        one = tl.arange(0, 1)[:, None]  # [1, 1]
+        k_new = _norm_rope_rows(
+            k_src + one, one < 1, k_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM
+        ).to(q_ptr.dtype.element_ty)  # [1, D]
+        v_src = tok + (NUM_KV_HEADS * GROUP + NUM_KV_HEADS + kv_head) * HEAD_DIM
+        v_new = tl.load(v_src + offs_d)[None, :]  # [1, D]
+        owns_new = (kv_lo <= pos) & (pos < kv_hi)
+        if owns_new:
+            slot = tl.load(slot_ptr + seq)
+            dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
+            tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty))
+            tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty))
+        kv_hi = tl.where(owns_new, pos, kv_hi)
+    else:
+        q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=head_ok[:, None], other=0.0)
 
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
@@ -104,6 +162,16 @@ def _decode_split_kernel(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, kv_hi,
             q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
         )  # fmt: skip
+
+    if FUSED_QK:  # the new token, from registers (a split without it adds exp2(-1e30) = 0)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale  # [G]
+        s_new = tl.where(owns_new, s_new, -1.0e30)
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.exp2(m_i - m_new)
+        p_new = tl.where(owns_new, tl.exp2(s_new - m_new), 0.0)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)
+        m_i = m_new
 
     # An empty split (or seq_len 0) leaves l_i == 0 and acc == 0: write 0 and lse = -inf.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [G, D]
@@ -214,11 +282,63 @@ def decode_attention(
     Returns:
         [B, H, D] in q's dtype (`out` when given).
     """
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    check_attention_inputs(q, kv_cache, block_tables, num_heads, num_kv_heads)
+    check_attention_inputs(q, kv_cache, block_tables, q.shape[1], kv_cache.shape[3])
+    return _decode(q, q.stride(0), q.stride(1), q.shape[1], kv_cache, seq_lens, block_tables,
+                   scale, num_splits, out, config, order, None)  # fmt: skip
+
+
+def decode_attention_qkv(
+    qkv: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    scale: float,
+    num_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    order: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """`decode_attention` straight from the qkv projection: each program also does what
+    `qk_norm_rope_store` would do first for its heads (Qwen3's q/k norm if the weights are
+    given, rotary at position seq_len - 1, k and v into the new token's cache slot), and the
+    new token attends to itself from registers. One launch per layer instead of two.
+
+    Args:
+        qkv: [B, (H + 2 * KVH) * D] (rows may be strided; head_dim contiguous).
+        slot_mapping: [B] int64 cache slot of each sequence's new token.
+        cos_sin_cache: [max_position, D] float32 (cos | sin halves), as `RotaryEmbedding`.
+        q_norm, k_norm: [D] per-head RMSNorm weights, or both None.
+        The rest as `decode_attention`.
+    Returns:
+        [B, H, D] in qkv's dtype.
+    """
+    num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    num_seqs = qkv.shape[0]
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads} + 2 x "
+                         f"{num_kv_heads} heads of {head_dim} with a contiguous last dim")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("pass both q and k norm weights, or neither")
+    if slot_mapping.shape != (num_seqs,) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be [B] int64, got {tuple(slot_mapping.shape)}")
+    q_view = qkv[:, : num_heads * head_dim].view(num_seqs, num_heads, head_dim)
+    check_attention_inputs(q_view, kv_cache, block_tables, num_heads, num_kv_heads)
+    fused = (cos_sin_cache, q_norm, k_norm, slot_mapping, eps)
+    return _decode(qkv, qkv.stride(0), head_dim, num_heads, kv_cache, seq_lens, block_tables,
+                   scale, num_splits, None, None, order, fused)  # fmt: skip
+
+
+def _decode(q, stride_tok, stride_head, num_heads, kv_cache, seq_lens, block_tables, scale,
+            num_splits, out, config, order, fused) -> torch.Tensor:  # fmt: skip
+    """Launches the split kernel (and the reduction, with several splits)."""
+    num_seqs = q.shape[0]
+    num_kv_heads, block_size, head_dim = kv_cache.shape[3], kv_cache.shape[2], kv_cache.shape[4]
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
     if num_splits is None:
@@ -235,6 +355,8 @@ def decode_attention(
         )
     else:
         part_out = part_lse = out  # unused by the kernel
+    cos_sin, q_norm, k_norm, slots, eps = fused or (out, None, None, seq_lens, 0.0)
+    has_norm = q_norm is not None
     _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q,
         kv_cache[0],
@@ -245,10 +367,15 @@ def decode_attention(
         out,
         part_out,
         part_lse,
+        cos_sin,
+        q_norm if has_norm else cos_sin,  # any tensor: never read without HAS_NORM
+        k_norm if has_norm else cos_sin,
+        slots,
+        eps,
         scale * LOG2E,
         num_splits,
-        q.stride(0),
-        q.stride(1),
+        stride_tok,
+        stride_head,
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
@@ -260,6 +387,8 @@ def decode_attention(
         BLOCK_N=cfg["block_n"],
         SINGLE_SPLIT=num_splits == 1,
         HAS_ORDER=order is not None,
+        FUSED_QK=fused is not None,
+        HAS_NORM=has_norm,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )

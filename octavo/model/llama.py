@@ -80,6 +80,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        if qkv.is_cuda and md.is_all_decode and self.attn.decodes_from_qkv:
+            # One Triton kernel: q/k norm, rotary, the K/V store and attention.
+            norms, eps = self._norms()
+            cos_sin = self.rotary_emb.cos_sin_cache
+            return self.o_proj(self.attn.decode_from_qkv(qkv, md, cos_sin, *norms, eps))
         if qkv.is_cuda and self.attn.attends_stored_kv:
             # One Triton kernel: q/k norm, rotary, and k/v into their cache slots.
             q = self._fused_qk_store(qkv, positions, md)  # [T, H, D]
