@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 import triton.runtime.errors
 
+from benchmarks.gemm_small import SHAPES  # (name, N, K): the four projections of a layer
 from octavo.entrypoints.bench_floor import measure_ceilings
 
 
@@ -107,18 +108,13 @@ def splitk_gemm(x: torch.Tensor, weight: torch.Tensor, config: dict[str, int]) -
         counters = _COUNTERS[x.device] = torch.zeros(1 << 16, dtype=torch.int32, device=x.device)
     _splitk_gemm_kernel[grid](
         x, weight, y, part, counters, m, n, k, x.stride(0), weight.stride(0),
-        triton.cdiv(triton.cdiv(k, split), bk) * bk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, EVEN_K=k % (split * bk) == 0,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        triton.cdiv(triton.cdiv(k, split), bk) * bk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        SPLIT_K=split, EVEN_K=k % (split * bk) == 0, num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )  # fmt: skip
     return y
 
 
-SHAPES = {
-    "qwen3-0.6b": [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024),
-                   ("down", 1024, 3072)],
-    "qwen3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096),
-                 ("down", 4096, 12288)],
-}  # fmt: skip
 ROWS = [32, 64, 128, 256]
 LAYERS = 28
 
