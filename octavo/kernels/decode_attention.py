@@ -20,18 +20,25 @@ Decode is memory-bound: every step reads each sequence's whole K/V once, and doe
 
 num_splits depends only on the batch size and the block-table width (the largest context the
 table can describe), never on this step's lengths, so a CUDA graph captured for a padded batch
-launches the same grid on every replay. A sequence with seq_len 0 (graph padding) gets zeros.
+launches the same grid on every replay. A sequence with seq_len 0 gets zeros.
 
 3. Longest first. With many sequences there is one split each, and contexts differ (100 to
    2k positions in one batch); the GPU starts programs in grid order as others finish, so a
    long sequence that starts last runs alone at the end while most SMs idle. Given `order`
    (the sequences sorted by length, longest first, made on the host with the step's inputs),
    grid row i runs sequence order[i], with its KV heads next to each other in the grid.
+
+4. From the qkv projection (`decode_attention_qkv`). Each program first does for its own
+   heads what `qk_norm_rope_store` would do as a separate launch: q/k RMSNorm (Qwen3),
+   rotary at position seq_len - 1, and the K/V store, by the program whose split holds that
+   position. The new token attends to itself from registers, so the cache loop stops one
+   position short and no program reads a slot that another one writes.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -47,21 +54,24 @@ MAX_SPLITS = 64
 def _norm_rope_rows(row_ptrs, row_ok, weight_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
                     HAS_NORM: tl.constexpr):  # fmt: skip
     """Heads [R, D] starting at row_ptrs [R, 1]: RMS-normalized with weight_ptr (if HAS_NORM),
-    then rotated (HF's rotate-half), in float32. The same arithmetic and roundings as
-    `octavo/kernels/rope.py`, on whole heads: element d pairs with d +- D/2."""
+    then rotated (HF's rotate-half), in float32, on whole heads: element d pairs with
+    d +- D/2. The same roundings as `octavo/kernels/rope.py`; the sum of squares may add in
+    another order, so a normalized head can differ from that kernel's by one ulp."""
     half: tl.constexpr = HEAD_DIM // 2
     offs_d = tl.arange(0, HEAD_DIM)[None, :]
     partner = (offs_d + half) % HEAD_DIM
     x = tl.load(row_ptrs + offs_d, mask=row_ok, other=0.0)
     xr = tl.load(row_ptrs + partner, mask=row_ok, other=0.0)
     if HAS_NORM:
+        dtype = x.dtype
         xf = x.to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)[:, None]
         w = tl.load(weight_ptr + offs_d).to(tl.float32)
         wr = tl.load(weight_ptr + partner).to(tl.float32)
-        x = ((xf * inv_rms).to(x.dtype).to(tl.float32) * w).to(x.dtype)
-        xr = ((xr.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32) * wr).to(x.dtype)
-    sign = tl.where(offs_d < half, -1.0, 1.0)  # first half: x1 cos - x2 sin; second: x2 cos + x1 sin
+        x = ((xf * inv_rms).to(dtype).to(tl.float32) * w).to(dtype)
+        xr = ((xr.to(tl.float32) * inv_rms).to(dtype).to(tl.float32) * wr).to(dtype)
+    # First half: x1 cos - x2 sin; second half: x2 cos + x1 sin.
+    sign = tl.where(offs_d < half, -1.0, 1.0)
     return x.to(tl.float32) * cos + sign * xr.to(tl.float32) * sin
 
 
@@ -129,9 +139,9 @@ def _decode_split_kernel(
         ).to(q_ptr.dtype.element_ty)  # fmt: skip
         tok = q_ptr + seq.to(tl.int64) * stride_q_tok
         k_src = tok + (NUM_KV_HEADS * GROUP + kv_head) * HEAD_DIM
-        one = tl.arange(0, 1)[:, None]  # [1, 1]
+        row0 = tl.arange(0, 1)[:, None]  # [1, 1] zero offset: the one k head, always in bounds
         k_new = _norm_rope_rows(
-            k_src + one, one < 1, k_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM
+            k_src + row0, row0 == 0, k_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM
         ).to(q_ptr.dtype.element_ty)  # [1, D]
         v_src = tok + (NUM_KV_HEADS * GROUP + NUM_KV_HEADS + kv_head) * HEAD_DIM
         v_new = tl.load(v_src + offs_d)[None, :]  # [1, D]
@@ -284,7 +294,17 @@ def decode_attention(
     """
     check_attention_inputs(q, kv_cache, block_tables, q.shape[1], kv_cache.shape[3])
     return _decode(q, q.stride(0), q.stride(1), q.shape[1], kv_cache, seq_lens, block_tables,
-                   scale, num_splits, out, config, order, None)  # fmt: skip
+                   scale, num_splits=num_splits, out=out, config=config, order=order)  # fmt: skip
+
+
+class FusedQK(NamedTuple):
+    """What `decode_attention_qkv` adds to a decode launch: rotary, q/k norm, the K/V store."""
+
+    cos_sin_cache: torch.Tensor  # [max_position, D] float32, cos | sin halves
+    q_norm: torch.Tensor | None  # [D], or None (then k_norm too)
+    k_norm: torch.Tensor | None
+    slot_mapping: torch.Tensor  # [B] int64
+    eps: float
 
 
 def decode_attention_qkv(
@@ -318,22 +338,40 @@ def decode_attention_qkv(
     """
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     num_seqs = qkv.shape[0]
-    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < (num_heads + 2 * num_kv_heads) * head_dim:
-        raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_heads} + 2 x "
-                         f"{num_kv_heads} heads of {head_dim} with a contiguous last dim")
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] < width:
+        raise ValueError(
+            f"qkv {tuple(qkv.shape)} does not hold {num_heads} + 2 x "
+            f"{num_kv_heads} heads of {head_dim} with a contiguous last dim"
+        )
+    if kv_cache.dtype != qkv.dtype:
+        raise ValueError(f"kv_cache is {kv_cache.dtype} but qkv is {qkv.dtype}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("pass both q and k norm weights, or neither")
     if slot_mapping.shape != (num_seqs,) or slot_mapping.dtype != torch.int64:
         raise ValueError(f"slot_mapping must be [B] int64, got {tuple(slot_mapping.shape)}")
     q_view = qkv[:, : num_heads * head_dim].view(num_seqs, num_heads, head_dim)
     check_attention_inputs(q_view, kv_cache, block_tables, num_heads, num_kv_heads)
-    fused = (cos_sin_cache, q_norm, k_norm, slot_mapping, eps)
+    fused = FusedQK(cos_sin_cache, q_norm, k_norm, slot_mapping, eps)
     return _decode(qkv, qkv.stride(0), head_dim, num_heads, kv_cache, seq_lens, block_tables,
-                   scale, num_splits, None, None, order, fused)  # fmt: skip
+                   scale, num_splits=num_splits, order=order, fused=fused)  # fmt: skip
 
 
-def _decode(q, stride_tok, stride_head, num_heads, kv_cache, seq_lens, block_tables, scale,
-            num_splits, out, config, order, fused) -> torch.Tensor:  # fmt: skip
+def _decode(
+    q: torch.Tensor,  # queries [B, H, D], or the qkv rows with `fused`
+    stride_tok: int,
+    stride_head: int,
+    num_heads: int,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+    order: torch.Tensor | None = None,
+    fused: FusedQK | None = None,
+) -> torch.Tensor:
     """Launches the split kernel (and the reduction, with several splits)."""
     num_seqs = q.shape[0]
     num_kv_heads, block_size, head_dim = kv_cache.shape[3], kv_cache.shape[2], kv_cache.shape[4]
@@ -355,7 +393,8 @@ def _decode(q, stride_tok, stride_head, num_heads, kv_cache, seq_lens, block_tab
         )
     else:
         part_out = part_lse = out  # unused by the kernel
-    cos_sin, q_norm, k_norm, slots, eps = fused or (out, None, None, seq_lens, 0.0)
+    # Without `fused` the kernel reads none of these: any tensors will do.
+    cos_sin, q_norm, k_norm, slots, eps = fused or FusedQK(out, None, None, seq_lens, 0.0)
     has_norm = q_norm is not None
     _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q,

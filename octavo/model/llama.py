@@ -82,6 +82,8 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         if qkv.is_cuda and md.is_all_decode and self.attn.decodes_from_qkv:
             # One Triton kernel: q/k norm, rotary, the K/V store and attention.
+            # NOTE: it rotates at position seq_len - 1, not `positions`: the same in a step of
+            # one new token per sequence, CUDA-graph padding rows included (runner/inputs.py).
             norms, eps = self._norms()
             cos_sin = self.rotary_emb.cos_sin_cache
             return self.o_proj(self.attn.decode_from_qkv(qkv, md, cos_sin, *norms, eps))

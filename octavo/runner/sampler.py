@@ -372,7 +372,7 @@ class Sampler:
 
     def _sample_cuda(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """The Triton sampler (CUDA). Seeded rows key its uniform with their own seed; the
-        others with seeds drawn from this sampler's generator."""
+        others with seeds drawn from `_host_rng` (seeded by the sampler's seed)."""
         from octavo.kernels.sample import sample_tokens
 
         temperature = md.temperature

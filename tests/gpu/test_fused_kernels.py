@@ -201,7 +201,15 @@ def test_decode_attention_qkv_matches_rope_store_then_decode(heads, qk_norm, num
         qkv, cache, seq_lens, tables, slots, cos_sin, scale, num_heads, *weights,
         order=order, num_splits=num_splits,
     )  # fmt: skip
-    assert torch.equal(cache, want_cache)
+    # Every slot but the new k's is exactly as the two-kernel path leaves it. The new k rows
+    # may differ by one bf16 ulp with the norm on: the two kernels sum squares in other orders.
+    new_k = torch.zeros_like(cache, dtype=torch.bool).view(2, -1, num_kv_heads, head_dim)
+    new_k[0, slots] = True
+    new_k = new_k.view_as(cache)
+    assert torch.equal(cache[~new_k], want_cache[~new_k])
+    torch.testing.assert_close(cache[new_k], want_cache[new_k], rtol=2**-7, atol=0)
+    if not qk_norm:
+        assert torch.equal(cache, want_cache)
     assert got.shape == (num_seqs, num_heads, head_dim)
     # Per sequence: the reference rounds the new token's softmax weight to bf16 in its p @ v,
     # the fused kernel keeps it in fp32; ~5e-4 apart.

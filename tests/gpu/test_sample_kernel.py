@@ -62,9 +62,7 @@ def test_mass_in_several_chunks_and_blocks_follows_the_softmax():
     base = torch.full((vocab,), float("-inf"))
     base[positions] = torch.linspace(-0.4, 0.6, len(positions))  # the max in the last chunk
     logits = base.repeat(rows, 1).to(DEVICE)
-    got = sample_tokens(
-        logits, torch.full((rows,), temperature, device=DEVICE), seeds_for(rows)
-    )
+    got = sample_tokens(logits, torch.full((rows,), temperature, device=DEVICE), seeds_for(rows))
     counts = torch.bincount(got.cpu(), minlength=vocab)
     assert counts.sum() == counts[positions].sum()  # nothing outside the allowed tokens
     freq = counts[positions].double() / rows
