@@ -50,7 +50,8 @@ def main() -> None:
     waits: list[float] = []
     launches: dict[int, float] = {}  # id(scheduler output) -> host seconds in schedule + launch
     real_result, real_finish = PendingOutput.result, Engine._finish
-    real_schedule, real_launch = engine_scheduler_type(llm).schedule, Engine._launch
+    sched_type = type(llm.engine.scheduler)
+    real_schedule, real_launch = sched_type.schedule, Engine._launch
     scheduled_at = [0.0]
 
     def schedule(self):
@@ -80,7 +81,6 @@ def main() -> None:
         })
         return out
 
-    sched_type = engine_scheduler_type(llm)
     PendingOutput.result, Engine._finish = result, finish
     sched_type.schedule, Engine._launch = schedule, launch
     compiled = triton_variants()
@@ -147,10 +147,6 @@ def main() -> None:
             json.dump({"model": args.model, "seconds": total, "groups": summary,
                        "new_triton_variants": new_variants, "gc_seconds": gc_seconds[0],
                        "allocator": allocator, "steps": steps}, f, indent=1)
-
-
-def engine_scheduler_type(llm: LLM) -> type:
-    return type(llm.engine.scheduler)
 
 
 def triton_variants() -> dict[str, int]:
