@@ -85,15 +85,24 @@ def main() -> None:
     sched_type.schedule, Engine._launch = schedule, launch
     compiled = triton_variants()
     gc_seconds = [0.0, 0.0]  # total, start of the collection in progress
+    collections: list[dict] = []  # each: generation, ms, objects tracked / frozen, step
+    tracked: list[int | None] = [None]
 
     def on_gc(phase, info):
         if phase == "start":
+            # Objects the collector sees (not frozen), counted for full collections only.
+            tracked[0] = len(gc.get_objects()) if info["generation"] == 2 else None
             gc_seconds[1] = time.perf_counter()
-        else:
-            gc_seconds[0] += time.perf_counter() - gc_seconds[1]
+            return
+        ms = 1e3 * (time.perf_counter() - gc_seconds[1])
+        gc_seconds[0] += ms / 1e3
+        collections.append({"generation": info["generation"], "ms": ms, "tracked": tracked[0],
+                            "frozen": gc.get_freeze_count(), "step": len(records)})
 
     gc.callbacks.append(on_gc)
     memory = torch.cuda.memory_stats()
+    print(f"before the timed run: {len(gc.get_objects())} objects tracked by the collector, "
+          f"{gc.get_freeze_count()} frozen")
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False)
     total = time.perf_counter() - start
@@ -103,6 +112,13 @@ def main() -> None:
                  for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")}
     print(f"Python GC during the timed run: {1e3 * gc_seconds[0]:.1f} ms; "
           f"CUDA caching allocator: {allocator}")
+    for generation in range(3):
+        ms = [c["ms"] for c in collections if c["generation"] == generation]
+        print(f"  generation {generation}: {len(ms)} collections, {sum(ms):.1f} ms, "
+              f"longest {max(ms, default=0):.1f} ms")
+    for c in sorted(collections, key=lambda c: -c["ms"])[:3]:
+        print(f"  a {c['ms']:.1f} ms collection of generation {c['generation']} at step "
+              f"{c['step']}: {c['tracked']} objects tracked, {c['frozen']} frozen")
     compiled = {k: n - compiled.get(k, 0) for k, n in triton_variants().items()}
     PendingOutput.result, Engine._finish = real_result, real_finish
     sched_type.schedule, Engine._launch = real_schedule, real_launch
@@ -146,6 +162,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "seconds": total, "groups": summary,
                        "new_triton_variants": new_variants, "gc_seconds": gc_seconds[0],
+                       "gc_collections": collections,
                        "allocator": allocator, "steps": steps}, f, indent=1)
 
 

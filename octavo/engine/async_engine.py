@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from octavo.engine.engine import Engine
+from octavo.engine.engine import Engine, frozen_gc_heap
 from octavo.engine.request import Request
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
@@ -167,13 +167,14 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            while True:
-                block = not self.engine.has_unfinished_requests()
-                if not self._drain_commands(block):
-                    break
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                self._stats = self.engine.get_stats()
+            with frozen_gc_heap():  # the startup heap, as vLLM's engine core does
+                while True:
+                    block = not self.engine.has_unfinished_requests()
+                    if not self._drain_commands(block):
+                        break
+                    if self.engine.has_unfinished_requests():
+                        self._step()
+                    self._stats = self.engine.get_stats()
         except BaseException as e:  # a bug in the loop itself: fail every waiter
             logger.exception("the engine loop died")
             self.error = e

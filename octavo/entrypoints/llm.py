@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from octavo.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from octavo.engine.builder import build_engine
+from octavo.engine.engine import frozen_gc_heap
 from octavo.model.tokenizer import apply_chat_template
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
@@ -110,14 +111,15 @@ class LLM:
         start = time.perf_counter()
         first_token = self.engine.stats.num_generated_tokens
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step(final_only=True):
-                    finished[out.request_id] = out
-                    bar.update(1)
-                if use_tqdm:
-                    num_out = self.engine.stats.num_generated_tokens - first_token
-                    elapsed = max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix_str(f"out {num_out / elapsed:.1f} tok/s", refresh=False)
+            with frozen_gc_heap():
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step(final_only=True):
+                        finished[out.request_id] = out
+                        bar.update(1)
+                    if use_tqdm:
+                        num_out = self.engine.stats.num_generated_tokens - first_token
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"out {num_out / elapsed:.1f} tok/s", refresh=False)
         except BaseException:
             self.engine.abort_request(
                 [rid for rid in request_ids if rid not in finished]

@@ -81,10 +81,12 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int = 2048,
         max_num_batched_tokens: int = 8192,
+        warm_up: bool = True,
     ) -> None:
         """Allocates one [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer,
         once, binds them to the model's attention layers, sets up the persistent input
-        buffers and captures CUDA graphs.
+        buffers and captures CUDA graphs. On CUDA, `warm_up` then runs the eager end of a
+        decode step at every batch size (see _warm_up_eager_decode).
 
         NOTE: one extra block (id `num_blocks`) is scratch space for the padding rows of a
         CUDA graph; the KV cache manager never hands it out.
@@ -106,6 +108,39 @@ class ModelRunner:
         if self.use_cuda_graphs:
             self.graph_runner = CudaGraphRunner(self.model, self.inputs, max_num_seqs)
             self.graph_runner.capture()
+        if warm_up and self.device.type == "cuda":
+            self._warm_up_eager_decode(max_num_seqs)
+
+    @torch.inference_mode()
+    def _warm_up_eager_decode(self, max_num_seqs: int) -> None:
+        """Runs the eager end of a decode step (LM head, sampler, pending-token copy) once
+        for every batch size a step can have: all rows greedy, then random and greedy rows
+        in turn (a batch of one: random).
+
+        NOTE: cuBLAS and torch pick their kernels by shape and alignment, and CUDA loads a
+        kernel's module at its first launch (lazy loading). Without this, a run whose batch
+        shrinks from 256 to 1 loads ~20 new kernels on the way, each stalling the host for
+        ~7 ms between two steps (measured on an H200; docs/PERFORMANCE.md). A sampler of its
+        own leaves the engine's random stream untouched.
+        """
+        sampler = Sampler(seed=0)
+        hidden = torch.randn(
+            max_num_seqs, self.hf_config.hidden_size, dtype=self.dtype, device=self.device
+        )
+        greedy, random_row = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
+        mixed = [random_row if i % 2 == 0 else greedy for i in range(max_num_seqs)]
+        for params in ([greedy] * max_num_seqs, mixed):
+            for batch in range(1, max_num_seqs + 1):
+                md = SamplingMetadata.build(
+                    params[:batch], [[]] * batch, [[]] * batch, self.vocab_size,
+                    self.eos_token_ids, self.device,
+                )
+                sampled = sampler(self.model.compute_logits(hidden[:batch]), md)
+                index = torch.arange(batch, device=self.device)
+                self.inputs.input_ids.index_copy_(
+                    0, index, sampled.sampled_token_ids.index_select(0, index)
+                )
+        torch.cuda.synchronize()
 
     @torch.inference_mode()
     def profile_activation_bytes(self, num_tokens: int, num_rows: int) -> int:
@@ -113,7 +148,7 @@ class ModelRunner:
         and logits for `num_rows` rows, with a temporary KV cache just large enough."""
         num_blocks = -(-num_tokens // self.block_size)
         self.use_cuda_graphs, graphs = False, self.use_cuda_graphs
-        self.allocate_kv_cache(num_blocks, num_rows, num_tokens, num_tokens)
+        self.allocate_kv_cache(num_blocks, num_rows, num_tokens, num_tokens, warm_up=False)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)

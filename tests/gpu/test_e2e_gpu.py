@@ -115,3 +115,30 @@ def test_async_scheduling_gives_the_synchronous_tokens(model_dir, prompts):
     overlapped = run(model_dir, prompts, "triton")
     serial = run(model_dir, prompts, "triton", async_scheduling=False)
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in serial]
+
+
+def test_warm_up_samples_every_batch_size_and_leaves_the_random_stream(model_dir, monkeypatch):
+    """Engine start-up runs the LM head and sampler at every batch size a decode step can
+    have (so no kernel is loaded lazily mid-run), greedy and mixed, without drawing from the
+    engine's own sampler: seeded-by-engine random tokens stay what they were."""
+    import random as stdlib_random
+
+    from octavo import LLM
+    from octavo.runner.sampler import Sampler
+
+    seen: list[tuple[int, bool]] = []
+    real_call = Sampler.__call__
+
+    def spy(self, logits, md):
+        seen.append((logits.shape[0], md.all_greedy))
+        return real_call(self, logits, md)
+
+    monkeypatch.setattr(Sampler, "__call__", spy)
+    llm = LLM(model_dir, max_model_len=1024, max_num_seqs=24, seed=7)
+    sizes = range(1, 25)
+    assert sorted(b for b, greedy in seen if greedy) == list(sizes)
+    assert sorted(b for b, greedy in seen if not greedy) == list(sizes)
+    engine_rng = llm.engine.runner.sampler._host_rng
+    assert engine_rng.getstate() == stdlib_random.Random(7).getstate()
+    del llm
+    torch.cuda.empty_cache()
