@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One round of GPU checks and timings through the device tool (the machine keeps nothing):
 #   stages: tests | e2e (tests/gpu/test_e2e_gpu.py alone) | kernels | tp06 | tp06-nopeer | tp8b
-#           | tp8b-peer | kernels-sweep | gemm | splitk | profile06 | profile8b | timeline06 | latency
+#           | tp8b-peer | kernels-sweep | gemm | splitk | profile06 | profile8b | timeline06
+#           | timeline8b | latency
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
@@ -39,6 +40,8 @@ for stage in $stages; do
             --json "$OUT/step_profile_0.6b.json" 2>&1 | tee "$OUT/step_profile_0.6b.log" | tail -120 ;;
     timeline06) timeout 300 python3 benchmarks/step_timeline.py --model qwen3-0.6b --profile-prefill \
             --json "$OUT/timeline_0.6b${TAG:-}.json" 2>&1 | tee "$OUT/timeline_0.6b${TAG:-}.log" | tail -70 ;;
+    timeline8b) timeout 300 python3 benchmarks/step_timeline.py --model qwen3-8b \
+            --json "$OUT/timeline_8b${TAG:-}.json" 2>&1 | tee "$OUT/timeline_8b${TAG:-}.log" | tail -30 ;;
     profile8b) timeout 300 python3 benchmarks/step_profile.py --model qwen3-8b \
             --json "$OUT/step_profile_8b.json" 2>&1 | tee "$OUT/step_profile_8b.log" | tail -120 ;;
     latency) timeout 300 python3 benchmarks/latency.py --model qwen3-8b \
