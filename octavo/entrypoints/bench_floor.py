@@ -21,9 +21,11 @@ class Floor:
     kv_read_bytes: int
     memory_s: float
     compute_s: float
+    serial_s: float  # see serial_bound: a bound for engines that run a step's kernels in turn
 
     @property
     def seconds(self) -> float:
+        """BENCHMARKS.md's floor: the larger of the memory and compute floors."""
         return max(self.memory_s, self.compute_s)
 
 
@@ -94,4 +96,49 @@ def workload_floor(
     kv_read = kv_per_token * kv_tokens
     memory_s = (kv_read + weight_bytes * max(output_lens)) / ceilings.copy_bytes_per_s
     compute_s = 2 * num_params * (sum(prompt_lens) + sum(output_lens)) / ceilings.matmul_flops
-    return Floor(weight_bytes, kv_per_token, kv_read, memory_s, compute_s)
+    head_params = sum(p.numel() for p in lm_head_weights(model))
+    serial_s = serial_bound(
+        prompt_lens, output_lens, weight_bytes, num_params, head_params, kv_per_token, ceilings
+    )
+    return Floor(weight_bytes, kv_per_token, kv_read, memory_s, compute_s, serial_s)
+
+
+def lm_head_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    from octavo.model.layers import LMHead
+
+    return list(
+        {m.weight.data_ptr(): m.weight for m in model.modules() if isinstance(m, LMHead)}.values()
+    )
+
+
+def serial_bound(
+    prompt_lens: list[int],
+    output_lens: list[int],
+    weight_bytes: int,
+    num_params: int,
+    head_params: int,
+    kv_bytes_per_token: int,
+    ceilings: DeviceCeilings,
+) -> float:
+    """The least time of a workload for an engine that runs a step's kernels one after
+    another (octavo, vLLM, nano-vllm): each decode step reads its KV (bandwidth), then runs
+    its GEMMs, which take the larger of their weight read and their FLOPs; the prompts cost
+    their GEMM FLOPs (the LM head only at each prompt's last token).
+
+        decode step t, its requests R_t = {r : output_r > t}:
+            KV_t / B + max(W / B, 2 x params x |R_t| / F),  KV_t = K x sum over R_t of (prompt_r + t)
+        prefill: 2 x ((params - head) x sum(prompt) + head x len(prompts)) / F
+
+    Unlike the floor (max of memory and compute over the whole run) it does not let one
+    step's arithmetic hide behind another's memory traffic. Attention FLOPs are left out,
+    so it stays a lower bound.
+    """
+    bandwidth, flops = ceilings.copy_bytes_per_s, ceilings.matmul_flops
+    seconds = 2 * ((num_params - head_params) * sum(prompt_lens) + head_params * len(prompt_lens))
+    seconds /= flops
+    for t in range(max(output_lens, default=0)):
+        running = [p for p, o in zip(prompt_lens, output_lens, strict=True) if o > t]
+        kv_bytes = kv_bytes_per_token * (sum(running) + t * len(running))
+        gemm_s = max(weight_bytes / bandwidth, 2 * num_params * len(running) / flops)
+        seconds += kv_bytes / bandwidth + gemm_s
+    return seconds

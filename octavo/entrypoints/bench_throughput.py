@@ -174,6 +174,11 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             f"{ceil.matmul_flops / 1e12:.0f} TFLOP/s): octavo at "
             f"{fl.seconds / results[0].seconds:.1%} of the floor"
         )
+        print(
+            f"serial bound {fl.serial_s:.2f} s (each step's KV read, then its GEMMs at the larger "
+            f"of weight read and FLOPs; prompt FLOPs): octavo at "
+            f"{fl.serial_s / results[0].seconds:.1%} of it"
+        )
     if args.peer == "hf":
         from octavo.engine.builder import resolve_model
 
