@@ -90,7 +90,8 @@ def main() -> None:
 
     def on_gc(phase, info):
         if phase == "start":
-            # Objects the collector sees (not frozen), counted for full collections only.
+            # Objects the collector sees (not frozen), counted for full collections only;
+            # the count itself walks them all, and its time lands in that step.
             tracked[0] = len(gc.get_objects()) if info["generation"] == 2 else None
             gc_seconds[1] = time.perf_counter()
             return

@@ -23,7 +23,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from octavo.engine.engine import Engine, frozen_gc_heap
+from octavo.engine.engine import Engine
+from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.engine.request import Request
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
@@ -167,7 +168,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            with frozen_gc_heap():  # the startup heap, as vLLM's engine core does
+            with frozen_gc_heap(collect_first=True):  # for the loop's whole life
                 while True:
                     block = not self.engine.has_unfinished_requests()
                     if not self._drain_commands(block):

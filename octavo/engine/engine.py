@@ -15,11 +15,7 @@ its length limit was known in advance; that extra token is dropped.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from octavo.config import CacheConfig, SchedulerConfig
@@ -30,37 +26,6 @@ from octavo.engine.scheduler import Scheduler, SchedulerOutput
 from octavo.outputs import RequestOutput
 from octavo.runner.model_runner import ModelRunner, PendingOutput
 from octavo.sampling_params import SamplingParams
-
-_gc_lock = threading.Lock()
-_gc_blocks_open = 0  # frozen_gc_heap blocks open in this process; the outermost freezes
-
-
-@contextlib.contextmanager
-def frozen_gc_heap() -> Iterator[None]:
-    """Hides every object alive now from Python's garbage collector while the block runs
-    (gc.freeze), and gives them back after; objects made inside are collected as usual.
-    Blocks may nest (the server's loop, LLM.generate): the outermost one freezes and
-    unfreezes.
-
-    NOTE: a full collection walks every tracked object. After torch, transformers and a
-    model are loaded that is ~500k objects, and one such pause took 0.26-0.28 s in the
-    middle of a GPU run, with the device idle behind it (docs/PERFORMANCE.md). vLLM freezes
-    its startup heap the same way. Unfreezing also gives back what a library froze before
-    (the GPU machine's imports freeze a few hundred objects): they are alive, so a later
-    full collection only walks them again.
-    """
-    global _gc_blocks_open
-    with _gc_lock:
-        _gc_blocks_open += 1
-        if _gc_blocks_open == 1:
-            gc.freeze()
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_blocks_open -= 1
-            if _gc_blocks_open == 0:
-                gc.unfreeze()
 
 
 @dataclass

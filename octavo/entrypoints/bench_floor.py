@@ -21,7 +21,8 @@ class Floor:
     kv_read_bytes: int
     memory_s: float
     compute_s: float
-    serial_s: float  # see serial_bound: a bound for engines that run a step's kernels in turn
+    serial_s: float  # see serial_floor: for engines that run a step's kernels in turn
+    fcfs_serial_s: float  # see fcfs_serial_estimate: the same, for this workload's schedule
 
     @property
     def seconds(self) -> float:
@@ -61,9 +62,9 @@ def weights_read_per_step(model: torch.nn.Module) -> list[torch.Tensor]:
     """The parameters one forward pass reads whole: all of them, tied ones once, except an
     input embedding table that is not also the LM head (a step reads only its batch's rows
     of that table)."""
-    from octavo.model.layers import LMHead, VocabEmbedding
+    from octavo.model.layers import VocabEmbedding
 
-    heads = {m.weight.data_ptr() for m in model.modules() if isinstance(m, LMHead)}
+    heads = {p.data_ptr() for p in lm_head_weights(model)}
     lookups = {
         m.weight.data_ptr()
         for m in model.modules()
@@ -96,49 +97,88 @@ def workload_floor(
     kv_read = kv_per_token * kv_tokens
     memory_s = (kv_read + weight_bytes * max(output_lens)) / ceilings.copy_bytes_per_s
     compute_s = 2 * num_params * (sum(prompt_lens) + sum(output_lens)) / ceilings.matmul_flops
-    head_params = sum(p.numel() for p in lm_head_weights(model))
-    serial_s = serial_bound(
-        prompt_lens, output_lens, weight_bytes, num_params, head_params, kv_per_token, ceilings
-    )
-    return Floor(weight_bytes, kv_per_token, kv_read, memory_s, compute_s, serial_s)
+    work = SerialWork(
+        prompt_lens, output_lens, weight_bytes, num_params,
+        sum(p.numel() for p in lm_head_weights(model)), kv_per_token,
+    )  # fmt: skip
+    return Floor(
+        weight_bytes, kv_per_token, kv_read, memory_s, compute_s,
+        serial_floor(work, ceilings), fcfs_serial_estimate(work, ceilings),
+    )  # fmt: skip
 
 
 def lm_head_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The LM head's weight (once, if several modules share it)."""
     from octavo.model.layers import LMHead
 
-    return list(
-        {m.weight.data_ptr(): m.weight for m in model.modules() if isinstance(m, LMHead)}.values()
+    heads = {m.weight.data_ptr(): m.weight for m in model.modules() if isinstance(m, LMHead)}
+    return list(heads.values())
+
+
+@dataclass
+class SerialWork:
+    """What an offline workload asks of the device, for the two serial bounds below."""
+
+    prompt_lens: list[int]
+    output_lens: list[int]
+    weight_bytes: int  # W: what one forward pass reads
+    num_params: int  # P: the parameters behind W
+    head_params: int  # the LM head's share of P (prompts use it at their last token only)
+    kv_bytes_per_token: int  # K
+
+    def prefill_flops(self) -> float:
+        prompt_params = self.num_params - self.head_params
+        return 2.0 * (
+            prompt_params * sum(self.prompt_lens) + self.head_params * len(self.prompt_lens)
+        )
+
+    def decode_kv_bytes(self, step: int) -> int:
+        """KV read by decode step `step` (>= 1) of every request that has one: the prefill
+        samples output token 1, decode step t feeds token t and attends over prompt + t."""
+        contexts = [
+            p + step for p, o in zip(self.prompt_lens, self.output_lens, strict=True) if o > step
+        ]
+        return self.kv_bytes_per_token * sum(contexts)
+
+
+def serial_floor(work: SerialWork, ceilings: DeviceCeilings) -> float:
+    """The least time of a workload, in any schedule, for an engine that runs kernels one
+    after another (octavo, vLLM, nano-vllm): attention's KV reads cannot hide behind GEMMs.
+
+        decode KV read / B  +  max(max_out x W / B,  (prefill + decode FLOPs) / F)
+
+    The longest request needs max_out steps (its prefill, then one per later token), each
+    reading every weight; GEMMs take at least their weight reads and at least their FLOPs.
+    Attention FLOPs and the prefill's own KV traffic are left out, so it stays a floor.
+    Unlike BENCHMARKS.md's floor (the larger of memory and compute over the whole run) it
+    does not let attention's memory time hide the GEMMs' arithmetic.
+    """
+    steps = max(work.output_lens, default=0)
+    decode_tokens = sum(max(o - 1, 0) for o in work.output_lens)
+    flops = work.prefill_flops() + 2.0 * work.num_params * decode_tokens
+    kv_bytes = sum(work.decode_kv_bytes(t) for t in range(1, steps))
+    gemm_s = max(
+        steps * work.weight_bytes / ceilings.copy_bytes_per_s, flops / ceilings.matmul_flops
     )
+    return kv_bytes / ceilings.copy_bytes_per_s + gemm_s
 
 
-def serial_bound(
-    prompt_lens: list[int],
-    output_lens: list[int],
-    weight_bytes: int,
-    num_params: int,
-    head_params: int,
-    kv_bytes_per_token: int,
-    ceilings: DeviceCeilings,
-) -> float:
-    """The least time of a workload for an engine that runs a step's kernels one after
-    another (octavo, vLLM, nano-vllm): each decode step reads its KV (bandwidth), then runs
-    its GEMMs, which take the larger of their weight read and their FLOPs; the prompts cost
-    their GEMM FLOPs (the LM head only at each prompt's last token).
+def fcfs_serial_estimate(work: SerialWork, ceilings: DeviceCeilings) -> float:
+    """The serial time of the schedule first-come-first-served continuous batching gives
+    when every request fits in one batch (the nano-vllm workload: 256 requests, 256 seqs):
+    all prompts first, then every request decoding in the same steps until it ends.
 
-        decode step t, its requests R_t = {r : output_r > t}:
-            KV_t / B + max(W / B, 2 x params x |R_t| / F),  KV_t = K x sum over R_t of (prompt_r + t)
-        prefill: 2 x ((params - head) x sum(prompt) + head x len(prompts)) / F
+        max(W / B, prefill FLOPs / F)  +  sum over decode steps t >= 1 of
+            KV_t / B + max(W / B, 2 x P x (requests still running) / F)
 
-    Unlike the floor (max of memory and compute over the whole run) it does not let one
-    step's arithmetic hide behind another's memory traffic. Attention FLOPs are left out,
-    so it stays a lower bound.
+    Its steps carry a batch that shrinks from 256 to 1; at large batches their GEMMs are
+    compute-bound, and nothing in this schedule hides that. An estimate, not a floor: a
+    scheduler that delays requests to even out the batch could do better.
     """
     bandwidth, flops = ceilings.copy_bytes_per_s, ceilings.matmul_flops
-    seconds = 2 * ((num_params - head_params) * sum(prompt_lens) + head_params * len(prompt_lens))
-    seconds /= flops
-    for t in range(max(output_lens, default=0)):
-        running = [p for p, o in zip(prompt_lens, output_lens, strict=True) if o > t]
-        kv_bytes = kv_bytes_per_token * (sum(running) + t * len(running))
-        gemm_s = max(weight_bytes / bandwidth, 2 * num_params * len(running) / flops)
-        seconds += kv_bytes / bandwidth + gemm_s
+    seconds = max(work.weight_bytes / bandwidth, work.prefill_flops() / flops)
+    for t in range(1, max(work.output_lens, default=0)):
+        running = sum(1 for o in work.output_lens if o > t)
+        gemm_s = max(work.weight_bytes / bandwidth, 2.0 * work.num_params * running / flops)
+        seconds += work.decode_kv_bytes(t) / bandwidth + gemm_s
     return seconds

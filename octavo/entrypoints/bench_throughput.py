@@ -175,9 +175,11 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             f"{fl.seconds / results[0].seconds:.1%} of the floor"
         )
         print(
-            f"serial bound {fl.serial_s:.2f} s (each step's KV read, then its GEMMs at the larger "
-            f"of weight read and FLOPs; prompt FLOPs): octavo at "
-            f"{fl.serial_s / results[0].seconds:.1%} of it"
+            f"serial floor {fl.serial_s:.2f} s (kernels in turn, any schedule: decode KV reads, "
+            f"then GEMMs at max(weight reads, all FLOPs)): octavo at "
+            f"{fl.serial_s / results[0].seconds:.1%} of it; FCFS serial estimate "
+            f"{fl.fcfs_serial_s:.2f} s (prompts first, then lockstep decode): "
+            f"{fl.fcfs_serial_s / results[0].seconds:.1%}"
         )
     if args.peer == "hf":
         from octavo.engine.builder import resolve_model

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from octavo.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from octavo.engine.builder import build_engine
-from octavo.engine.engine import frozen_gc_heap
+from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.model.tokenizer import apply_chat_template
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
@@ -85,7 +85,8 @@ class LLM:
         prompt_inputs = [_prompt_input(p) for p in _normalize_prompts(prompts)]
         prefix = f"llm-{self._request_counter}"
         self._request_counter += 1
-        return beam_search(self.engine, prompt_inputs, params, use_tqdm, id_prefix=prefix)
+        with frozen_gc_heap():
+            return beam_search(self.engine, prompt_inputs, params, use_tqdm, id_prefix=prefix)
 
     def get_stats(self) -> dict[str, int | float]:
         """Engine counters: num_preemptions, prefix_cache_queries / prefix_cache_hits

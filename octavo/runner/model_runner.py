@@ -120,12 +120,15 @@ class ModelRunner:
         NOTE: cuBLAS and torch pick their kernels by shape and alignment, and CUDA loads a
         kernel's module at its first launch (lazy loading). Without this, a run whose batch
         shrinks from 256 to 1 loads ~20 new kernels on the way, each stalling the host for
-        ~7 ms between two steps (measured on an H200; docs/PERFORMANCE.md). A sampler of its
-        own leaves the engine's random stream untouched.
+        ~7 ms between two steps (measured on an H200; docs/PERFORMANCE.md). A sampler and a
+        generator of its own leave the engine's and torch's random streams untouched. Rows
+        with filters, penalties or log-probs take other kernels, which this does not load.
         """
         sampler = Sampler(seed=0)
+        noise = torch.Generator(self.device).manual_seed(0)
         hidden = torch.randn(
-            max_num_seqs, self.hf_config.hidden_size, dtype=self.dtype, device=self.device
+            max_num_seqs, self.hf_config.hidden_size, dtype=self.dtype, device=self.device,
+            generator=noise,
         )
         greedy, random_row = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
         mixed = [random_row if i % 2 == 0 else greedy for i in range(max_num_seqs)]

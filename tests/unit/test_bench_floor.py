@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from model_utils import TINY
 from transformers import LlamaConfig
 
@@ -29,36 +31,68 @@ def test_weights_read_per_step(tied):
     assert fl.kv_read_bytes == 2 * 2 * 2 * 16 * 4 * (10 + 11 + 12)
 
 
+# prompts 10 and 20 tokens, 3 and 2 output tokens: decode steps 1 (both) and 2 (the first).
+WORK = dict(
+    prompt_lens=[10, 20],
+    output_lens=[3, 2],
+    weight_bytes=100,
+    num_params=50,
+    head_params=10,
+    kv_bytes_per_token=4,
+)
+# prefill FLOPs: 2 x ((50 - 10) x 30 + 10 x 2) = 2440; decode FLOPs: 2 x 50 x (2 + 1) = 300
+# decode KV: step 1 reads 4 x (11 + 21) = 128, step 2 reads 4 x 12 = 48
+
+
 @pytest.mark.parametrize(
     ("flops", "expected"),
     [
-        # Bandwidth-bound GEMMs. prefill 2 x (40 x 30 + 10 x 2) / 1e3 = 2.44; step 0 (both
-        # running): KV 4 x (10 + 20) = 120, GEMMs max(100, 0.2) = 100; step 1 (the first
-        # only, at position 11): KV 4 x 11 = 44, GEMMs 100.
-        (1e3, 2.44 + 220 + 144),
-        # Compute-bound GEMMs: prefill 2440; step 0: 120 + max(100, 200); step 1: 44 + 100.
-        (1.0, 2440 + 320 + 144),
+        (1e4, 176 + 300),  # weights bound: 3 steps x 100 against 2740 / 1e4
+        (1.0, 176 + 2740),  # FLOPs bound: 2740 against 300
     ],
 )
-def test_serial_bound_adds_each_steps_kv_read_to_its_gemms(flops, expected):
-    """The serial bound charges each decode step its own KV read plus the larger of its
-    weight read and its FLOPs, and the prompts their FLOPs (the LM head only once each)."""
-    from octavo.entrypoints.bench_floor import serial_bound
+def test_serial_floor_adds_decode_kv_reads_to_the_gemms_larger_bound(flops, expected):
+    """The serial floor: decode KV reads plus the larger of all weight reads (one per step of
+    the longest request) and all FLOPs (the LM head once per prompt)."""
+    from octavo.entrypoints.bench_floor import SerialWork, serial_floor
 
-    seconds = serial_bound(
-        prompt_lens=[10, 20],
-        output_lens=[2, 1],
-        weight_bytes=100,
-        num_params=50,
-        head_params=10,
-        kv_bytes_per_token=4,
-        ceilings=DeviceCeilings(copy_bytes_per_s=1.0, matmul_flops=flops),
-    )
-    assert seconds == pytest.approx(expected)
+    ceilings = DeviceCeilings(copy_bytes_per_s=1.0, matmul_flops=flops)
+    assert serial_floor(SerialWork(**WORK), ceilings) == pytest.approx(expected)
 
 
-def test_the_serial_bound_is_never_below_the_memory_floor():
-    cfg = LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])
-    model = load_model("unused", cfg, torch.float32, torch.device("cpu"), "dummy")
-    fl = workload_floor(model, cfg, torch.float32, [100, 7, 300], [50, 9, 1], DeviceCeilings(1e9, 1e12))
-    assert fl.serial_s >= fl.memory_s > 0
+@pytest.mark.parametrize(
+    ("flops", "expected"),
+    [
+        # prefill max(100, 2.44); step 1: 128 + max(100, 2 x 50 x 2 / 1e3 = 0.2);
+        # step 2: 48 + max(100, 0.1)
+        (1e3, 100 + 228 + 148),
+        # prefill 2440 / 0.9; step 1: 128 + max(100, 200 / 0.9); step 2: 48 + max(100, 100 / 0.9)
+        (0.9, (2440 + 200 + 100) / 0.9 + 128 + 48),
+    ],
+)
+def test_fcfs_estimate_charges_each_decode_step_its_kv_read_and_gemms(flops, expected):
+    """The FCFS estimate: a prefill step (its weight read or the prompts' FLOPs), then each
+    decode step's own KV read plus the larger of its weight read and its FLOPs at the batch
+    still running."""
+    from octavo.entrypoints.bench_floor import SerialWork, fcfs_serial_estimate
+
+    ceilings = DeviceCeilings(copy_bytes_per_s=1.0, matmul_flops=flops)
+    assert fcfs_serial_estimate(SerialWork(**WORK), ceilings) == pytest.approx(expected)
+
+
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 40)), min_size=1, max_size=8),
+    flops=st.floats(1e2, 1e7),
+)
+@settings(max_examples=50, deadline=None)
+def test_the_serial_floor_lies_between_the_memory_floor_and_the_fcfs_estimate(lens, flops):
+    """Any schedule can do at least as well as FCFS's, and no serial engine beats reading
+    the weights once per step plus the decode KV (the memory floor, less its prefill KV)."""
+    from octavo.entrypoints.bench_floor import SerialWork, fcfs_serial_estimate, serial_floor
+
+    prompts, outputs = [p for p, _ in lens], [o for _, o in lens]
+    work = SerialWork(prompts, outputs, 1000, 500, 100, 4)
+    ceilings = DeviceCeilings(copy_bytes_per_s=1.0, matmul_flops=flops)
+    weights_only = max(outputs) * 1000
+    floor = serial_floor(work, ceilings)
+    assert weights_only <= floor <= fcfs_serial_estimate(work, ceilings) * (1 + 1e-9)

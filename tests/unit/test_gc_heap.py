@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from octavo.engine.engine import frozen_gc_heap
+from octavo.engine.gc_heap import frozen_gc_heap
 
 
 class Node:
@@ -26,9 +26,11 @@ def garbage_cycle() -> weakref.ref:
 @pytest.fixture
 def no_automatic_gc():
     """No automatic collection may free a cycle before the test looks at it."""
+    was_enabled = gc.isenabled()
     gc.disable()
     yield
-    gc.enable()
+    if was_enabled:
+        gc.enable()
 
 
 def test_the_old_heap_is_hidden_inside_and_collected_after(no_automatic_gc):
@@ -70,3 +72,11 @@ def test_an_error_inside_the_block_unfreezes_the_heap():
     with pytest.raises(RuntimeError), frozen_gc_heap():
         raise RuntimeError("step failed")
     assert gc.get_freeze_count() == 0
+
+
+def test_collect_first_frees_the_garbage_alive_at_the_start(no_automatic_gc):
+    """The server's loop lasts the process's life: garbage alive when it starts must not be
+    frozen with the rest."""
+    old = garbage_cycle()
+    with frozen_gc_heap(collect_first=True):
+        assert old() is None
