@@ -1,5 +1,7 @@
 """The physical floor of an offline workload (BENCHMARKS.md): bytes over the copy bandwidth
-and FLOPs over the matmul rate, both measured in the same process."""
+and FLOPs over the matmul rate, both measured in the same process. Beside it, two bounds for
+engines that run a step's kernels one after another: the serial floor (any schedule) and the
+FCFS serial estimate (this workload's schedule)."""
 
 from __future__ import annotations
 
