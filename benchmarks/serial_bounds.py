@@ -26,7 +26,9 @@ def main() -> None:
     parser.add_argument("model", help="a bundled config name, e.g. qwen3-8b")
     parser.add_argument("result", help="a throughput JSON with a 'floor' entry")
     args = parser.parse_args()
-    floor = json.load(open(args.result))["floor"]
+    with open(args.result) as f:
+        result = json.load(f)
+    floor, seconds = result["floor"], result["results"][0]["seconds"]
     cfg = load_hf_config(resolve_model(args.model))
     w = nanovllm_workload()
     work = SerialWork(
@@ -38,7 +40,6 @@ def main() -> None:
         kv_bytes_per_token=floor["kv_bytes_per_token"],
     )
     ceilings = DeviceCeilings(floor["copy_bytes_per_s"], floor["matmul_flops"])
-    seconds = json.load(open(args.result))["results"][0]["seconds"]
     serial, fcfs = serial_floor(work, ceilings), fcfs_serial_estimate(work, ceilings)
     print(
         f"{args.model}: floor {floor['seconds']:.2f} s, serial floor {serial:.2f} s "
