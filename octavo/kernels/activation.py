@@ -7,9 +7,15 @@ import torch
 import triton
 import triton.language as tl
 
+from octavo.kernels.pdl import pdl_args
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter_size, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, inter_size, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter_size
@@ -29,6 +35,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), 2048)
     if num_rows:
         _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](
-            x, out, x.stride(0), inter, BLOCK=block, num_warps=4 if block >= 1024 else 1
+            x,
+            out,
+            x.stride(0),
+            inter,
+            BLOCK=block,
+            num_warps=4 if block >= 1024 else 1,
+            **pdl_args(x.device),
         )
     return out

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from octavo.kernels.paged_kv_tile import LOG2E, attend_kv_chunk, check_attention_inputs
+from octavo.kernels.pdl import pdl_args
 
 MIN_SPLIT_LEN = 256  # context positions per split: below this the partial writes dominate
 MAX_SPLITS = 64
@@ -108,7 +109,10 @@ def _decode_split_kernel(
     HAS_ORDER: tl.constexpr,
     FUSED_QK: tl.constexpr,  # q_ptr is the qkv projection: norm, rotate and store here
     HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     if HAS_ORDER:
@@ -208,8 +212,11 @@ def _decode_reduce_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next power of two >= num_splits
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     """out = sum_s w_s * part_s / sum_s w_s, with w_s = 2^(lse_s - max lse)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -430,6 +437,7 @@ def _decode(
         HAS_NORM=has_norm,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **pdl_args(q.device),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -443,5 +451,6 @@ def _decode(
             HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=4 if head_dim >= 128 else 2,
+            **pdl_args(q.device),
         )
     return out

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from octavo.kernels.paged_kv_tile import LOG2E, attend_kv_chunk, check_attention_inputs
+from octavo.kernels.pdl import pdl_args
 
 
 @triton.jit
@@ -73,7 +74,10 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per tile
     BLOCK_M: tl.constexpr,  # rows per tile: BLOCK_Q * GROUP_PAD
     BLOCK_N: tl.constexpr,  # context positions per KV chunk
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q)
@@ -201,5 +205,6 @@ def prefill_attention(
         BLOCK_N=cfg["block_n"],
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **pdl_args(q.device),
     )
     return out

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from octavo.kernels.pdl import pdl_args
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -28,7 +30,10 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= hidden_size
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden_size
@@ -80,6 +85,7 @@ def rms_norm(
             HAS_RESIDUAL=r2 is not None,
             BLOCK=block,
             num_warps=min(max(block // 512, 1), 16),
+            **pdl_args(x.device),
         )
     out = out.view(x.shape)
     if residual_out is None:

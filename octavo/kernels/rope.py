@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from octavo.kernels.pdl import pdl_args
+
 
 @triton.jit
 def _norm_rope_heads(
@@ -78,7 +80,10 @@ def _qk_norm_rope_kernel(
     HEAD_DIM: tl.constexpr,
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
     token = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, half)
@@ -152,6 +157,7 @@ def _launch(qkv, out, positions, cos_sin_cache, num_heads, num_kv_heads, head_di
         HAS_NORM=has_norm,
         STORE_KV=store,
         num_warps=4 if num_heads * head_dim >= 2048 else 2,
+        **pdl_args(qkv.device),
     )
 
 
@@ -177,8 +183,9 @@ def qk_norm_rope(
     """
     _check(qkv, head_dim, q_weight, k_weight)
     num_tokens = qkv.shape[0]
-    out = torch.empty(num_tokens, num_heads + num_kv_heads, head_dim, dtype=qkv.dtype,
-                      device=qkv.device)
+    out = torch.empty(
+        num_tokens, num_heads + num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device
+    )
     if num_tokens:
         _launch(qkv, out, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
                 q_weight, k_weight, eps)  # fmt: skip
@@ -210,8 +217,10 @@ def qk_norm_rope_store(
     _check(qkv, head_dim, q_weight, k_weight)
     num_tokens = qkv.shape[0]
     if kv_cache.shape[-2:] != (num_kv_heads, head_dim) or not kv_cache.is_contiguous():
-        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} is not a contiguous paged cache "
-                         f"of {num_kv_heads} heads x {head_dim}")
+        raise ValueError(
+            f"kv_cache {tuple(kv_cache.shape)} is not a contiguous paged cache "
+            f"of {num_kv_heads} heads x {head_dim}"
+        )
     if slot_mapping.shape != (num_tokens,) or slot_mapping.dtype != torch.int64:
         raise ValueError(f"slot_mapping must be [T] int64, got {slot_mapping.dtype}")
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from octavo.kernels.pdl import pdl_args
+
 CHUNK = 8192  # vocabulary entries per program of pass 1
 BLOCK = 1024  # entries per step of a program's loop
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -43,7 +45,10 @@ def _chunk_stats_kernel(
     num_chunks,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
@@ -89,7 +94,10 @@ def _pick_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
     CHUNKS_PAD: tl.constexpr,  # next power of two >= num_chunks
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
     row = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temperature_ptr + row)
     offs_c = tl.arange(0, CHUNKS_PAD)
@@ -148,13 +156,14 @@ def sample_tokens(
     out = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows:
         args = (vocab, logits.stride(0), num_chunks)
+        pdl = pdl_args(device)
         _chunk_stats_kernel[(num_rows, num_chunks)](
             logits, temperature, chunk_max, chunk_sum, chunk_index, *args, CHUNK=CHUNK,
-            BLOCK=BLOCK, num_warps=4,
+            BLOCK=BLOCK, num_warps=4, **pdl,
         )  # fmt: skip
         _pick_kernel[(num_rows,)](
             logits, temperature, seeds, chunk_max, chunk_sum, chunk_index, out, *args,
             CHUNK=CHUNK, BLOCK=BLOCK, CHUNKS_PAD=triton.next_power_of_2(num_chunks),
-            num_warps=4,
+            num_warps=4, **pdl,
         )  # fmt: skip
     return out

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from octavo.kernels.pdl import pdl_args
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -29,7 +31,10 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,  # next power of two >= NUM_KV_HEADS
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)  # int64, so slot * row size cannot overflow
     offs_h = tl.arange(0, BLOCK_H)
@@ -83,4 +88,5 @@ def store_kv(
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+        **pdl_args(k.device),
     )

@@ -1,0 +1,56 @@
+"""Programmatic dependent launch (octavo/kernels/pdl.py) on and off, in a decode step's layers.
+
+The layers are `overlap_probe.Probe`'s: the engine's kernels over random weights, one CUDA
+graph for a whole step's layers (no LM head, no sampler). Each case is timed with PDL off,
+on, off, on, so that drift shows up as a difference between the two runs of one setting.
+
+    PYTHONPATH=. python benchmarks/pdl_probe.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from benchmarks.overlap_probe import Probe, time_graph
+from octavo.kernels import pdl
+
+CASES = [("qwen3-0.6b", 256, 1024), ("qwen3-0.6b", 64, 1024), ("qwen3-0.6b", 8, 1024),
+         ("qwen3-8b", 1, 768), ("qwen3-8b", 64, 1024)]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--replays", type=int, default=30)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    rows = []
+    for model, batch, context in CASES:
+        p = Probe(model, batch, context)
+        row = {"model": model, "batch": batch, "context": context}
+        for rep, flag in enumerate((False, True, False, True)):
+            pdl.ENABLED = flag
+            tag = f"{'on' if flag else 'off'}{rep // 2}"
+            row[f"step_{tag}"] = time_graph(lambda p=p: p.forward(slice(None)), args.replays)
+            row[f"rest_{tag}"] = time_graph(p.rest_only, args.replays)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del p
+        torch.cuda.empty_cache()
+    print(f"\n{'model':11} {'batch':>5} {'ctx':>5} | {'step off':>17} {'step on':>17} | "
+          f"{'rest off':>17} {'rest on':>17}   ms per step (two runs each)")  # fmt: skip
+    for r in rows:
+        cells = [f"{r[f'{k}0']:7.3f} {r[f'{k}1']:7.3f}  " for k in
+                 ("step_off", "step_on", "rest_off", "rest_on")]  # fmt: skip
+        print(f"{r['model']:11} {r['batch']:5} {r['context']:5} | {cells[0]} {cells[1]}| "
+              f"{cells[2]} {cells[3]}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
