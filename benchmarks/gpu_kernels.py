@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 from functools import partial
 
 import torch
@@ -43,7 +44,26 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
 SCALE = HEAD_DIM**-0.5
 # (batch, context); "mixed": the nano-vllm workload's decode, contexts uniform in 100..2048.
 DECODE_CASES = [(256, 1024), (256, "mixed"), (128, "mixed"), (64, "mixed"), (1, 8192), (16, 4096)]
-PREFILL_CASES = [([1024] * 8, [1024] * 8), ([1024], [8192])]  # (query_lens, seq_lens)
+
+
+def _workload_step(tokens: int = 16384) -> list[int]:
+    """Prompt lengths of one prefill step of the nano-vllm workload: randint(100, 1024) each
+    (BENCHMARKS.md), the last one cut so that the step holds `tokens`, as the scheduler cuts."""
+    rng = random.Random(0)
+    lens: list[int] = []
+    while sum(lens) < tokens:
+        lens.append(min(rng.randint(100, 1024), tokens - sum(lens)))
+    return lens
+
+
+_STEP = _workload_step()
+# (query_lens, seq_lens, query heads): Qwen3-0.6B's 16 heads; Qwen3-8B's 32 (GQA 4).
+PREFILL_CASES = [
+    ([1024] * 8, [1024] * 8, HEADS),
+    ([1024], [8192], HEADS),
+    (_STEP, _STEP, HEADS),
+    (_STEP, _STEP, 32),
+]
 DECODE_CONFIGS = [
     {"block_n": n, "num_warps": w, "num_stages": s}
     for n in (32, 64, 128)
@@ -56,6 +76,7 @@ PREFILL_CONFIGS = [
     for m, n, w, s in [
         (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
         (128, 32, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4),
+        (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 4, 2), (32, 64, 4, 3),
     ]
 ]  # fmt: skip
 
@@ -82,7 +103,7 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / us / 1e3
 
 
-def make_batch(query_lens: list[int], seq_lens: list[int]):
+def make_batch(query_lens: list[int], seq_lens: list[int], heads: int = HEADS):
     """Random q/k/v, a random cache, shuffled pages; the new K/V already stored."""
     pages = [triton.cdiv(s, BLOCK_SIZE) for s in seq_lens]
     perm = torch.randperm(sum(pages)).tolist()
@@ -92,7 +113,7 @@ def make_batch(query_lens: list[int], seq_lens: list[int]):
         used += n
     md = build_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, "cuda")
     t = md.num_tokens
-    q = torch.randn(t, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    q = torch.randn(t, heads, HEAD_DIM, device="cuda", dtype=DTYPE)
     k = torch.randn(t, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     v = torch.randn(t, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     cache = torch.randn(2, sum(pages), BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -126,7 +147,14 @@ def bench_decode(batch: int, context: int | str, copy_gbs: float, sweep: bool) -
     rows = []
     for splits, cfg, ordered in variants:
         run = partial(
-            decode_attention, q, cache, md.seq_lens, md.block_tables, SCALE, splits, config=cfg,
+            decode_attention,
+            q,
+            cache,
+            md.seq_lens,
+            md.block_tables,
+            SCALE,
+            splits,
+            config=cfg,
             order=order if ordered else None,
         )
         us, err = measure(run, ref)
@@ -139,14 +167,20 @@ def bench_decode(batch: int, context: int | str, copy_gbs: float, sweep: bool) -
     return rows
 
 
-def bench_prefill(query_lens: list[int], seq_lens: list[int], sweep: bool) -> list[dict]:
-    q, k, v, cache, md = make_batch(query_lens, seq_lens)
+def bench_prefill(
+    query_lens: list[int], seq_lens: list[int], heads: int, sweep: bool
+) -> list[dict]:
+    q, k, v, cache, md = make_batch(query_lens, seq_lens, heads)
     ref = TorchAttentionBackend().forward(q, k, v, cache, md, SCALE)
-    flops = sum(4 * HEADS * HEAD_DIM * (ql * (s - ql) + ql * (ql + 1) / 2)
+    flops = sum(4 * heads * HEAD_DIM * (ql * (s - ql) + ql * (ql + 1) / 2)
                 for ql, s in zip(query_lens, seq_lens, strict=True))  # fmt: skip
-    cfg0 = default_prefill_config(HEAD_DIM, HEADS // KV_HEADS)
+    cfg0 = default_prefill_config(HEAD_DIM, heads // KV_HEADS)
     variants = [cfg0] + ([c for c in PREFILL_CONFIGS if c != cfg0] if sweep else [])
-    shape = f"{len(query_lens)} x {query_lens[0]} new / {seq_lens[0]} ctx"
+    if len(set(query_lens)) == 1:
+        shape = f"{len(query_lens)} x {query_lens[0]} new / {seq_lens[0]} ctx"
+    else:
+        shape = f"{sum(query_lens)}-token step ({len(query_lens)} prompts)"
+    shape += f", {heads} heads" if heads != HEADS else ""
     rows = []
     for cfg in variants:
         run = partial(
@@ -218,15 +252,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time other configs")
     parser.add_argument("--json", help="write all rows here")
+    parser.add_argument("--only", choices=["decode", "prefill", "store"], help="one kernel")
     args = parser.parse_args()
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     rows = []
-    for batch, context in DECODE_CASES:
-        rows += bench_decode(batch, context, copy_gbs, args.sweep)
-    for query_lens, seq_lens in PREFILL_CASES:
-        rows += bench_prefill(query_lens, seq_lens, args.sweep)
-    rows.append(bench_store(8192, copy_gbs))
+    if args.only in (None, "decode"):
+        for batch, context in DECODE_CASES:
+            rows += bench_decode(batch, context, copy_gbs, args.sweep)
+    if args.only in (None, "prefill"):
+        for query_lens, seq_lens, heads in PREFILL_CASES:
+            rows += bench_prefill(query_lens, seq_lens, heads, args.sweep)
+    if args.only in (None, "store"):
+        rows.append(bench_store(8192, copy_gbs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)

@@ -2,7 +2,7 @@
 # One round of GPU checks and timings through the device tool (the machine keeps nothing):
 #   stages: tests | e2e (tests/gpu/test_e2e_gpu.py alone) | kernels | tp06 | tp06-nopeer | tp8b
 #           | tp8b-peer | kernels-sweep | gemm | splitk | profile06 | profile8b | timeline06
-#           | timeline8b | latency | overlap | pdl
+#           | timeline8b | latency | overlap | pdl | prefill-sweep
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
@@ -35,6 +35,7 @@ for stage in $stages; do
             --json "$OUT/throughput_qwen3_8b.json" 2>&1 | tee "$OUT/tp8b.log" | tail -40 ;;
     kernels-sweep) timeout 300 python3 benchmarks/gpu_kernels.py --sweep --json "$OUT/kernels_sweep.json" 2>&1 | tee "$OUT/kernels_sweep.log" | tail -60 ;;
     splitk) timeout 500 python3 benchmarks/gemm_splitk.py ${SPLITK_ARGS:-} --json "$OUT/gemm_splitk.json" 2>&1 | tee "$OUT/gemm_splitk.log" | tail -30 ;;
+    prefill-sweep) timeout 300 python3 benchmarks/gpu_kernels.py --sweep --only prefill --json "$OUT/prefill_sweep.json" 2>&1 | tee "$OUT/prefill_sweep.log" | tail -70 ;;
     gemm) timeout 400 python3 benchmarks/gemm_small.py --json "$OUT/gemm_small.json" 2>&1 | tee "$OUT/gemm_small.log" | tail -60 ;;
     profile06) timeout 300 python3 benchmarks/step_profile.py --model qwen3-0.6b --prefill-tokens 16384 \
             --json "$OUT/step_profile_0.6b.json" 2>&1 | tee "$OUT/step_profile_0.6b.log" | tail -120 ;;

@@ -5,15 +5,21 @@ FCFS serial estimate (this workload's schedule)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+# Buffer sizes of the copy ceiling, in bytes. A copy moves at a higher rate the larger it is,
+# since a launch's ramp and tail are a smaller share: on the H200, 1 GiB read ~2.5% below
+# 4 GiB (docs/PERFORMANCE.md). The ceiling is the best rate over the sizes that fit.
+COPY_SIZES = (1 << 30, 1 << 31, 1 << 32)
 
 
 @dataclass
 class DeviceCeilings:
     copy_bytes_per_s: float  # bytes read + written per second, device to device
     matmul_flops: float  # bf16 (or the model dtype) matmul FLOP/s
+    copy_by_size: dict[int, float] = field(default_factory=dict)  # buffer bytes -> rate
 
 
 @dataclass
@@ -46,18 +52,38 @@ def _time_cuda(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def copy_sizes(free_bytes: int, spare: int = 1 << 30) -> list[int]:
+    """The copy buffers to time: the smallest of COPY_SIZES always, each larger one only if
+    its source and destination fit in `free_bytes` with `spare` bytes left over (beside an
+    engine's KV cache, an 80 GB card has ~8 GB free)."""
+    return [s for s in COPY_SIZES if s == COPY_SIZES[0] or 2 * s + spare <= free_bytes]
+
+
 def measure_ceilings(dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> DeviceCeilings:
-    """A 1 GiB device copy and an 8192^3 matmul, median of several runs each."""
-    src = torch.randn(1 << 28, device=device)  # 1 GiB of float32, random (never zeros)
+    """Device copies of 1 GiB and up (the best rate of COPY_SIZES that fit) and an 8192^3
+    matmul, median of several runs each."""
+    torch.cuda.empty_cache()
+    rates = {}
+    for size in copy_sizes(torch.cuda.mem_get_info(device)[0]):
+        rates[size] = _copy_rate(size, device)
+        torch.cuda.empty_cache()  # its buffers are gone: give the memory back
+    flops = _matmul_rate(dtype, device)
+    torch.cuda.empty_cache()
+    return DeviceCeilings(max(rates.values()), flops, rates)
+
+
+def _copy_rate(size: int, device: str) -> float:
+    """Bytes read + written per second by a device copy of `size` bytes, median of 20."""
+    src = torch.randn(size // 4, device=device)  # float32, random (never zeros)
     dst = torch.empty_like(src)
-    copy_s = _time_cuda(lambda: dst.copy_(src), 20)
-    n = 8192
+    return 2 * size / _time_cuda(lambda: dst.copy_(src), 20)
+
+
+def _matmul_rate(dtype: torch.dtype, device: str, n: int = 8192) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype`, median of 20."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    mm_s = _time_cuda(lambda: a @ b, 20)
-    del src, dst, a, b
-    torch.cuda.empty_cache()
-    return DeviceCeilings(2 * (1 << 30) / copy_s, 2 * n**3 / mm_s)
+    return 2 * n**3 / _time_cuda(lambda: a @ b, 20)
 
 
 def weights_read_per_step(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 from model_utils import TINY
 from transformers import LlamaConfig
 
-from octavo.entrypoints.bench_floor import DeviceCeilings, weights_read_per_step, workload_floor
+from octavo.entrypoints.bench_floor import (
+    DeviceCeilings,
+    copy_sizes,
+    weights_read_per_step,
+    workload_floor,
+)
 from octavo.model.loader import load_model
 
 
@@ -96,3 +101,11 @@ def test_the_serial_floor_lies_between_the_memory_floor_and_the_fcfs_estimate(le
     weights_only = max(outputs) * 1000
     floor = serial_floor(work, ceilings)
     assert weights_only <= floor <= fcfs_serial_estimate(work, ceilings) * (1 + 1e-9)
+
+
+def test_copy_sizes_keep_the_smallest_and_add_those_that_fit():
+    gib = 1 << 30
+    assert copy_sizes(0) == [gib]  # always one copy to time, whatever the free memory
+    assert copy_sizes(5 * gib) == [gib, 2 * gib]  # 2 x 2 GiB + 1 GiB spare fits; 4 GiB not
+    assert copy_sizes(9 * gib) == [gib, 2 * gib, 4 * gib]
+    assert copy_sizes(9 * gib - 1) == [gib, 2 * gib]
