@@ -98,6 +98,7 @@ class Probe:
         self.x = w(batch, s["hidden"])
         self.kv_bytes = int(lens.sum()) * s["kv_heads"] * s["head_dim"] * 2 * 2 * s["layers"]
         self.side = torch.cuda.Stream()
+        self.num_splits: int | None = None  # None: the kernel's own choice
 
     def pre(self, l: int, x, res):
         p = self.layers[l]
@@ -109,6 +110,7 @@ class Probe:
         out = decode_attention_qkv(
             qkv, self.kv[l], self.seq_lens[rows], self.block_tables[rows], self.slots[rows],
             self.cos_sin, s["head_dim"] ** -0.5, s["heads"], p["qn"], p["kn"], EPS,
+            num_splits=self.num_splits,
         )  # fmt: skip
         return out.view(qkv.shape[0], -1)
 

@@ -1,0 +1,56 @@
+"""Decode attention at small batches, inside a CUDA graph: the time per layer for each
+number of KV splits (`overlap_probe.Probe`'s fused kernel, all layers in one graph).
+
+At batch 1-32 the engine's decode steps are latency-bound, and the split count decides how
+many programs run and whether a second (reduce) kernel follows. `choose_num_splits` picks it
+from the batch and the block-table width (max_model_len 4096 here, as the benchmarks run).
+
+    PYTHONPATH=. python benchmarks/split_probe.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from benchmarks.overlap_probe import Probe, time_graph
+from octavo.kernels.decode_attention import choose_num_splits, num_sms
+
+CASES = [("qwen3-8b", 1, 768), ("qwen3-0.6b", 1, 1024), ("qwen3-0.6b", 4, 1024),
+         ("qwen3-0.6b", 16, 1024), ("qwen3-0.6b", 32, 1024)]  # fmt: skip
+SPLITS = (1, 2, 4, 8, 16, 32)
+MAX_MODEL_LEN = 4096
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    rows = []
+    for model, batch, context in CASES:
+        p = Probe(model, batch, context)
+        layers = p.s["layers"]
+        engine = choose_num_splits(batch, p.s["kv_heads"], MAX_MODEL_LEN, num_sms(p.x.device))
+        row = {"model": model, "batch": batch, "context": context, "engine_splits": engine}
+        for splits in SPLITS:
+            p.num_splits = splits
+            row[f"us_{splits}"] = time_graph(p.attn_only, 30) * 1e3 / layers
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del p
+        torch.cuda.empty_cache()
+    print(f"\n{'model':11} {'batch':>5} {'ctx':>5} {'engine':>6} | "
+          + " ".join(f"{f'{s} split':>8}" for s in SPLITS) + "   us per layer")  # fmt: skip
+    for r in rows:
+        cells = " ".join(f"{r[f'us_{s}']:8.1f}" for s in SPLITS)
+        print(f"{r['model']:11} {r['batch']:5} {r['context']:5} {r['engine_splits']:6} | {cells}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
