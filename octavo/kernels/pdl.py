@@ -22,6 +22,8 @@ ENABLED = os.environ.get("OCTAVO_PDL", "1") != "0"
 
 @functools.cache
 def _hopper_or_later(device_index: int) -> bool:
+    if torch.version.hip is not None:  # ROCm reports its own "capability" (MI300: 9.4)
+        return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
