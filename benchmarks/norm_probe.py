@@ -10,31 +10,26 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
-from benchmarks.overlap_probe import Probe, time_graph
+from benchmarks.overlap_probe import Probe, probe_cases, time_graph
 
 CASES = [("qwen3-0.6b", 256, 1024), ("qwen3-0.6b", 64, 1024), ("qwen3-0.6b", 8, 1024),
          ("qwen3-8b", 1, 768)]  # fmt: skip
+
+
+def measure(p: Probe) -> dict:
+    row = {}
+    for rep, norms in enumerate((True, False, True, False)):
+        p.norms = norms
+        tag = f"{'with' if norms else 'without'}{rep // 2}"
+        row[f"step_{tag}"] = time_graph(lambda: p.forward(slice(None)), 30)
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     args = ap.parse_args()
-    torch.set_grad_enabled(False)
-    rows = []
-    for model, batch, context in CASES:
-        p = Probe(model, batch, context)
-        row = {"model": model, "batch": batch, "context": context}
-        for rep, norms in enumerate((True, False, True, False)):
-            p.norms = norms
-            tag = f"{'with' if norms else 'without'}{rep // 2}"
-            row[f"step_{tag}"] = time_graph(lambda p=p: p.forward(slice(None)), 30)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del p
-        torch.cuda.empty_cache()
+    rows = probe_cases(CASES, measure)
     print(
         f"\n{'model':11} {'batch':>5} {'ctx':>5} | {'with norms':>15} | {'without':>15}   ms/step"
     )

@@ -188,12 +188,22 @@ def time_graph(fn, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
-def measure(model: str, batch: int, context: int, rate: float, replays: int) -> dict:
-    p = Probe(model, batch, context)
+def probe_cases(cases, measure) -> list[dict]:
+    """For each (model, batch, context), a fresh Probe and its row: the case plus
+    measure(probe), printed as JSON as it comes. Returns the rows."""
+    torch.set_grad_enabled(False)
+    rows = []
+    for model, batch, context in cases:
+        p = Probe(model, batch, context)
+        rows.append({"model": model, "batch": batch, "context": context, **measure(p)})
+        print(json.dumps(rows[-1]), flush=True)
+        del p
+        torch.cuda.empty_cache()
+    return rows
+
+
+def measure(p: Probe, rate: float, replays: int) -> dict:
     return {
-        "model": model,
-        "batch": batch,
-        "context": context,
         "kv_floor_ms": p.kv_bytes / rate * 1e3,
         "serial": time_graph(lambda: p.forward(slice(None)), replays),
         "pingpong": time_graph(lambda: p.two_streams(chained=True), replays),
@@ -208,16 +218,11 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args()
-    torch.set_grad_enabled(False)
     rate = measure_ceilings().copy_bytes_per_s  # the bench's ceiling (best of 1-4 GiB)
     print(f"copy {rate / 1e12:.2f} TB/s")
     cases = [("qwen3-0.6b", b, c) for b in (256, 128, 64) for c in (1024, 512)]
     cases += [("qwen3-8b", 256, 1024), ("qwen3-8b", 128, 1024)]
-    rows = []
-    for model, batch, context in cases:
-        rows.append(measure(model, batch, context, rate, args.replays))
-        print(json.dumps(rows[-1]), flush=True)
-        torch.cuda.empty_cache()
+    rows = probe_cases(cases, lambda p: measure(p, rate, args.replays))
     print(f"\n{'model':11} {'batch':>5} {'ctx':>5} {'KV floor':>8} {'serial':>7} {'pingpong':>8} "
           f"{'free':>7} {'attn':>7} {'rest':>7}   ms per step")  # fmt: skip
     for r in rows:

@@ -12,13 +12,21 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
-from benchmarks.overlap_probe import Probe, time_graph
+from benchmarks.overlap_probe import Probe, probe_cases, time_graph
 from octavo.kernels import pdl
 
 CASES = [("qwen3-0.6b", 256, 1024), ("qwen3-0.6b", 64, 1024), ("qwen3-0.6b", 8, 1024),
          ("qwen3-8b", 1, 768), ("qwen3-8b", 64, 1024)]  # fmt: skip
+
+
+def measure(p: Probe, replays: int) -> dict:
+    row = {}
+    for rep, flag in enumerate((False, True, False, True)):
+        pdl.ENABLED = flag
+        tag = f"{'on' if flag else 'off'}{rep // 2}"
+        row[f"step_{tag}"] = time_graph(lambda: p.forward(slice(None)), replays)
+        row[f"rest_{tag}"] = time_graph(p.rest_only, replays)
+    return row
 
 
 def main() -> None:
@@ -26,20 +34,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--replays", type=int, default=30)
     args = ap.parse_args()
-    torch.set_grad_enabled(False)
-    rows = []
-    for model, batch, context in CASES:
-        p = Probe(model, batch, context)
-        row = {"model": model, "batch": batch, "context": context}
-        for rep, flag in enumerate((False, True, False, True)):
-            pdl.ENABLED = flag
-            tag = f"{'on' if flag else 'off'}{rep // 2}"
-            row[f"step_{tag}"] = time_graph(lambda p=p: p.forward(slice(None)), args.replays)
-            row[f"rest_{tag}"] = time_graph(p.rest_only, args.replays)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del p
-        torch.cuda.empty_cache()
+    rows = probe_cases(CASES, lambda p: measure(p, args.replays))
     print(f"\n{'model':11} {'batch':>5} {'ctx':>5} | {'step off':>17} {'step on':>17} | "
           f"{'rest off':>17} {'rest on':>17}   ms per step (two runs each)")  # fmt: skip
     for r in rows:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
-from benchmarks.overlap_probe import Probe, time_graph
+from benchmarks.overlap_probe import Probe, probe_cases, time_graph
 from octavo.kernels.decode_attention import choose_num_splits, num_sms
 
 CASES = [("qwen3-8b", 1, 768), ("qwen3-0.6b", 1, 1024), ("qwen3-0.6b", 4, 1024),
@@ -24,24 +22,21 @@ SPLITS = (1, 2, 4, 8, 16, 32)
 MAX_MODEL_LEN = 4096
 
 
+def measure(p: Probe) -> dict:
+    row = {"engine_splits": choose_num_splits(
+        p.batch, p.s["kv_heads"], MAX_MODEL_LEN, num_sms(p.x.device)
+    )}  # fmt: skip
+    for splits in SPLITS:
+        p.num_splits = splits
+        row[f"us_{splits}"] = time_graph(p.attn_only, 30) * 1e3 / p.s["layers"]
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     args = ap.parse_args()
-    torch.set_grad_enabled(False)
-    rows = []
-    for model, batch, context in CASES:
-        p = Probe(model, batch, context)
-        layers = p.s["layers"]
-        engine = choose_num_splits(batch, p.s["kv_heads"], MAX_MODEL_LEN, num_sms(p.x.device))
-        row = {"model": model, "batch": batch, "context": context, "engine_splits": engine}
-        for splits in SPLITS:
-            p.num_splits = splits
-            row[f"us_{splits}"] = time_graph(p.attn_only, 30) * 1e3 / layers
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del p
-        torch.cuda.empty_cache()
+    rows = probe_cases(CASES, measure)
     print(f"\n{'model':11} {'batch':>5} {'ctx':>5} {'engine':>6} | "
           + " ".join(f"{f'{s} split':>8}" for s in SPLITS) + "   us per layer")  # fmt: skip
     for r in rows:
