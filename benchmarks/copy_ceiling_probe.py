@@ -1,6 +1,6 @@
-"""Where the copy ceiling's spread comes from: the bench's 1 GiB device copy (median of 20,
-as octavo.entrypoints.bench_floor.measure_ceilings) against other sizes and fresh buffers,
-three allocations each. Run it in several processes to see the spread between them; with
+"""Where the copy ceiling's spread comes from: device copies (bench_floor.copy_rate, median of
+20) of 1 GiB, the bench's size until session 6, against other sizes and fresh buffers, three
+allocations each. Run it in several processes to see the spread between them; with
 `--engine` it also times an engine start and the eager decode warm-up once its kernels are
 loaded.
 
@@ -12,16 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
-from octavo.entrypoints.bench_floor import _time_cuda
-
-
-def copy_rate(size_mib: int) -> float:
-    """TB/s (read + written) of a fresh float32 copy of `size_mib` MiB, median of 20."""
-    src = torch.randn(size_mib * (1 << 20) // 4, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.nbytes / _time_cuda(lambda: dst.copy_(src), 20) / 1e12
+from octavo.entrypoints.bench_floor import copy_rate
 
 
 def main() -> None:
@@ -29,7 +20,7 @@ def main() -> None:
     parser.add_argument("--engine", action="store_true")
     args = parser.parse_args()
     rows = [
-        f"{size_mib}M:{copy_rate(size_mib):.3f}"
+        f"{size_mib}M:{copy_rate(size_mib << 20, 'cuda') / 1e12:.3f}"
         for size_mib in (1024, 4096, 1024, 256, 1024)
         for _ in range(3)
     ]

@@ -65,14 +65,14 @@ def measure_ceilings(dtype: torch.dtype = torch.bfloat16, device: str = "cuda") 
     torch.cuda.empty_cache()
     rates = {}
     for size in copy_sizes(torch.cuda.mem_get_info(device)[0]):
-        rates[size] = _copy_rate(size, device)
+        rates[size] = copy_rate(size, device)
         torch.cuda.empty_cache()  # its buffers are gone: give the memory back
     flops = _matmul_rate(dtype, device)
     torch.cuda.empty_cache()
     return DeviceCeilings(max(rates.values()), flops, rates)
 
 
-def _copy_rate(size: int, device: str) -> float:
+def copy_rate(size: int, device: str) -> float:
     """Bytes read + written per second by a device copy of `size` bytes, median of 20."""
     src = torch.randn(size // 4, device=device)  # float32, random (never zeros)
     dst = torch.empty_like(src)
