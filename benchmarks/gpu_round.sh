@@ -2,7 +2,7 @@
 # One round of GPU checks and timings through the device tool (the machine keeps nothing):
 #   stages: tests | e2e (tests/gpu/test_e2e_gpu.py alone) | kernels | tp06 | tp06-nopeer | tp8b
 #           | tp8b-peer | kernels-sweep | gemm | splitk | profile06 | profile8b | timeline06
-#           | timeline8b | latency | overlap | pdl | prefill-sweep | splits
+#           | timeline8b | latency | overlap | pdl | norms | prefill-sweep | splits
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
@@ -46,7 +46,7 @@ for stage in $stages; do
     profile8b) timeout 300 python3 benchmarks/step_profile.py --model qwen3-8b \
             --json "$OUT/step_profile_8b.json" 2>&1 | tee "$OUT/step_profile_8b.log" | tail -120 ;;
     overlap) timeout 400 python3 benchmarks/overlap_probe.py --json "$OUT/overlap_probe.json" 2>&1 | tee "$OUT/overlap_probe.log" | tail -20 ;;
-    pdl) timeout 300 python3 benchmarks/pdl_probe.py --json "$OUT/pdl_probe.json" 2>&1 | tee "$OUT/pdl_probe.log" | tail -8 ;;
+    pdl|norms) timeout 300 python3 benchmarks/switch_probe.py --switch "$stage" --json "$OUT/${stage}_probe.json" 2>&1 | tee "$OUT/${stage}_probe.log" | tail -9 ;;
     splits) timeout 300 python3 benchmarks/split_probe.py --json "$OUT/split_probe.json" 2>&1 | tee "$OUT/split_probe.log" | tail -8 ;;
     latency) timeout 300 python3 benchmarks/latency.py --model qwen3-8b \
             --json "$OUT/latency_qwen3_8b.json" 2>&1 | tee "$OUT/latency.log" | tail -4 ;;
