@@ -47,8 +47,9 @@ DECODE_CASES = [(256, 1024), (256, "mixed"), (128, "mixed"), (64, "mixed"), (1, 
 
 
 def _workload_step(tokens: int = 16384) -> list[int]:
-    """Prompt lengths of one prefill step of the nano-vllm workload: randint(100, 1024) each
-    (BENCHMARKS.md), the last one cut so that the step holds `tokens`, as the scheduler cuts."""
+    """Prompt lengths of a prefill step like the nano-vllm workload's: randint(100, 1024) each
+    (BENCHMARKS.md; its own draw, not the workload's prompts), the last one cut so that the
+    step holds `tokens`, as the scheduler cuts."""
     rng = random.Random(0)
     lens: list[int] = []
     while sum(lens) < tokens:
