@@ -165,8 +165,7 @@ def main() -> None:
     args = ap.parse_args()
     rate = measure_ceilings().copy_bytes_per_s
     print(f"copy {rate / 1e12:.2f} TB/s", flush=True)
-    layers = probe_cases([(m, b, c) for m, b, c in LAYER_CASES],
-                         lambda p: measure_layers(p, args.replays))  # fmt: skip
+    layers = probe_cases(LAYER_CASES, lambda p: measure_layers(p, args.replays), FusedProbe)
     gemms = [] if args.skip_gemm else gemm_sweep(rate, args.replays)
     if gemms:
         print(f"\n{'model':11} {'proj':>5} {'rows':>4} {'floor':>6} {'cuBLAS':>7} "

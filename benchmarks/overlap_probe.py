@@ -188,13 +188,13 @@ def time_graph(fn, replays: int) -> float:
     return start.elapsed_time(end) / replays
 
 
-def probe_cases(cases, measure) -> list[dict]:
-    """For each (model, batch, context), a fresh Probe and its row: the case plus
+def probe_cases(cases, measure, probe_class: type[Probe] = Probe) -> list[dict]:
+    """For each (model, batch, context), a fresh probe and its row: the case plus
     measure(probe), printed as JSON as it comes. Returns the rows."""
     torch.set_grad_enabled(False)
     rows = []
     for model, batch, context in cases:
-        p = Probe(model, batch, context)
+        p = probe_class(model, batch, context)
         rows.append({"model": model, "batch": batch, "context": context, **measure(p)})
         print(json.dumps(rows[-1]), flush=True)
         del p
