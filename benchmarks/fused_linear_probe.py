@@ -2,9 +2,9 @@
 the engine's layers (RMSNorm, cuBLAS GEMMs, SiLU-and-mul: seven), inside CUDA graphs.
 
 At batch 1-64 a decode step's projections are bound by their weight reads and by the fixed
-cost of each launch; `octavo/kernels/fused_linear.py` folds the norms, SiLU-and-mul and the
+cost of each launch; `benchmarks/fused_linear.py` folds the norms, SiLU-and-mul and the
 residual adds into the projections, and loads its first weight slice before waiting on the
-previous kernel (PDL). Three parts:
+previous kernel (PDL). Four parts:
 
     check   each fused call on random inputs against the float32 torch reference, next to
             the unfused bf16 kernels' error against the same reference
@@ -12,7 +12,9 @@ previous kernel (PDL). Three parts:
             kernel (plain, no folding) over a sweep of tiles; us per call and % of the
             weight-read floor
     layers  a step's layers (and the rest without attention) with the engine's kernels and
-            with fused_linear, PDL with and without the early signal (pdl.EARLY)
+            with fused_linear
+    calls   each of a layer's four calls, plain and with its folding, over all layers'
+            weights; and the four in a row per layer, plain and folded
 
     PYTHONPATH=. python benchmarks/fused_linear_probe.py [--json out.json] [--skip-gemm]
 """
@@ -27,15 +29,14 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from benchmarks.overlap_probe import EPS, SHAPES, Probe, probe_cases, time_graph
-from octavo.entrypoints.bench_floor import measure_ceilings
-from octavo.kernels import pdl
-from octavo.kernels.activation import silu_and_mul
-from octavo.kernels.fused_linear import (
+from benchmarks.fused_linear import (
     default_fused_linear_config,
     fused_linear,
     fused_linear_reference,
 )
+from benchmarks.overlap_probe import EPS, Probe, probe_cases, time_graph
+from octavo.entrypoints.bench_floor import measure_ceilings
+from octavo.kernels.activation import silu_and_mul
 from octavo.kernels.rms_norm import rms_norm
 
 LAYER_CASES = [("qwen3-8b", 1, 768), ("qwen3-8b", 4, 1024), ("qwen3-8b", 16, 1024),
@@ -105,14 +106,55 @@ def measure_layers(p: FusedProbe, replays: int) -> dict:
     p.zeros_attn = torch.zeros(p.batch, p.layers[0]["o"].shape[1], device="cuda",
                                dtype=torch.bfloat16)  # fmt: skip
     row = check(p)
-    for early in (False, True):
-        pdl.EARLY = early
-        tag = "early" if early else "late"
-        row[f"step_{tag}"] = time_graph(lambda: p.forward(slice(None)), replays)
-        row[f"rest_{tag}"] = time_graph(p.rest_only, replays)
-        row[f"fstep_{tag}"] = time_graph(p.fused_forward, replays)
-        row[f"frest_{tag}"] = time_graph(p.fused_rest, replays)
-    pdl.EARLY = True
+    row["step"] = time_graph(lambda: p.forward(slice(None)), replays)
+    row["rest"] = time_graph(p.rest_only, replays)
+    row["fused_step"] = time_graph(p.fused_forward, replays)
+    row["fused_rest"] = time_graph(p.fused_rest, replays)
+    return row
+
+
+def calls(replays: int) -> list[dict]:
+    """Each of a layer's four calls over all layers' weights, plain and with its folding,
+    and the four in a row per layer (plain and folded): us per layer."""
+    torch.set_grad_enabled(False)
+    rows = []
+    for model, m in (("qwen3-8b", 1), ("qwen3-0.6b", 8)):
+        rows.append({"model": model, "rows": m, **_calls_case(Probe(model, m, 256), replays)})
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _calls_case(p: Probe, replays: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(2)
+    m, s, dt = p.batch, p.s, torch.bfloat16
+    h = torch.randn(m, s["hidden"], generator=g, device="cuda").to(dt)
+    a = torch.randn(m, p.layers[0]["o"].shape[1], generator=g, device="cuda").to(dt)
+    act = torch.randn(m, s["inter"], generator=g, device="cuda").to(dt)
+    variants = {
+        "qkv": (lambda q: fused_linear(h, q["qkv"]),
+                lambda q: fused_linear(h, q["qkv"], norm_weight=q["ln1"], eps=EPS)),
+        "o": (lambda q: fused_linear(a, q["o"]),
+              lambda q: fused_linear(a, q["o"], residual=h)),
+        "gu": (lambda q: fused_linear(h, q["gu"]),
+               lambda q: fused_linear(h, q["gu"], norm_weight=q["ln2"], eps=EPS, gated=True)),
+        "down": (lambda q: fused_linear(act, q["down"]),
+                 lambda q: fused_linear(act, q["down"], residual=h)),
+    }  # fmt: skip
+
+    def per_layer_us(fns) -> float:
+        def run():
+            for q in p.layers:
+                for fn in fns:
+                    fn(q)
+
+        return time_graph(run, replays) * 1e3 / len(p.layers)
+
+    row = {}
+    for i, tag in enumerate(("plain", "folded")):
+        for name, pair in variants.items():
+            row[f"{name}_{tag}"] = per_layer_us([pair[i]])
+        row[f"chain_{tag}"] = per_layer_us([pair[i] for pair in variants.values()])
     return row
 
 
@@ -148,7 +190,9 @@ def gemm_sweep(rate: float, replays: int) -> list[dict]:
                     if best is None or us < best[0]:
                         best = (us, cfg)
                 default = default_fused_linear_config(m, n, k, gated=False)
-                row["default_us"] = time_graph(lambda: run(default), replays) * 1e3 / len(weights)
+                row["default_us"] = (
+                    time_graph(lambda cfg=default: run(cfg), replays) * 1e3 / len(weights)
+                )
                 row["best_us"], row["best_cfg"] = best
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -166,6 +210,7 @@ def main() -> None:
     rate = measure_ceilings().copy_bytes_per_s
     print(f"copy {rate / 1e12:.2f} TB/s", flush=True)
     layers = probe_cases(LAYER_CASES, lambda p: measure_layers(p, args.replays), FusedProbe)
+    per_call = calls(args.replays)
     gemms = [] if args.skip_gemm else gemm_sweep(rate, args.replays)
     if gemms:
         print(f"\n{'model':11} {'proj':>5} {'rows':>4} {'floor':>6} {'cuBLAS':>7} "
@@ -180,15 +225,21 @@ def main() -> None:
         print(f"{r['model']:11} {r['batch']:4}  " + "  ".join(
             f"{k}: {r[f'{k}_fused']:.1e} {r[f'{k}_unfused']:.1e}" for k in ("qkv", "o", "gu", "down")
         ))  # fmt: skip
-    print(f"\n{'model':11} {'batch':>5} | {'step':>7} {'fused':>7} | {'rest':>7} {'fused':>7} | "
-          f"{'step':>7} {'fused':>7} | {'rest':>7} {'fused':>7}   ms; PDL late | early")  # fmt: skip
+    names = ("qkv", "o", "gu", "down", "chain")
+    print(f"\n{'model':11} {'rows':>4} | " + " | ".join(f"{n:>13}" for n in names)
+          + "   us per layer: plain, folded")  # fmt: skip
+    for r in per_call:
+        cells = " | ".join(f"{r[f'{n}_plain']:6.1f} {r[f'{n}_folded']:6.1f}" for n in names)
+        print(f"{r['model']:11} {r['rows']:4} | {cells}")
+    print(f"\n{'model':11} {'batch':>5} | {'step':>7} {'fused':>7} | {'rest':>7} {'fused':>7}"
+          "   ms per step: engine kernels, fused_linear")  # fmt: skip
     for r in layers:
-        cells = [f"{r[f'step_{t}']:7.3f} {r[f'fstep_{t}']:7.3f} | {r[f'rest_{t}']:7.3f} "
-                 f"{r[f'frest_{t}']:7.3f}" for t in ("late", "early")]  # fmt: skip
-        print(f"{r['model']:11} {r['batch']:5} | {cells[0]} | {cells[1]}")
+        print(f"{r['model']:11} {r['batch']:5} | {r['step']:7.3f} {r['fused_step']:7.3f} | "
+              f"{r['rest']:7.3f} {r['fused_rest']:7.3f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"copy_bytes_per_s": rate, "layers": layers, "gemms": gemms}, f, indent=1)
+            json.dump({"copy_bytes_per_s": rate, "layers": layers, "calls": per_call,
+                       "gemms": gemms}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ for stage in $stages; do
             --json "$OUT/step_profile_8b.json" 2>&1 | tee "$OUT/step_profile_8b.log" | tail -120 ;;
     overlap) timeout 400 python3 benchmarks/overlap_probe.py --json "$OUT/overlap_probe.json" 2>&1 | tee "$OUT/overlap_probe.log" | tail -20 ;;
     pdl|norms) timeout 300 python3 benchmarks/switch_probe.py --switch "$stage" --json "$OUT/${stage}_probe.json" 2>&1 | tee "$OUT/${stage}_probe.log" | tail -9 ;;
-    fused) timeout 500 python3 benchmarks/fused_linear_probe.py ${FUSED_ARGS:-} --json "$OUT/fused_probe.json" 2>&1 | tee "$OUT/fused_probe.log" | tail -75 ;;
+    fused) timeout 400 python3 benchmarks/fused_linear_probe.py ${FUSED_ARGS:-} --json "$OUT/fused_probe.json" 2>&1 | tee "$OUT/fused_probe.log" | tail -72
+           timeout 120 python3 benchmarks/norm_prologue_probe.py --json "$OUT/norm_prologue.json" 2>&1 | tee "$OUT/norm_prologue.log" | tail -5 ;;
     splits) timeout 300 python3 benchmarks/split_probe.py --json "$OUT/split_probe.json" 2>&1 | tee "$OUT/split_probe.log" | tail -8 ;;
     latency) timeout 300 python3 benchmarks/latency.py --model qwen3-8b \
             --json "$OUT/latency_qwen3_8b.json" 2>&1 | tee "$OUT/latency.log" | tail -4 ;;

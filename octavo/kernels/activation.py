@@ -16,8 +16,6 @@ def _silu_and_mul_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
-    if USE_PDL == 2:  # let the next kernel's programs start on SMs this one frees
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter_size

@@ -113,8 +113,6 @@ def _decode_split_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
-    if USE_PDL == 2:  # let the next kernel's programs start on SMs this one frees
-        tl.extra.cuda.gdc_launch_dependents()
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     if HAS_ORDER:
@@ -219,8 +217,6 @@ def _decode_reduce_kernel(
     """out = sum_s w_s * part_s / sum_s w_s, with w_s = 2^(lse_s - max lse)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
-    if USE_PDL == 2:  # let the next kernel's programs start on SMs this one frees
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

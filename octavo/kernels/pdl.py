@@ -6,13 +6,8 @@ takes `USE_PDL` first waits for that flush (`gdc_wait`, the `griddepcontrol.wait
 instruction) and only then reads anything, so results are the same either way; what is saved
 is the launch latency at each kernel boundary, inside CUDA graphs too.
 
-With `EARLY` set, each kernel also signals at its start that the next one may be scheduled
-(`gdc_launch_dependents`): once every program of this kernel has started, the next kernel's
-programs can take the SMs this one's finished programs free, and wait there for the flush.
-Without it, the next kernel is scheduled as this one completes.
-
-`ENABLED` and `EARLY` are read at every launch: benchmarks flip them to compare
-(environment: OCTAVO_PDL=0 turns PDL off, OCTAVO_PDL=1 keeps it without the early signal).
+`ENABLED` is read at every launch: benchmarks flip it to compare (environment:
+OCTAVO_PDL=0 turns it off).
 """
 
 from __future__ import annotations
@@ -22,8 +17,7 @@ import os
 
 import torch
 
-ENABLED = os.environ.get("OCTAVO_PDL", "2") != "0"
-EARLY = os.environ.get("OCTAVO_PDL", "2") == "2"
+ENABLED = os.environ.get("OCTAVO_PDL", "1") != "0"
 
 
 @functools.cache
@@ -41,8 +35,7 @@ def pdl_enabled(device: torch.device) -> bool:
     return _hopper_or_later(index)
 
 
-def pdl_args(device: torch.device) -> dict[str, int | bool]:
-    """Launch keywords for a kernel that takes `USE_PDL` (0: off, 1: wait for the previous
-    kernel, 2: wait and signal the next one early) and Triton's launch option."""
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """Launch keywords for a kernel that takes `USE_PDL`: the flag and Triton's option."""
     on = pdl_enabled(device)
-    return {"USE_PDL": (2 if EARLY else 1) if on else 0, "launch_pdl": on}
+    return {"USE_PDL": on, "launch_pdl": on}

@@ -78,8 +78,6 @@ def _prefill_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
-    if USE_PDL == 2:  # let the next kernel's programs start on SMs this one frees
-        tl.extra.cuda.gdc_launch_dependents()
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q)

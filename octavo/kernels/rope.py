@@ -84,8 +84,6 @@ def _qk_norm_rope_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
-    if USE_PDL == 2:  # let the next kernel's programs start on SMs this one frees
-        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     half: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, half)

@@ -49,8 +49,6 @@ def _chunk_stats_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
-    if USE_PDL == 2:  # let the next kernel's programs start on SMs this one frees
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
@@ -100,8 +98,6 @@ def _pick_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
-    if USE_PDL == 2:  # let the next kernel's programs start on SMs this one frees
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temperature_ptr + row)
     offs_c = tl.arange(0, CHUNKS_PAD)

@@ -35,8 +35,6 @@ def _store_kv_kernel(
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
-    if USE_PDL == 2:  # let the next kernel's programs start on SMs this one frees
-        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)  # int64, so slot * row size cannot overflow
     offs_h = tl.arange(0, BLOCK_H)

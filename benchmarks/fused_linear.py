@@ -1,5 +1,8 @@
 """A linear layer for few rows, with the small kernels around it folded in (Triton).
 
+An experiment, not used by the engine: `benchmarks/fused_linear_probe.py` times it against
+the engine's kernels, and docs/PERFORMANCE.md (session 7) says why it stays out.
+
 At decode batches of a few rows a projection reads its whole weight to produce a few
 outputs, and the RMSNorm before it, the SiLU-and-mul after gate/up and the residual add after
 o/down each cost a launch of their own for almost no bytes. This kernel does one projection
@@ -83,8 +86,6 @@ def _fused_linear_kernel(
     w_up = tl.load(w_ptrs + up) if GATED else w
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
-    if USE_PDL == 2:  # let the next kernel's programs start on SMs this one frees
-        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
