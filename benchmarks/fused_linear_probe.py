@@ -11,8 +11,8 @@ previous kernel (PDL). Four parts:
     gemm    one projection over every layer's weight in a graph: cuBLAS against the fused
             kernel (plain, no folding) over a sweep of tiles; us per call and % of the
             weight-read floor
-    layers  a step's layers (and the rest without attention) with the engine's kernels and
-            with fused_linear
+    layers  a step's layers (and the rest without attention) with the engine's kernels, and
+            with fused_linear: norms folded in, or the RMSNorm kernels kept before it
     calls   each of a layer's four calls, plain and with its folding, over all layers'
             weights; and the four in a row per layer, plain and folded
 
@@ -50,17 +50,23 @@ CONFIGS = [
 
 
 class FusedProbe(Probe):
-    """The Probe's layers run on the residual stream with four fused_linear calls each."""
+    """The Probe's layers on the residual stream with fused_linear: four calls a layer with
+    the norms folded (`fold_norms`), or the RMSNorm kernels kept and only SiLU-and-mul and
+    the residual adds folded (six kernels a layer against the engine's seven)."""
+
+    fold_norms = True
+
+    def norm_then(self, h, weight, ln, gated: bool = False):
+        if self.fold_norms:
+            return fused_linear(h, weight, norm_weight=ln, eps=EPS, gated=gated)
+        return fused_linear(rms_norm(h, ln, EPS), weight, gated=gated)
 
     def fused_layer(self, l: int, h, attend: bool):
         p = self.layers[l]
-        qkv = fused_linear(h, p["qkv"], norm_weight=p["ln1"], eps=EPS)
-        if attend:
-            a = self.attn(l, qkv, slice(None))
-        else:
-            a = self.zeros_attn
+        qkv = self.norm_then(h, p["qkv"], p["ln1"])
+        a = self.attn(l, qkv, slice(None)) if attend else self.zeros_attn
         h = fused_linear(a, p["o"], residual=h)
-        act = fused_linear(h, p["gu"], norm_weight=p["ln2"], eps=EPS, gated=True)
+        act = self.norm_then(h, p["gu"], p["ln2"], gated=True)
         return fused_linear(act, p["down"], residual=h)
 
     def fused_forward(self) -> None:
@@ -108,8 +114,11 @@ def measure_layers(p: FusedProbe, replays: int) -> dict:
     row = check(p)
     row["step"] = time_graph(lambda: p.forward(slice(None)), replays)
     row["rest"] = time_graph(p.rest_only, replays)
-    row["fused_step"] = time_graph(p.fused_forward, replays)
-    row["fused_rest"] = time_graph(p.fused_rest, replays)
+    for fold in (True, False):
+        p.fold_norms = fold
+        tag = "folded" if fold else "normed"
+        row[f"{tag}_step"] = time_graph(p.fused_forward, replays)
+        row[f"{tag}_rest"] = time_graph(p.fused_rest, replays)
     return row
 
 
@@ -231,11 +240,13 @@ def main() -> None:
     for r in per_call:
         cells = " | ".join(f"{r[f'{n}_plain']:6.1f} {r[f'{n}_folded']:6.1f}" for n in names)
         print(f"{r['model']:11} {r['rows']:4} | {cells}")
-    print(f"\n{'model':11} {'batch':>5} | {'step':>7} {'fused':>7} | {'rest':>7} {'fused':>7}"
-          "   ms per step: engine kernels, fused_linear")  # fmt: skip
+    print(f"\n{'model':11} {'batch':>5} | {'step':>7} {'folded':>7} {'normed':>7} | "
+          f"{'rest':>7} {'folded':>7} {'normed':>7}   ms per step: engine kernels; fused_linear "
+          "with the norms folded; with the RMSNorm kernels kept")  # fmt: skip
     for r in layers:
-        print(f"{r['model']:11} {r['batch']:5} | {r['step']:7.3f} {r['fused_step']:7.3f} | "
-              f"{r['rest']:7.3f} {r['fused_rest']:7.3f}")  # fmt: skip
+        print(f"{r['model']:11} {r['batch']:5} | {r['step']:7.3f} {r['folded_step']:7.3f} "
+              f"{r['normed_step']:7.3f} | {r['rest']:7.3f} {r['folded_rest']:7.3f} "
+              f"{r['normed_rest']:7.3f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bytes_per_s": rate, "layers": layers, "calls": per_call,
