@@ -206,7 +206,7 @@ def fused_linear_reference(
     gated: bool = False,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The unfused layers in torch, in float32 throughout (tests compare both to it)."""
+    """The unfused layers in torch, in float32 throughout (the probe compares both to it)."""
     h = x.float()
     if norm_weight is not None:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
