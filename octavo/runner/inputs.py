@@ -207,7 +207,10 @@ class InputBuilder:
         if not dst:
             return
         assert last_sampled is not None, "a pending input without a previous step"
-        index = to_device([dst, src], torch.int64, self.device)  # [2, P]
+        self.copy_pending(to_device([dst, src], torch.int64, self.device), last_sampled)
+
+    def copy_pending(self, index: torch.Tensor, last_sampled: torch.Tensor) -> None:
+        """input_ids[index[0]] = last_sampled[index[1]], on the device (index: [2, P] int64)."""
         self.input_ids.index_copy_(0, index[0], last_sampled.index_select(0, index[1]))
 
     def _upload(self, buffer: torch.Tensor, array: np.ndarray) -> torch.Tensor:

@@ -139,10 +139,8 @@ class ModelRunner:
                     self.eos_token_ids, self.device,
                 )
                 sampled = sampler(self.model.compute_logits(hidden[:batch]), md)
-                index = torch.arange(batch, device=self.device)
-                self.inputs.input_ids.index_copy_(
-                    0, index, sampled.sampled_token_ids.index_select(0, index)
-                )
+                index = torch.arange(batch, device=self.device).repeat(2, 1)  # [2, batch]
+                self.inputs.copy_pending(index, sampled.sampled_token_ids)
         torch.cuda.synchronize()
 
     @torch.inference_mode()
