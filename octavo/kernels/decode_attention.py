@@ -49,7 +49,6 @@ from octavo.kernels.pdl import pdl_args
 
 MIN_SPLIT_LEN = 256  # context positions per split: below this the partial writes dominate
 MAX_SPLITS = 64
-PROGRAMS_PER_SM = 8  # with sm_limit: programs launched per SM, more than fit at once
 
 
 @triton.jit
@@ -77,11 +76,8 @@ def _norm_rope_rows(row_ptrs, row_ok, weight_ptr, cos, sin, eps, HEAD_DIM: tl.co
     return x.to(tl.float32) * cos + sign * xr.to(tl.float32) * sin
 
 
-@triton.jit
-def _decode_tile(
-    kv_head,
-    row,  # grid row: the sequence itself, or its place in `order`
-    split,
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_split_kernel(
     q_ptr,  # [B, H, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D], contiguous
     v_cache_ptr,
@@ -113,11 +109,15 @@ def _decode_tile(
     HAS_ORDER: tl.constexpr,
     FUSED_QK: tl.constexpr,  # q_ptr is the qkv projection: norm, rotate and store here
     HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
-    """One program's work: query heads of one KV head of one sequence, over one split."""
-    seq = row
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
     if HAS_ORDER:
-        seq = tl.load(order_ptr + row)
+        seq = tl.load(order_ptr + seq)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     kv_lo = split * split_len
@@ -201,134 +201,6 @@ def _decode_tile(
         tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=head_ok)
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_rows", "sm_limit"])
-def _decode_split_kernel(
-    q_ptr,  # [B, H, D]
-    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, KVH, D], contiguous
-    v_cache_ptr,
-    seq_lens_ptr,  # [B] int32
-    block_tables_ptr,  # [B, max_blocks] int32
-    order_ptr,  # [B] int32: the sequence of each grid row, longest first (if HAS_ORDER)
-    out_ptr,  # [B, H, D], written when SINGLE_SPLIT
-    part_out_ptr,  # [B, H, num_splits, D] fp32, written otherwise
-    part_lse_ptr,  # [B, H, num_splits] fp32 (log2 domain)
-    cos_sin_ptr,  # FUSED_QK: [max_position, D] float32, cos | sin halves
-    q_norm_ptr,  # FUSED_QK and HAS_NORM: [D] per-head norm weights of q and k
-    k_norm_ptr,
-    slot_ptr,  # FUSED_QK: [B] int64 cache slot of each sequence's new token
-    eps,
-    qk_scale,
-    num_splits,  # a run-time value, so changing it costs no recompilation
-    stride_q_tok,
-    stride_q_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_bt_seq,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,  # max(16, next power of two >= GROUP): the dot's M
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr,  # num_splits == 1: write the output directly
-    HAS_ORDER: tl.constexpr,
-    FUSED_QK: tl.constexpr,  # q_ptr is the qkv projection: norm, rotate and store here
-    HAS_NORM: tl.constexpr,
-    num_rows,  # B
-    sm_limit,  # PERSISTENT: programs on SMs >= sm_limit exit at once
-    counter_ptr,  # PERSISTENT: [1] int32, zero at launch: the next tile to take
-    PERSISTENT: tl.constexpr,  # programs loop over the (head, row, split) tiles
-    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
-):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the previous kernel's writes are visible from here
-    if PERSISTENT:
-        # Only programs on SMs below sm_limit work; the others exit at once, leaving their SMs
-        # to kernels on other streams. Workers take tiles from a shared counter, in the order
-        # the full grid would start them: KV head fastest, then row, then split.
-        smid = tl.inline_asm_elementwise(
-            "mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-        )
-        if smid < sm_limit:
-            num_tiles = NUM_KV_HEADS * num_rows * num_splits
-            tile = tl.atomic_add(counter_ptr, 1)
-            while tile < num_tiles:
-                _decode_tile(
-                    tile % NUM_KV_HEADS,
-                    tile // NUM_KV_HEADS % num_rows,
-                    tile // (NUM_KV_HEADS * num_rows),
-                    q_ptr,
-                    k_cache_ptr,
-                    v_cache_ptr,
-                    seq_lens_ptr,
-                    block_tables_ptr,
-                    order_ptr,
-                    out_ptr,
-                    part_out_ptr,
-                    part_lse_ptr,
-                    cos_sin_ptr,
-                    q_norm_ptr,
-                    k_norm_ptr,
-                    slot_ptr,
-                    eps,
-                    qk_scale,
-                    num_splits,
-                    stride_q_tok,
-                    stride_q_head,
-                    stride_o_tok,
-                    stride_o_head,
-                    stride_bt_seq,
-                    NUM_KV_HEADS,
-                    GROUP,
-                    GROUP_PAD,
-                    HEAD_DIM,
-                    BLOCK_SIZE,
-                    BLOCK_N,
-                    SINGLE_SPLIT,
-                    HAS_ORDER,
-                    FUSED_QK,
-                    HAS_NORM,
-                )
-                tile = tl.atomic_add(counter_ptr, 1)
-    else:
-        _decode_tile(
-            tl.program_id(0),
-            tl.program_id(1),
-            tl.program_id(2),
-            q_ptr,
-            k_cache_ptr,
-            v_cache_ptr,
-            seq_lens_ptr,
-            block_tables_ptr,
-            order_ptr,
-            out_ptr,
-            part_out_ptr,
-            part_lse_ptr,
-            cos_sin_ptr,
-            q_norm_ptr,
-            k_norm_ptr,
-            slot_ptr,
-            eps,
-            qk_scale,
-            num_splits,
-            stride_q_tok,
-            stride_q_head,
-            stride_o_tok,
-            stride_o_head,
-            stride_bt_seq,
-            NUM_KV_HEADS,
-            GROUP,
-            GROUP_PAD,
-            HEAD_DIM,
-            BLOCK_SIZE,
-            BLOCK_N,
-            SINGLE_SPLIT,
-            HAS_ORDER,
-            FUSED_QK,
-            HAS_NORM,
-        )
-
-
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr,  # [B, H, num_splits, D] fp32
@@ -407,7 +279,6 @@ def decode_attention(
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     order: torch.Tensor | None = None,
-    sm_limit: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its whole paged context.
 
@@ -425,16 +296,12 @@ def decode_attention(
         config: optional override of `default_decode_config` (benchmarks sweep it).
         order: optional [B] int32 permutation of the sequences, longest first: programs start
             in that order, so the long ones do not run alone at the end (see the module doc).
-        sm_limit: run only on SMs 0 .. sm_limit - 1, each program there looping over (KV
-            head, sequence, split) tiles in the order the full grid would start them, so the
-            kernel leaves the other SMs to another stream (None: one program per tile).
     Returns:
         [B, H, D] in q's dtype (`out` when given).
     """
     check_attention_inputs(q, kv_cache, block_tables, q.shape[1], kv_cache.shape[3])
     return _decode(q, q.stride(0), q.stride(1), q.shape[1], kv_cache, seq_lens, block_tables,
-                   scale, num_splits=num_splits, out=out, config=config, order=order,
-                   sm_limit=sm_limit)  # fmt: skip
+                   scale, num_splits=num_splits, out=out, config=config, order=order)  # fmt: skip
 
 
 class FusedQK(NamedTuple):
@@ -461,7 +328,6 @@ def decode_attention_qkv(
     eps: float = 1e-6,
     order: torch.Tensor | None = None,
     num_splits: int | None = None,
-    sm_limit: int | None = None,
 ) -> torch.Tensor:
     """`decode_attention` straight from the qkv projection: each program also does what
     `qk_norm_rope_store` would do first for its heads (Qwen3's q/k norm if the weights are
@@ -495,8 +361,7 @@ def decode_attention_qkv(
     check_attention_inputs(q_view, kv_cache, block_tables, num_heads, num_kv_heads)
     fused = FusedQK(cos_sin_cache, q_norm, k_norm, slot_mapping, eps)
     return _decode(qkv, qkv.stride(0), head_dim, num_heads, kv_cache, seq_lens, block_tables,
-                   scale, num_splits=num_splits, order=order, fused=fused,
-                   sm_limit=sm_limit)  # fmt: skip
+                   scale, num_splits=num_splits, order=order, fused=fused)  # fmt: skip
 
 
 def _decode(
@@ -513,7 +378,6 @@ def _decode(
     config: dict[str, int] | None = None,
     order: torch.Tensor | None = None,
     fused: FusedQK | None = None,
-    sm_limit: int | None = None,
 ) -> torch.Tensor:
     """Launches the split kernel (and the reduction, with several splits)."""
     num_seqs = q.shape[0]
@@ -539,14 +403,7 @@ def _decode(
     # Without `fused` the kernel reads none of these: any tensors will do.
     cos_sin, q_norm, k_norm, slots, eps = fused or FusedQK(out, None, None, seq_lens, 0.0)
     has_norm = q_norm is not None
-    persistent = sm_limit is not None
-    if persistent:  # enough programs to fill every SM, whatever the kernel's occupancy
-        grid = (PROGRAMS_PER_SM * num_sms(q.device),)
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
-    else:
-        grid = (num_kv_heads, num_seqs, num_splits)
-        counter = seq_lens  # unused
-    _decode_split_kernel[grid](
+    _decode_split_kernel[(num_kv_heads, num_seqs, num_splits)](
         q,
         kv_cache[0],
         kv_cache[1],
@@ -578,10 +435,6 @@ def _decode(
         HAS_ORDER=order is not None,
         FUSED_QK=fused is not None,
         HAS_NORM=has_norm,
-        num_rows=num_seqs,
-        sm_limit=sm_limit or 0,
-        counter_ptr=counter,
-        PERSISTENT=persistent,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_args(q.device),
