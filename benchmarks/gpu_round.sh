@@ -2,7 +2,7 @@
 # One round of GPU checks and timings through the device tool (the machine keeps nothing):
 #   stages: tests | e2e (tests/gpu/test_e2e_gpu.py alone) | kernels | tp06 | tp06-nopeer | tp8b
 #           | tp8b-peer | kernels-sweep | gemm | splitk | profile06 | profile8b | timeline06
-#           | timeline8b | latency | overlap | pdl | norms | prefill-sweep | splits | fused
+#           | timeline8b | latency | overlap | pdl | norms | prefill-sweep | splits | fused | layerk
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
@@ -49,6 +49,8 @@ for stage in $stages; do
     pdl|norms) timeout 300 python3 benchmarks/switch_probe.py --switch "$stage" --json "$OUT/${stage}_probe.json" 2>&1 | tee "$OUT/${stage}_probe.log" | tail -9 ;;
     fused) timeout 400 python3 benchmarks/fused_linear_probe.py ${FUSED_ARGS:-} --json "$OUT/fused_probe.json" 2>&1 | tee "$OUT/fused_probe.log" | tail -72
            timeout 120 python3 benchmarks/norm_prologue_probe.py --json "$OUT/norm_prologue.json" 2>&1 | tee "$OUT/norm_prologue.log" | tail -5 ;;
+    layerk) timeout 120 python3 benchmarks/layer_kernel_probe.py --smoke 2>&1 | tee "$OUT/layer_kernel_smoke.log" | tail -3 &&
+            timeout 540 python3 benchmarks/layer_kernel_probe.py ${LAYERK_ARGS:-} --json "$OUT/layer_kernel.json" 2>&1 | tee "$OUT/layer_kernel.log" | tail -14 ;;
     splits) timeout 300 python3 benchmarks/split_probe.py --json "$OUT/split_probe.json" 2>&1 | tee "$OUT/split_probe.log" | tail -8 ;;
     latency) timeout 300 python3 benchmarks/latency.py --model qwen3-8b \
             --json "$OUT/latency_qwen3_8b.json" 2>&1 | tee "$OUT/latency.log" | tail -4 ;;
