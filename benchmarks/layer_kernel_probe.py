@@ -43,6 +43,9 @@ def configs(m: int, model: str) -> list[dict]:
     if model == "qwen3-0.6b" and m <= 64:
         out.append(dict(BM=bm, BN_O=16, BN_GU=32, BN_D=16, BN_QKV=32, BK=128, num_warps=4,
                         num_stages=4))  # fmt: skip
+        # more weight bytes in flight per SM (the weight-bound case): 4 stages of 16 x 256
+        out.append(dict(BM=bm, BN_O=16, BN_GU=32, BN_D=16, BN_QKV=32, BK=256, num_warps=4,
+                        num_stages=4))  # fmt: skip
     if m >= 128:
         out.append(dict(BM=128, **small, BK=64, num_warps=8, num_stages=3))
         out.append(dict(BM=128, **wide, BK=64, num_warps=8, num_stages=3))
@@ -130,6 +133,13 @@ def measure(model: str, batch: int, replays: int) -> dict:
         best = min(ok, key=lambda s: s["ms"])
         row["fused_ms"], row["best_cfg"] = best["ms"], best["cfg"]
         row["split_ms"] = time_graph(lambda: f.step(best["cfg"], True), replays)
+        # no rows: every phase has no tiles, so what is left is 1 launch + 3 barriers a layer
+        # (fused) against 4 launches (split)
+        m, f.m = f.m, 0
+        a, f.a = f.a, f.a[:0]
+        row["empty_fused_ms"] = time_graph(lambda: f.step(best["cfg"], False), replays)
+        row["empty_split_ms"] = time_graph(lambda: f.step(best["cfg"], True), replays)
+        f.m, f.a = m, a
         row["check"] = f.check(best["cfg"])
     row["engine_again_ms"] = time_graph(p.rest_only, replays)
     return row
@@ -154,11 +164,13 @@ def main() -> None:
         rows.append(measure(model, batch, args.replays))
         print(json.dumps(rows[-1]), flush=True)
     print("\nms per step, all layers' work besides attention (engine twice: before, after)")
-    print(f"{'model':11} {'batch':>5} | {'engine':>13} | {'fused':>7} {'split':>7} | check")
+    print(f"{'model':11} {'batch':>5} | {'engine':>13} | {'fused':>7} {'split':>7} | "
+          f"{'empty fused':>11} {'split':>6} | check")  # fmt: skip
     for r in rows:
         c = r.get("check", {})
         print(f"{r['model']:11} {r['batch']:5} | {r['engine_ms']:6.3f} {r['engine_again_ms']:6.3f} | "
               f"{r.get('fused_ms', float('nan')):7.3f} {r.get('split_ms', float('nan')):7.3f} | "
+              f"{r.get('empty_fused_ms', float('nan')):11.3f} {r.get('empty_split_ms', float('nan')):6.3f} | "
               f"barrier {c.get('barrier_count')} vs f32 {c.get('fused_vs_f32')} "
               f"engine vs f32 {c.get('engine_vs_f32')}")  # fmt: skip
     if args.json:
