@@ -27,7 +27,9 @@ import triton.language as tl
 
 from octavo.kernels.pdl import pdl_args
 
-SSQ_COLS = 64  # the most column tiles of the hidden size a phase may write partial sums for
+# The most column tiles of the hidden size a phase may write partial sums for (the row
+# stride of the partial-sums buffer).
+SSQ_COLS = tl.constexpr(64)
 
 
 @triton.jit
@@ -66,7 +68,7 @@ def _proj_residual(
         out = (acc.to(r.dtype).to(tl.float32) + r.to(tl.float32)).to(r.dtype)
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], out, mask=rmask[:, None])
         of = out.to(tl.float32)
-        tl.store(ssq_ptr + rows * 64 + nb, tl.sum(of * of, axis=1), mask=rmask)
+        tl.store(ssq_ptr + rows * SSQ_COLS + nb, tl.sum(of * of, axis=1), mask=rmask)
 
 
 @triton.jit
@@ -84,7 +86,7 @@ def _norm_proj(
         cols = (t // num_m) * BN + tl.arange(0, BN)
         kk = tl.arange(0, BK)
         rmask = rows < M
-        ssq = tl.load(ssq_ptr + rows[:, None] * 64 + tl.arange(0, NSSQ)[None, :],
+        ssq = tl.load(ssq_ptr + rows[:, None] * SSQ_COLS + tl.arange(0, NSSQ)[None, :],
                       mask=rmask[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
         rstd = tl.rsqrt(tl.sum(ssq, axis=1) / K + eps)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -155,14 +157,14 @@ class LayerRest:
         e = dict(device=device, dtype=dtype)
         self.r1 = torch.empty(max_rows, hidden, **e)
         self.act = torch.empty(max_rows, inter, **e)
-        self.ssq = torch.empty(max_rows, SSQ_COLS, device=device, dtype=torch.float32)
+        self.ssq = torch.empty(max_rows, SSQ_COLS.value, device=device, dtype=torch.float32)
         self.sync = torch.zeros(layers, dtype=torch.int32, device=device)
         self.nprog = num_programs(torch.device(device))
 
     def __call__(self, layer, a, res, wo, ln2, wgu, wd, ln1, wqkv, r2, qkv, eps, cfg, split=False):
         hidden, q_size, inter, qkv_size = self.shape
         m = a.shape[0]
-        if hidden // cfg["BN_O"] > SSQ_COLS or hidden // cfg["BN_D"] > SSQ_COLS:
+        if hidden // cfg["BN_O"] > SSQ_COLS.value or hidden // cfg["BN_D"] > SSQ_COLS.value:
             raise ValueError("BN_O and BN_D must leave at most 64 column tiles")
         kw = dict(H=hidden, Q=q_size, INTER=inter, NQKV=qkv_size,
                   **{k: cfg[k] for k in ("BM", "BN_O", "BN_GU", "BN_D", "BN_QKV", "BK")},
