@@ -5,7 +5,8 @@
 Rows (H=16, KVH=8, D=128, bf16, pages of 16):
   decode  256 x 1k context, 1 x 8k, 16 x 4k  -> KV bytes read / time vs. a measured copy
   prefill 8 x 1k new tokens (no prefix), 1 x 1k new behind a 7k prefix -> TFLOP/s (and torch
-          SDPA's flash kernel on the same dense problem as a yardstick)
+          SDPA's flash kernel on the same dense problem as a yardstick; torch's FlashAttention-2
+          varlen forward on every case, over contiguous K/V or the paged cache)
   store_kv 8k tokens
 
 Floors (METHOD.md's two numbers, H100 SXM, ~3.0 TB/s copy, ~700 dense bf16 TFLOP/s):
@@ -200,6 +201,7 @@ def bench_prefill(
                 f"{flops / us / 1e6:7.1f} TFLOP/s",
             )
         )
+    rows += bench_torch_flash(q, k, v, cache, md, query_lens, seq_lens, shape, flops, ref)
     if all(ql == s for ql, s in zip(query_lens, seq_lens, strict=True)) and len(set(seq_lens)) == 1:
         dense = [t.view(len(seq_lens), -1, n, HEAD_DIM).transpose(1, 2) for t, n in
                  ((q, HEADS), (k.repeat_interleave(2, 1), HEADS), (v.repeat_interleave(2, 1), HEADS))]  # fmt: skip
@@ -207,6 +209,59 @@ def bench_prefill(
         rate = f"{flops / us / 1e6:7.1f} TFLOP/s"
         rows.append(_row("torch sdpa", shape, "dense, no paging", False, us, float("nan"), rate))
     return rows
+
+
+def bench_torch_flash(q, k, v, cache, md, query_lens, seq_lens, shape, flops, ref) -> list[dict]:
+    """torch's own FlashAttention-2 forward (`aten._flash_attention_forward`, what
+    `torch.nn.attention.varlen.varlen_attn` calls) on the same problem: over the new K/V as
+    contiguous [T, KVH, D] tensors where no sequence has a cached prefix, and over the paged
+    cache through its block table otherwise (FlashAttention-2 may refuse pages of 16)."""
+    nan = float("nan")
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None:
+        return [_row("torch fa2", shape, "missing in this torch", False, nan, nan, "")]
+    max_q, max_k = max(query_lens), max(seq_lens)
+    cu_q = md.query_start_loc
+    if all(ql == s for ql, s in zip(query_lens, seq_lens, strict=True)):
+        kv, config = (k, v, cu_q, cu_q), "contiguous new K/V"
+        extra = {}
+    else:
+        kv, config = (cache[0], cache[1], cu_q, None), "paged, block table"
+        extra = {"seqused_k": md.seq_lens, "block_table": md.block_tables}
+
+    def run():
+        return op(q, *kv, max_q, max_k, 0.0, True, False, scale=SCALE, **extra)[0]
+
+    try:
+        us, err = measure(run, ref)
+    except RuntimeError as e:
+        reason = str(e).splitlines()[0][:80]
+        return [_row("torch fa2", shape, f"{config}: refused", False, nan, nan, reason)]
+    rows = [_row("torch fa2", shape, config, False, us, err, f"{flops / us / 1e6:7.1f} TFLOP/s")]
+    return rows + bench_torch_cudnn(q, k, v, md, max_q, shape, flops, ref, kv[-1] is None)
+
+
+def bench_torch_cudnn(q, k, v, md, max_q, shape, flops, ref, paged) -> list[dict]:
+    """cuDNN's fused attention (`aten._cudnn_attention_forward`) on ragged sequences of new
+    tokens, K/V repeated up to the query heads inside the timed call (it takes no GQA)."""
+    nan = float("nan")
+    op = getattr(torch.ops.aten, "_cudnn_attention_forward", None)
+    if op is None or paged:
+        return []
+    group = q.shape[1] // k.shape[1]
+    cu = md.query_start_loc
+
+    def run():
+        ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return op(q, ke, ve, None, cu, cu, max_q, max_q, False, 0.0, True, False, scale=SCALE)[0]
+
+    try:
+        us, err = measure(run, ref)
+    except RuntimeError as e:
+        reason = str(e).splitlines()[0][:80]
+        return [_row("cudnn", shape, "ragged: refused", False, nan, nan, reason)]
+    rate = f"{flops / us / 1e6:7.1f} TFLOP/s"
+    return [_row("cudnn", shape, "ragged, K/V repeated", False, us, err, rate)]
 
 
 def bench_store(num_tokens: int, copy_gbs: float) -> dict:
