@@ -53,9 +53,11 @@ def main() -> None:
     parser.add_argument("--counts", type=int, nargs="+", default=COUNTS)
     parser.add_argument("--load-format", default="dummy")
     args = parser.parse_args()
+    start = time.perf_counter()
     llm = LLM(
         args.model, load_format=args.load_format, max_model_len=4096, max_num_batched_tokens=16384
     )
+    print(f"LLM(...) took {time.perf_counter() - start:.1f} s")
     engine = llm.engine
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
     runner = engine.runner

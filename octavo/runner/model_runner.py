@@ -13,6 +13,7 @@ from octavo.attention.backend import AttentionMetadata, build_metadata, get_atte
 from octavo.attention.layer import bind_kv_caches
 from octavo.engine.scheduler import SchedulerOutput
 from octavo.model.hf_config import get_head_dim
+from octavo.model.layers import Linear
 from octavo.model.loader import load_model
 from octavo.runner.cuda_graph import CudaGraphRunner
 from octavo.runner.inputs import InputBuilder
@@ -39,6 +40,48 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     return (
         hf_config.num_hidden_layers * 2 * block_size * num_kv_heads * get_head_dim(hf_config) * elem
     )
+
+
+def warm_up_rows(max_rows: int, per_doubling: int = 8) -> list[int]:
+    """Row counts for warm_up_linears: 1-16, then `per_doubling` sizes per doubling up to
+    `max_rows`, each as a multiple of 8 and as the odd count after it, and `max_rows`."""
+    rows = set(range(1, min(16, max_rows) + 1)) | {max_rows}
+    size = 16.0
+    while size < max_rows:
+        aligned = int(size) // 8 * 8
+        rows.update(r for r in (aligned, aligned + 1) if r <= max_rows)
+        size *= 2 ** (1 / per_doubling)
+    return sorted(rows)
+
+
+@torch.inference_mode()
+def warm_up_linears(model: torch.nn.Module, max_rows: int) -> int:
+    """Runs each distinct projection of `model` (by weight shape, dtype and bias) once at
+    every row count of warm_up_rows(max_rows), on zeros; returns the number of GEMMs run.
+
+    NOTE: cuBLAS picks a GEMM kernel by shape, and the first launch of each kernel stalls
+    the host 2-5 ms, once 19 ms (measured on an H200: benchmarks/gemm_first_call_probe.py).
+    A prefill step's row count is its token count, so without this the first steps after
+    start-up, each with a new token count, stall ~4 ms per projection: that much more TTFT.
+    The inputs are contiguous [rows, in] views, like the activations, since cuBLAS may pick
+    another kernel for another row stride.
+    """
+    linears: dict[tuple, Linear] = {}
+    for module in model.modules():
+        if isinstance(module, Linear):
+            w = module.weight
+            linears.setdefault((tuple(w.shape), w.dtype, module.bias is not None), module)
+    if not linears:
+        return 0
+    widest = max(m.input_size for m in linears.values())
+    some = next(iter(linears.values())).weight
+    flat = torch.zeros(max_rows * widest, dtype=some.dtype, device=some.device)
+    launched = 0
+    for rows in warm_up_rows(max_rows):
+        for module in linears.values():
+            module(flat[: rows * module.input_size].view(rows, module.input_size))
+            launched += 1
+    return launched
 
 
 class ModelRunner:
@@ -85,8 +128,9 @@ class ModelRunner:
     ) -> None:
         """Allocates one [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer,
         once, binds them to the model's attention layers, sets up the persistent input
-        buffers and captures CUDA graphs. On CUDA, `warm_up` then runs the eager end of a
-        decode step at every batch size (see _warm_up_eager_decode).
+        buffers and captures CUDA graphs. On CUDA, `warm_up` then runs every projection at a
+        ladder of row counts up to `max_num_batched_tokens` (warm_up_linears) and the eager
+        end of a decode step at every batch size (see _warm_up_eager_decode).
 
         NOTE: one extra block (id `num_blocks`) is scratch space for the padding rows of a
         CUDA graph; the KV cache manager never hands it out.
@@ -101,7 +145,11 @@ class ModelRunner:
         bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
         max_blocks = -(-max_model_len // self.block_size)
         self.inputs = InputBuilder(
-            max_num_batched_tokens, max_num_seqs, max_blocks, self.block_size, num_blocks,
+            max_num_batched_tokens,
+            max_num_seqs,
+            max_blocks,
+            self.block_size,
+            num_blocks,
             self.device,
         )
         self._last_sampled = None
@@ -109,6 +157,7 @@ class ModelRunner:
             self.graph_runner = CudaGraphRunner(self.model, self.inputs, max_num_seqs)
             self.graph_runner.capture()
         if warm_up and self.device.type == "cuda":
+            warm_up_linears(self.model, max_num_batched_tokens)
             self._warm_up_eager_decode(max_num_seqs)
 
     @torch.inference_mode()
@@ -127,7 +176,10 @@ class ModelRunner:
         sampler = Sampler(seed=0)
         noise = torch.Generator(self.device).manual_seed(0)
         hidden = torch.randn(
-            max_num_seqs, self.hf_config.hidden_size, dtype=self.dtype, device=self.device,
+            max_num_seqs,
+            self.hf_config.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
             generator=noise,
         )
         greedy, random_row = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
@@ -135,8 +187,12 @@ class ModelRunner:
         for params in ([greedy] * max_num_seqs, mixed):
             for batch in range(1, max_num_seqs + 1):
                 md = SamplingMetadata.build(
-                    params[:batch], [[]] * batch, [[]] * batch, self.vocab_size,
-                    self.eos_token_ids, self.device,
+                    params[:batch],
+                    [[]] * batch,
+                    [[]] * batch,
+                    self.vocab_size,
+                    self.eos_token_ids,
+                    self.device,
                 )
                 sampled = sampler(self.model.compute_logits(hidden[:batch]), md)
                 index = torch.arange(batch, device=self.device).repeat(2, 1)  # [2, batch]
@@ -268,10 +324,13 @@ class ModelRunner:
         """Copy-on-write: gives a sequence its own copy of a shared partial block."""
         if not copies:
             return
-        index = to_device([[c[0] for c in copies], [c[1] for c in copies]], torch.int64, self.device)
+        index = to_device(
+            [[c[0] for c in copies], [c[1] for c in copies]], torch.int64, self.device
+        )
         src, dst = index[0], index[1]
         for cache in self.kv_caches:
             cache[:, dst] = cache[:, src]  # [2, num_blocks, block_size, KVH, D]
+
 
 class PendingOutput:
     """A step's sampled tokens (and log-probs) on their way to the host: the copies are
