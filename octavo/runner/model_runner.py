@@ -71,14 +71,15 @@ def warm_up_linears(model: torch.nn.Module, max_rows: int) -> int:
         if isinstance(module, Linear):
             w = module.weight
             linears.setdefault((tuple(w.shape), w.dtype, module.bias is not None), module)
-    if not linears:
-        return 0
-    widest = max(m.input_size for m in linears.values())
-    some = next(iter(linears.values())).weight
-    flat = torch.zeros(max_rows * widest, dtype=some.dtype, device=some.device)
+    flats: dict[torch.dtype, torch.Tensor] = {}  # one zero input buffer per weight dtype
+    for module in linears.values():
+        w, size = module.weight, max_rows * module.input_size
+        if w.dtype not in flats or flats[w.dtype].numel() < size:
+            flats[w.dtype] = torch.zeros(size, dtype=w.dtype, device=w.device)
     launched = 0
     for rows in warm_up_rows(max_rows):
         for module in linears.values():
+            flat = flats[module.weight.dtype]
             module(flat[: rows * module.input_size].view(rows, module.input_size))
             launched += 1
     return launched

@@ -68,6 +68,12 @@ def test_each_distinct_projection_runs_once_per_row_count():
     assert all(contiguous for m in (model[0], model[2], model[3]) for _, contiguous in m.calls)
 
 
+def test_weights_of_two_dtypes_get_inputs_of_their_own():
+    model = nn.ModuleList([Spy(8, 4), Spy(16, 4).double()])
+    assert warm_up_linears(model, 9) == 2 * len(warm_up_rows(9))
+    assert [s for s, _ in model[1].calls][-1] == (9, 16)
+
+
 def test_fused_linears_count_by_their_full_weight():
     merged = MergedLinear(8, [16, 16])
     nn.init.normal_(merged.weight)
