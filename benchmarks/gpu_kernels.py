@@ -201,8 +201,12 @@ def bench_prefill(
                 f"{flops / us / 1e6:7.1f} TFLOP/s",
             )
         )
-    rows += bench_torch_flash(q, k, v, cache, md, query_lens, seq_lens, shape, flops, ref)
-    if all(ql == s for ql, s in zip(query_lens, seq_lens, strict=True)) and len(set(seq_lens)) == 1:
+    no_prefix = all(ql == s for ql, s in zip(query_lens, seq_lens, strict=True))
+    max_q, max_k = max(query_lens), max(seq_lens)
+    rows += bench_torch_flash(q, k, v, cache, md, no_prefix, max_q, max_k, shape, flops, ref)
+    if no_prefix:
+        rows += bench_torch_cudnn(q, k, v, md, max_q, shape, flops, ref)
+    if no_prefix and len(set(seq_lens)) == 1:
         dense = [t.view(len(seq_lens), -1, n, HEAD_DIM).transpose(1, 2) for t, n in
                  ((q, HEADS), (k.repeat_interleave(2, 1), HEADS), (v.repeat_interleave(2, 1), HEADS))]  # fmt: skip
         us = median_us(partial(F.scaled_dot_product_attention, *dense, is_causal=True, scale=SCALE))
@@ -211,18 +215,17 @@ def bench_prefill(
     return rows
 
 
-def bench_torch_flash(q, k, v, cache, md, query_lens, seq_lens, shape, flops, ref) -> list[dict]:
+def bench_torch_flash(q, k, v, cache, md, no_prefix, max_q, max_k, shape, flops, ref) -> list[dict]:
     """torch's own FlashAttention-2 forward (`aten._flash_attention_forward`, what
     `torch.nn.attention.varlen.varlen_attn` calls) on the same problem: over the new K/V as
     contiguous [T, KVH, D] tensors where no sequence has a cached prefix, and over the paged
-    cache through its block table otherwise (FlashAttention-2 may refuse pages of 16)."""
+    cache through its block table otherwise (torch 2.11's op has no block-table argument)."""
     nan = float("nan")
     op = getattr(torch.ops.aten, "_flash_attention_forward", None)
     if op is None:
         return [_row("torch fa2", shape, "missing in this torch", False, nan, nan, "")]
-    max_q, max_k = max(query_lens), max(seq_lens)
     cu_q = md.query_start_loc
-    if all(ql == s for ql, s in zip(query_lens, seq_lens, strict=True)):
+    if no_prefix:
         kv, config = (k, v, cu_q, cu_q), "contiguous new K/V"
         extra = {}
     else:
@@ -237,16 +240,15 @@ def bench_torch_flash(q, k, v, cache, md, query_lens, seq_lens, shape, flops, re
     except RuntimeError as e:
         reason = str(e).splitlines()[0][:80]
         return [_row("torch fa2", shape, f"{config}: refused", False, nan, nan, reason)]
-    rows = [_row("torch fa2", shape, config, False, us, err, f"{flops / us / 1e6:7.1f} TFLOP/s")]
-    return rows + bench_torch_cudnn(q, k, v, md, max_q, shape, flops, ref, kv[-1] is None)
+    return [_row("torch fa2", shape, config, False, us, err, f"{flops / us / 1e6:7.1f} TFLOP/s")]
 
 
-def bench_torch_cudnn(q, k, v, md, max_q, shape, flops, ref, paged) -> list[dict]:
+def bench_torch_cudnn(q, k, v, md, max_q, shape, flops, ref) -> list[dict]:
     """cuDNN's fused attention (`aten._cudnn_attention_forward`) on ragged sequences of new
     tokens, K/V repeated up to the query heads inside the timed call (it takes no GQA)."""
     nan = float("nan")
     op = getattr(torch.ops.aten, "_cudnn_attention_forward", None)
-    if op is None or paged:
+    if op is None:
         return []
     group = q.shape[1] // k.shape[1]
     cu = md.query_start_loc
