@@ -3,6 +3,7 @@
 #   stages: tests | e2e (tests/gpu/test_e2e_gpu.py alone) | kernels | tp06 | tp06-nopeer | tp8b
 #           | tp8b-peer | kernels-sweep | gemm | splitk | profile06 | profile8b | timeline06
 #           | timeline8b | latency | overlap | pdl | norms | prefill-sweep | splits | fused | layerk
+#           | mixed06 | mixed8b (CUDA graphs for mixed steps: TTFT and serving, on and off)
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
@@ -54,6 +55,10 @@ for stage in $stages; do
     splits) timeout 300 python3 benchmarks/split_probe.py --json "$OUT/split_probe.json" 2>&1 | tee "$OUT/split_probe.log" | tail -8 ;;
     latency) timeout 300 python3 benchmarks/latency.py --model qwen3-8b \
             --json "$OUT/latency_qwen3_8b.json" 2>&1 | tee "$OUT/latency.log" | tail -4 ;;
+    mixed06) timeout 400 python3 benchmarks/mixed_graph_probe.py --model qwen3-0.6b --rates 16 64 \
+            --num-requests 256 --json "$OUT/mixed_qwen3_0.6b.json" 2>&1 | tee "$OUT/mixed_0.6b.log" | tail -14 ;;
+    mixed8b) timeout 500 python3 benchmarks/mixed_graph_probe.py --model qwen3-8b --rates 4 16 \
+            --num-requests 128 --json "$OUT/mixed_qwen3_8b.json" 2>&1 | tee "$OUT/mixed_8b.log" | tail -14 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"

@@ -108,6 +108,7 @@ def build_engine(
     max_num_batched_tokens: int = 8192,
     enable_prefix_caching: bool = True,
     enforce_eager: bool = False,
+    cuda_graph_max_tokens: int = 512,
     tensor_parallel_size: int = 1,
     load_format: str = "auto",
     seed: int = 0,
@@ -117,6 +118,10 @@ def build_engine(
     """Builds an Engine from LLM()'s options (see DESIGN.md for their meaning)."""
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}")
+    if isinstance(cuda_graph_max_tokens, bool) or not isinstance(cuda_graph_max_tokens, int):
+        raise ValueError(f"cuda_graph_max_tokens must be an int, got {cuda_graph_max_tokens!r}")
+    if cuda_graph_max_tokens < 0:
+        raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {cuda_graph_max_tokens}")
     if tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size > 1 is not supported yet")
     cache = CacheConfig(
@@ -132,6 +137,7 @@ def build_engine(
         model_path, hf_config, torch_dtype, dev, block_size, load_format, seed,
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
+        cuda_graph_max_tokens=cuda_graph_max_tokens,
     )
     num_blocks = num_kv_blocks_for(cache, runner, max_num_batched_tokens, max_num_seqs)
     sched = SchedulerConfig(

@@ -158,6 +158,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens or _default_batched_tokens(args),
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
     )
     vocab = llm.engine.vocab_size
     w = nanovllm_workload() if args.workload == "nanovllm" else cpu_workload(vocab, args.num_prompts)
@@ -253,6 +254,10 @@ def add_parser(sub) -> None:
     p.add_argument("--peer-timeout", type=float, default=300.0, help="seconds (GPU peer)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--cuda-graph-max-tokens", type=int, default=512,
+        help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
+    )
     p.add_argument("--progress", action="store_true", help="a progress bar on the timed run")
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=cmd_throughput)

@@ -14,6 +14,7 @@ GPU. The caching host allocator keeps a pinned buffer alive until its copy has r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ import torch
 from octavo.attention.backend import AttentionMetadata
 from octavo.engine.scheduler import ScheduledRequest
 from octavo.runner.sampler import to_device
+
+if TYPE_CHECKING:
+    from octavo.runner.cuda_graph import GraphShape
 
 
 class BlockTableRows:
@@ -119,15 +123,15 @@ class InputBuilder:
     def build(
         self,
         scheduled: list[ScheduledRequest],
-        graph_size: int | None,
+        graph: GraphShape | None,
         pending_rows: dict[str, int],
         last_sampled: torch.Tensor | None,
     ) -> StepInputs:
         """Fills the buffers for `scheduled` and returns views of them.
 
         Args:
-            graph_size: for a decode step replayed as a CUDA graph, the captured batch size;
-                rows past the real batch are padding that writes only the scratch block.
+            graph: for a step replayed as a CUDA graph, the captured shape it pads up to
+                (see _pad_decode and _pad_mixed); padding writes only the scratch block.
             pending_rows: request id -> its row in `last_sampled`, for requests whose last
                 new token is still on the device (`input_is_pending`).
             last_sampled: the previous step's sampled token ids, on the device.
@@ -156,11 +160,15 @@ class InputBuilder:
         block = tables[token_seq, positions // self.block_size].astype(np.int64)
         slots = block * self.block_size + positions % self.block_size
         input_ids = np.array(ids, dtype=np.int64)
-        if graph_size is not None and graph_size > num_seqs:
-            input_ids, positions, slots, seq_lens, tables, cu = self._pad(
-                graph_size, input_ids, positions, slots, seq_lens, tables
+        if graph is not None and graph.decode:
+            input_ids, positions, slots, seq_lens, tables, cu = self._pad_decode(
+                graph.num_seqs, input_ids, positions, slots, seq_lens, tables
             )
-        size = graph_size or num_seqs
+        elif graph is not None:
+            input_ids, positions, slots, seq_lens, tables, cu = self._pad_mixed(
+                graph, input_ids, positions, slots, seq_lens, tables, cu
+            )
+        size = graph.num_seqs if graph is not None else num_seqs
         decode_order = None
         if num_tokens == num_seqs:  # longest first: see octavo/kernels/decode_attention.py
             order = np.argsort(-seq_lens, kind="stable").astype(np.int32)
@@ -182,9 +190,9 @@ class InputBuilder:
         self._fill_pending(scheduled, cu, pending_rows, last_sampled)
         return StepInputs(input_ids_dev, self._upload(self.positions, positions), md)
 
-    def _pad(self, size, input_ids, positions, slots, seq_lens, tables):
-        """Padding rows for a CUDA graph: one token each at position 0, seq_len 1, written to
-        and read from slot 0 of the scratch block."""
+    def _pad_decode(self, size, input_ids, positions, slots, seq_lens, tables):
+        """Padding rows for a decode graph: one token each at position 0, seq_len 1, written
+        to and read from slot 0 of the scratch block."""
         extra = size - len(seq_lens)
         pad_tables = np.zeros((extra, tables.shape[1]), dtype=np.int32)
         pad_tables[:, 0] = self.scratch_block
@@ -195,6 +203,23 @@ class InputBuilder:
             np.concatenate([seq_lens, np.ones(extra, np.int64)]),
             np.concatenate([tables, pad_tables]),
             np.arange(size + 1, dtype=np.int64),
+        )
+
+    def _pad_mixed(self, graph, input_ids, positions, slots, seq_lens, tables, cu):
+        """Padding for a mixed-step graph: tokens of no sequence (id 0 at position 0, written
+        to slot 0 of the scratch block; their outputs are garbage nobody reads), then
+        sequences of no tokens, which every attention program skips."""
+        extra_tokens = graph.num_tokens - len(input_ids)
+        extra_seqs = graph.num_seqs - len(seq_lens)
+        pad_tables = np.zeros((extra_seqs, tables.shape[1]), dtype=np.int32)
+        pad_tables[:, 0] = self.scratch_block
+        return (
+            np.concatenate([input_ids, np.zeros(extra_tokens, np.int64)]),
+            np.concatenate([positions, np.zeros(extra_tokens, np.int64)]),
+            np.concatenate([slots, np.full(extra_tokens, self.scratch_block * self.block_size)]),
+            np.concatenate([seq_lens, np.zeros(extra_seqs, np.int64)]),
+            np.concatenate([tables, pad_tables]),
+            np.concatenate([cu, np.full(extra_seqs, cu[-1])]),
         )
 
     def _fill_pending(self, scheduled, cu, pending_rows, last_sampled) -> None:

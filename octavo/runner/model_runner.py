@@ -15,7 +15,7 @@ from octavo.engine.scheduler import SchedulerOutput
 from octavo.model.hf_config import get_head_dim
 from octavo.model.layers import Linear
 from octavo.model.loader import load_model
-from octavo.runner.cuda_graph import CudaGraphRunner
+from octavo.runner.cuda_graph import CudaGraphRunner, GraphShape
 from octavo.runner.inputs import InputBuilder
 from octavo.runner.sampler import Sampler, SamplerOutput, SamplingMetadata, to_device
 from octavo.sampling_params import SamplingParams
@@ -99,6 +99,7 @@ class ModelRunner:
         seed: int = 0,
         attention_backend: str | None = None,
         enforce_eager: bool = False,
+        cuda_graph_max_tokens: int = 512,
     ) -> None:
         self.hf_config = hf_config
         self.dtype = dtype
@@ -114,6 +115,7 @@ class ModelRunner:
         # NOTE: the torch backend plans its work on the host from each step's lengths, which
         # a graph replay would not see: graphs only with the Triton backend.
         self.use_cuda_graphs = device.type == "cuda" and not enforce_eager and backend == "triton"
+        self.cuda_graph_max_tokens = cuda_graph_max_tokens
         self.graph_runner: CudaGraphRunner | None = None
         self.inputs: InputBuilder | None = None
         # The previous step's samples on the device: (request id -> row, [R] token ids).
@@ -155,7 +157,12 @@ class ModelRunner:
         )
         self._last_sampled = None
         if self.use_cuda_graphs:
-            self.graph_runner = CudaGraphRunner(self.model, self.inputs, max_num_seqs)
+            self.graph_runner = CudaGraphRunner(
+                self.model,
+                self.inputs,
+                max_num_seqs,
+                min(self.cuda_graph_max_tokens, max_num_batched_tokens),
+            )
             self.graph_runner.capture()
         if warm_up and self.device.type == "cuda":
             warm_up_linears(self.model, max_num_batched_tokens)
@@ -230,11 +237,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         return self.model(input_ids, positions, md)
 
-    def _graph_size(self, so: SchedulerOutput) -> int | None:
-        """The CUDA graph to replay for this step, if it is all decode and fits one."""
-        if self.graph_runner is None or len(so.scheduled) != so.num_batched_tokens:
+    def _graph_shape(self, so: SchedulerOutput) -> GraphShape | None:
+        """The CUDA graph to replay for this step, if one fits it."""
+        if self.graph_runner is None:
             return None
-        return self.graph_runner.padded_size(len(so.scheduled))
+        return self.graph_runner.shape_for(so.num_batched_tokens, len(so.scheduled))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step and waits for its sampled tokens. See execute_async."""
@@ -251,11 +258,11 @@ class ModelRunner:
         """
         self._copy_blocks(so.block_copies)
         self.inputs.rows.release(so.finished_request_ids + so.preempted_request_ids)
-        graph_size = self._graph_size(so)
+        graph = self._graph_shape(so)
         last_rows, last_sampled = self._last_sampled or ({}, None)
-        step = self.inputs.build(so.scheduled, graph_size, last_rows, last_sampled)
-        if graph_size is not None:
-            hidden = self.graph_runner.replay(graph_size)
+        step = self.inputs.build(so.scheduled, graph, last_rows, last_sampled)
+        if graph is not None:
+            hidden = self.graph_runner.replay(graph)
         else:
             hidden = self._forward(step.input_ids, step.positions, step.md)  # [T, hidden]
         rows, logits_index = self._sampling_rows(so, step.md)

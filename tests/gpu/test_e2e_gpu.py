@@ -62,21 +62,51 @@ def run(model_dir, prompts, backend, **options):
     return [o.outputs[0] for o in outs]
 
 
-def test_triton_greedy_tokens_match_torch_backend_except_near_ties(model_dir, prompts):
-    triton_outs = run(model_dir, prompts, "triton")
-    torch_outs = run(model_dir, prompts, "torch", enforce_eager=True)
+def assert_same_except_near_ties(outs, reference_outs) -> None:
+    """Greedy tokens equal the reference's up to the first difference in each sequence,
+    which must be a near tie under the reference's log-probs."""
     compared = 0
-    for a, b in zip(triton_outs, torch_outs, strict=True):
+    for a, b in zip(outs, reference_outs, strict=True):
         for pos, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
             if ta != tb:
-                # Triton's token must be a near tie with torch's, under torch's log-probs.
                 alternative = b.logprobs[pos].get(ta)
-                assert alternative is not None, f"diverged at {pos}: {ta} not in torch's top 5"
+                assert alternative is not None, f"diverged at {pos}: {ta} not in the top 5"
                 gap = b.logprobs[pos][tb].logprob - alternative.logprob
                 assert gap <= NEAR_TIE, f"diverged at {pos} with gap {gap}"
                 break  # after a tie the sequences legitimately differ
             compared += 1
-    assert compared > NUM_PROMPTS * NUM_TOKENS // 2
+    assert compared > len(outs) * NUM_TOKENS // 2
+
+
+def test_triton_greedy_tokens_match_torch_backend_except_near_ties(model_dir, prompts):
+    triton_outs = run(model_dir, prompts, "triton")
+    torch_outs = run(model_dir, prompts, "torch", enforce_eager=True)
+    assert_same_except_near_ties(triton_outs, torch_outs)
+
+
+def test_mixed_step_graphs_give_the_eager_tokens(model_dir, prompts, monkeypatch):
+    """With 256 tokens a step, prompts go in chunks beside decode rows; those mixed steps
+    replay as CUDA graphs, padded, and give the tokens of the same steps run eagerly
+    (cuda_graph_max_tokens=0) except at near ties. Two prompts repeat an earlier one's
+    start, so some chunks extend a cached prefix."""
+    from octavo.runner.cuda_graph import CudaGraphRunner
+
+    replayed = []
+    real_replay = CudaGraphRunner.replay
+
+    def spy(self, shape):
+        replayed.append(shape)
+        return real_replay(self, shape)
+
+    monkeypatch.setattr(CudaGraphRunner, "replay", spy)
+    rng = random.Random(1)
+    extended = prompts + [p[:64] + [rng.randint(0, 10000) for _ in range(40)] for p in prompts[:2]]
+    graphs = run(model_dir, extended, "triton", max_num_batched_tokens=256)
+    mixed = [s for s in replayed if not s.decode]
+    assert mixed, "no mixed step was replayed as a graph"
+    assert any(s.num_tokens > s.num_seqs for s in mixed)
+    eager = run(model_dir, extended, "triton", max_num_batched_tokens=256, cuda_graph_max_tokens=0)
+    assert_same_except_near_ties(graphs, eager)
 
 
 def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:

@@ -147,6 +147,44 @@ def test_prefill_matches_reference(batch, dtype, block_size, group, head_dim):
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
+def pad_for_graph(md: AttentionMetadata, num_tokens: int, num_seqs: int) -> AttentionMetadata:
+    """The metadata a mixed-step CUDA graph replays with: tokens past the real ones belong to
+    no sequence, and sequences past the real ones have no tokens (runner/inputs.py)."""
+    extra_seqs, real_tokens = num_seqs - md.num_seqs, md.num_tokens
+    tail = torch.full((extra_seqs,), real_tokens, dtype=torch.int32, device=DEVICE)
+    zeros = torch.zeros(extra_seqs, dtype=torch.int32, device=DEVICE)
+    table_pad = torch.zeros(extra_seqs, md.block_tables.shape[1], dtype=torch.int32, device=DEVICE)
+    return dataclasses.replace(
+        md,
+        num_tokens=num_tokens,
+        query_start_loc=torch.cat([md.query_start_loc, tail]),
+        seq_lens=torch.cat([md.seq_lens, zeros]),
+        block_tables=torch.cat([md.block_tables, table_pad]),
+        seq_lens_cpu=md.seq_lens_cpu + [0] * extra_seqs,
+    )
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_prefill_with_graph_padding_gives_the_real_rows(block_size):
+    """Padded as a mixed-step graph pads (more tokens and sequences than the step has), the
+    kernel writes the real rows as without padding, and no padding program writes them."""
+    query_lens, seq_lens = ([1, 20, 1, 9], [60, 20, 2, 30])
+    q, k, v, cache, md = make_batch(query_lens, seq_lens, 2, 2, 64, block_size, torch.bfloat16)
+    ref = reference_attention(q, k, v, cache.clone(), md, 0.125)
+    store_kv(k, v, cache, md.slot_mapping)
+    real = md.num_tokens
+    padded = pad_for_graph(md, real + 35, md.num_seqs + 12)
+    q_pad = torch.cat([q, torch.randn(35, *q.shape[1:], device=DEVICE).to(q.dtype)])
+    out = torch.full_like(q_pad, float("nan"))
+    prefill_attention(
+        q_pad, cache, padded.query_start_loc, padded.seq_lens, padded.block_tables, 0.125,
+        padded.num_seqs, out=out,
+    )  # fmt: skip
+    assert not out[:real].isnan().any(), "some real rows were not written"
+    assert out[real:].isnan().all(), "a padding token was attended"
+    assert rel_err(out[:real], ref) < TOLERANCE[torch.bfloat16]
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (28, 4), (16, 1)])
 def test_prefill_odd_and_wide_groups(num_heads, num_kv_heads):
     """Group sizes that are not powers of two (padded head rows) and a 16-wide group."""
@@ -202,8 +240,16 @@ def test_decode_order_changes_only_the_schedule(num_splits):
     plain = decode_attention(q, cache, md.seq_lens, md.block_tables, 0.125, num_splits)
     for order in (torch.argsort(md.seq_lens, descending=True), torch.randperm(len(seq_lens))):
         out = torch.full_like(q, float("nan"))
-        decode_attention(q, cache, md.seq_lens, md.block_tables, 0.125, num_splits, out=out,
-                         order=order.to(device=DEVICE, dtype=torch.int32))
+        decode_attention(
+            q,
+            cache,
+            md.seq_lens,
+            md.block_tables,
+            0.125,
+            num_splits,
+            out=out,
+            order=order.to(device=DEVICE, dtype=torch.int32),
+        )
         assert torch.equal(out, plain)
 
 
@@ -292,6 +338,53 @@ def test_backend_decode_replays_in_a_cuda_graph():
         ref = reference_attention(*qkv, cache.clone(), new, 0.1)
         graph.replay()
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
+def test_backend_extend_replays_in_a_cuda_graph():
+    """A mixed step (prompts, chunks behind a prefix, decode rows) captured once at padded
+    sizes replays correctly with other lengths, pages and sequence counts copied into the
+    same metadata buffers: the prefill grid depends on the padded sizes only."""
+    backend, heads, kv_heads, head_dim = TritonAttentionBackend(), 16, 8, 128
+    num_tokens, num_seqs, width = 256, 16, 64
+    cache = torch.randn(2, num_seqs * width, 16, kv_heads, head_dim, device=DEVICE).bfloat16()
+    q = torch.randn(num_tokens, heads, head_dim, device=DEVICE).bfloat16()
+
+    def step_md(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        pages = torch.randperm(num_seqs * width)[: len(seq_lens) * width]
+        md = build_metadata(query_lens, seq_lens, pages.view(-1, width).tolist(), 16, DEVICE)
+        return pad_for_graph(md, num_tokens, num_seqs)
+
+    md = step_md([num_tokens], [num_tokens])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        backend.attend(q, cache, md, 0.1)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = backend.attend(q, cache, md, 0.1)
+    torch.cuda.current_stream().wait_stream(stream)
+    steps = [
+        ([1, 100, 1, 30], [700, 100, 5, 1000]),
+        ([200, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 40], [200] + [17 * i for i in range(1, 15)] + [1000]),
+        ([3], [3]),
+    ]  # fmt: skip
+    for query_lens, seq_lens in steps:
+        new = step_md(query_lens, seq_lens)
+        for name in ("seq_lens", "block_tables", "query_start_loc"):
+            getattr(md, name).copy_(getattr(new, name))
+        q.copy_(torch.randn_like(q))
+        real = sum(query_lens)
+        # the reference stores nothing new: its k/v are what the cache already holds
+        slots = new.slot_mapping
+        k = cache[0].view(-1, kv_heads, head_dim)[slots]
+        v = cache[1].view(-1, kv_heads, head_dim)[slots]
+        real_md = build_metadata(
+            query_lens, seq_lens, new.block_tables[: len(seq_lens)].tolist(), 16, DEVICE
+        )
+        ref = reference_attention(q[:real], k, v, cache.clone(), real_md, 0.1)
+        graph.replay()
+        assert rel_err(out[:real], ref) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.skipif(INTERPRET, reason="synchronization checks need a GPU")

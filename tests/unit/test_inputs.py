@@ -1,11 +1,15 @@
 """The model runner's step inputs (`octavo/runner/inputs.py`) on the CPU: flat positions and
-slots, CUDA-graph padding, and the longest-first decode order the Triton kernel reads."""
+slots, CUDA-graph padding (decode and mixed steps), the longest-first decode order the Triton
+kernel reads, and which captured graph shape a step pads up to."""
 
 from __future__ import annotations
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from octavo.engine.scheduler import ScheduledRequest
+from octavo.runner.cuda_graph import CudaGraphRunner, GraphShape, mixed_capture_sizes
 from octavo.runner.inputs import InputBuilder
 
 BLOCK = 4
@@ -25,7 +29,7 @@ def test_decode_step_with_graph_padding_orders_longest_first():
         scheduled("b", [9], 11, [1, 2, 4]),  # position 11, context 12
         scheduled("c", [4], 0, [6]),  # position 0, context 1
     ]
-    step = builder().build(steps, 4, {}, None)
+    step = builder().build(steps, GraphShape(4, 4, True), {}, None)
     md = step.md
     assert step.input_ids.tolist() == [7, 9, 4, 0]
     assert step.positions.tolist() == [5, 11, 0, 0]
@@ -46,3 +50,64 @@ def test_prefill_step_has_no_decode_order():
     assert md.query_start_loc.tolist() == [0, 1, 4]
     assert md.slot_mapping.tolist() == [8 * 4 + 1, 20, 21, 22]
     assert md.seq_lens.tolist() == [6, 3]
+
+
+def test_mixed_step_with_graph_padding():
+    """Padding tokens belong to no sequence and write only the scratch block; padding
+    sequences have no tokens; the host-side lengths stay the real ones."""
+    steps = [scheduled("a", [7], 5, [3, 8]), scheduled("b", [1, 2, 3], 0, [5])]
+    step = builder().build(steps, GraphShape(16, 8, False), {}, None)
+    md = step.md
+    assert step.input_ids.tolist() == [7, 1, 2, 3] + [0] * 12
+    assert step.positions.tolist() == [5, 0, 1, 2] + [0] * 12
+    assert md.slot_mapping.tolist() == [8 * 4 + 1, 20, 21, 22] + [99 * 4] * 12
+    assert md.query_start_loc.tolist() == [0, 1, 4] + [4] * 6
+    assert md.seq_lens.tolist() == [6, 3] + [0] * 6
+    assert md.block_tables[2:, 0].tolist() == [99] * 6
+    assert md.decode_order is None
+    assert (md.num_tokens, md.num_seqs, md.max_query_len) == (4, 2, 3)
+    assert md.query_start_loc_cpu == [0, 1, 4]
+
+
+def test_mixed_padding_overwrites_a_larger_earlier_step():
+    """A graph reads the whole padded buffers: what an earlier, larger step left past the
+    real tokens must not reach a live cache slot."""
+    b = builder()
+    b.build([scheduled("a", list(range(12)), 0, [1, 2, 3])], None, {}, None)
+    step = b.build([scheduled("c", [5, 6], 0, [4])], GraphShape(16, 8, False), {}, None)
+    assert step.md.slot_mapping.tolist() == [16, 17] + [99 * 4] * 14
+    assert step.md.query_start_loc.tolist() == [0, 2] + [2] * 7
+
+
+def test_mixed_capture_sizes():
+    assert mixed_capture_sizes(0) == []
+    assert mixed_capture_sizes(8) == []
+    assert mixed_capture_sizes(40) == [16, 32, 40]
+    sizes = mixed_capture_sizes(512)
+    assert sizes[:3] == [16, 32, 48] and sizes[-3:] == [448, 480, 512]
+    assert sizes == sorted(set(sizes))
+
+
+@given(
+    max_num_seqs=st.integers(1, 64),
+    max_mixed=st.integers(0, 600),
+    num_tokens=st.integers(1, 700),
+    data=st.data(),
+)
+def test_shape_for_pads_up_to_a_captured_shape(max_num_seqs, max_mixed, num_tokens, data):
+    num_seqs = data.draw(st.integers(1, num_tokens))
+    graphs = CudaGraphRunner(None, None, max_num_seqs, max_mixed)
+    shape = graphs.shape_for(num_tokens, num_seqs)
+    decode = num_tokens == num_seqs
+    if shape is None:
+        largest = max_num_seqs if decode else max(graphs.mixed_sizes, default=0)
+        assert num_seqs > max_num_seqs or num_tokens > largest
+        return
+    assert shape in graphs.shapes()
+    assert shape.decode == decode
+    assert shape.num_tokens >= num_tokens and shape.num_seqs >= num_seqs
+    # the smallest that fits: no captured shape of the same kind lies in between
+    assert not any(
+        s.decode == decode and num_tokens <= s.num_tokens < shape.num_tokens
+        for s in graphs.shapes()
+    )

@@ -30,6 +30,11 @@ def add_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--cuda-graph-max-tokens", type=int, default=512,
+        help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
@@ -62,6 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         seed=args.seed,
     )
     name = args.served_model_name or default_model_name(args.model)
