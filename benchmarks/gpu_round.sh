@@ -4,6 +4,7 @@
 #           | tp8b-peer | kernels-sweep | gemm | splitk | profile06 | profile8b | timeline06
 #           | timeline8b | latency | overlap | pdl | norms | prefill-sweep | splits | fused | layerk
 #           | mixed06 | mixed8b (CUDA graphs for mixed steps: TTFT and serving, on and off)
+#           | capture (what each mixed-step graph costs at start-up)
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
@@ -59,6 +60,8 @@ for stage in $stages; do
             --num-requests 256 --json "$OUT/mixed_qwen3_0.6b.json" 2>&1 | tee "$OUT/mixed_0.6b.log" | tail -14 ;;
     mixed8b) timeout 500 python3 benchmarks/mixed_graph_probe.py --model qwen3-8b --rates 4 16 \
             --num-requests 128 --json "$OUT/mixed_qwen3_8b.json" 2>&1 | tee "$OUT/mixed_8b.log" | tail -14 ;;
+    capture) timeout 200 python3 benchmarks/capture_probe.py --model qwen3-8b \
+            --json "$OUT/capture_8b.json" 2>&1 | tee "$OUT/capture_8b.log" | tail -3 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"

@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python benchmarks/mixed_graph_probe.py --model qwen3-0.6b [--json out.json]
 
-Each setting builds its own engine (dummy weights, 2,048 tokens a step) and runs both parts:
+Each setting builds its own engine (dummy weights, 2,048 tokens a step), in a process of its
+own, and runs both parts:
 - `graphs`: the default, steps of up to 512 tokens replayed as CUDA graphs;
 - `eager`: cuda_graph_max_tokens=0, i.e. decode graphs only, as before.
 
@@ -25,6 +26,9 @@ import itertools
 import json
 import random
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -134,6 +138,38 @@ def hf_ttft(model_name: str, lengths: list[int], reps: int) -> dict[int, float]:
     return result
 
 
+def run_setting(args: argparse.Namespace) -> dict:
+    """One part in this process: the HF peer's TTFT, or one engine setting's TTFT and
+    serving (with the floor, measured beside it)."""
+    if args.setting == "hf":
+        report = {"ttft_s": hf_ttft(args.model, args.lengths, args.reps)}
+        free, total = torch.cuda.mem_get_info()
+        report["gpu_bytes_in_use_after"] = total - free
+        return report
+    start = time.perf_counter()
+    llm = LLM(
+        args.model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=2048,
+        cuda_graph_max_tokens=SETTINGS[args.setting],
+    )  # fmt: skip
+    engine = llm.engine
+    report = {"startup_s": time.perf_counter() - start}
+    report["ttft_s"] = measure_ttft(engine, args.lengths, args.reps, random.Random(1))
+    report["serving"] = [
+        serve(engine, rate, args.num_requests, args.output_len, seed=2) for rate in args.rates
+    ]
+    model = engine.runner.model
+    weights = weights_read_per_step(model)
+    weight_bytes = sum(p.numel() * p.element_size() for p in weights)
+    params = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    ceilings = measure_ceilings(engine.runner.dtype)
+    report["ceilings"] = vars(ceilings)
+    report["floor_s"] = {
+        n: max(2 * params * n / ceilings.matmul_flops, weight_bytes / ceilings.copy_bytes_per_s)
+        for n in args.lengths
+    }
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-0.6b")
@@ -142,50 +178,37 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[8.0, 32.0])
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--setting", default=None, choices=[*SETTINGS, "hf"], help="one part")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.setting is not None:
+        with open(args.json, "w") as f:
+            json.dump(run_setting(args), f, indent=2, default=str)
+        return
 
-    report: dict = {"model": args.model, "hf_ttft_s": hf_ttft(args.model, args.lengths, args.reps)}
-    for name, max_tokens in SETTINGS.items():
-        start = time.perf_counter()
-        llm = LLM(
-            args.model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=2048,
-            cuda_graph_max_tokens=max_tokens,
-        )  # fmt: skip
-        engine = llm.engine
-        entry = {"startup_s": time.perf_counter() - start}
-        entry["ttft_s"] = measure_ttft(engine, args.lengths, args.reps, random.Random(1))
-        entry["serving"] = [
-            serve(engine, rate, args.num_requests, args.output_len, seed=2) for rate in args.rates
-        ]
-        report[name] = entry
-        if "floor_s" not in report:
-            model = engine.runner.model
-            weights = weights_read_per_step(model)
-            weight_bytes = sum(p.numel() * p.element_size() for p in weights)
-            embed = model.model.embed_tokens.weight
-            params = sum(p.numel() for p in model.parameters()) - embed.numel()
-            ceilings = measure_ceilings(engine.runner.dtype)
-            report["ceilings"] = vars(ceilings)
-            report["floor_s"] = {
-                n: max(
-                    2 * params * n / ceilings.matmul_flops,
-                    weight_bytes / ceilings.copy_bytes_per_s,
-                )
-                for n in args.lengths
-            }
-        del llm, engine
-        torch.cuda.empty_cache()
-
+    # Each part in a process of its own, so that none inherits another's GPU memory.
+    report: dict = {"model": args.model}
+    for setting in (*SETTINGS, "hf"):
+        with tempfile.NamedTemporaryFile(suffix=".json") as part:
+            argv = [a for a in sys.argv[1:]]
+            if "--json" in argv:
+                del argv[argv.index("--json") : argv.index("--json") + 2]
+            argv += ["--setting", setting, "--json", part.name]
+            subprocess.run([sys.executable, __file__, *argv], check=True)
+            with open(part.name) as f:
+                report[setting] = json.load(f)
+    floor = {int(n): v for n, v in report["graphs"]["floor_s"].items()}
+    ttft = {
+        name: {int(n): v for n, v in report[name]["ttft_s"].items()} for name in (*SETTINGS, "hf")
+    }
     print(
         f"{args.model}: TTFT median ms (start-up s: "
         + ", ".join(f"{n} {report[n]['startup_s']:.1f}" for n in SETTINGS)
-        + ")"
+        + f"; HF left {report['hf']['gpu_bytes_in_use_after'] / 2**30:.1f} GiB in use)"
     )
     print(f"{'tokens':>7}{'floor':>8}{'graphs':>8}{'eager':>8}{'HF':>8}{'graphs/floor':>14}")
     for n in args.lengths:
-        row = [report["floor_s"][n], report["graphs"]["ttft_s"][n], report["eager"]["ttft_s"][n]]
-        row.append(report["hf_ttft_s"][n])
+        row = [floor[n], ttft["graphs"][n], ttft["eager"][n], ttft["hf"][n]]
         print(f"{n:>7}" + "".join(f"{1e3 * v:>8.2f}" for v in row) + f"{row[1] / row[0]:>14.1f}")
     print(
         f"{'serving':<9}{'rate':>6}{'tok/s':>8}{'TTFT mean':>10}{'p99':>8}"

@@ -20,12 +20,16 @@ a replay over other lengths runs the same grid, and surplus programs return at o
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from octavo.attention.backend import AttentionMetadata
 from octavo.runner.inputs import InputBuilder
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,9 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every shape, sharing one memory pool."""
+        """Captures every shape, sharing one memory pool (~40 ms a shape for Qwen3-8B on an
+        H200: an eager warm-up run, then the capture)."""
+        start = time.perf_counter()
         for shape in self.shapes():
             self._fill_padding(shape)
             md = self._metadata(shape)
@@ -149,6 +155,11 @@ class CudaGraphRunner:
                 self.pool = graph.pool()
             self.graphs[shape] = graph
         torch.cuda.synchronize()
+        logger.info(
+            "captured %d CUDA graphs (decode batches up to %d, mixed steps up to %d tokens) "
+            "in %.1f s", len(self.graphs), self.sizes[-1], max(self.mixed_sizes, default=0),
+            time.perf_counter() - start,
+        )  # fmt: skip
 
     def shape_for(self, num_tokens: int, num_seqs: int) -> GraphShape | None:
         """The smallest captured shape a step of `num_tokens` over `num_seqs` sequences pads

@@ -104,7 +104,6 @@ def test_mixed_step_graphs_give_the_eager_tokens(model_dir, prompts, monkeypatch
     graphs = run(model_dir, extended, "triton", max_num_batched_tokens=256)
     mixed = [s for s in replayed if not s.decode]
     assert mixed, "no mixed step was replayed as a graph"
-    assert any(s.num_tokens > s.num_seqs for s in mixed)
     eager = run(model_dir, extended, "triton", max_num_batched_tokens=256, cuda_graph_max_tokens=0)
     assert_same_except_near_ties(graphs, eager)
 
