@@ -138,8 +138,8 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every shape, sharing one memory pool (~40 ms a shape for Qwen3-8B on an
-        H200: an eager warm-up run, then the capture)."""
+        """Captures every shape, sharing one memory pool: an eager warm-up run, then the
+        capture (1.3 s for Qwen3-8B's 24 mixed shapes on an H200)."""
         start = time.perf_counter()
         for shape in self.shapes():
             self._fill_padding(shape)
