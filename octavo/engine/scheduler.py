@@ -2,7 +2,7 @@
 
 One rule covers prefill, chunked prefill, decode and prefix-cache hits: every request has
 `num_computed_tokens` and `num_tokens`, and a step lets computed catch up with total under
-two budgets, `max_num_batched_tokens` tokens and `max_num_seqs` running requests. Running
+two budgets, `max_num_batched_tokens` tokens and `max_num_seqs` sequences. Running
 requests go first (oldest first); waiting requests are admitted only if nobody had to be
 preempted this step. When the KV cache runs out of blocks, the newest running request is
 preempted by recompute: it frees its blocks and goes back to the front of the waiting queue.
@@ -139,7 +139,10 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         i = 0
-        while i < len(self.running) and budget > 0:
+        # NOTE: forks (n > 1, beam search) join `running` past max_num_seqs; the step still
+        # takes at most that many, the oldest first, and the rest wait for a later step.
+        max_seqs = self.config.max_num_seqs
+        while i < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[i]
             total = request.num_tokens + request.num_pending_tokens
             num_new = min(total - request.num_computed_tokens, budget)

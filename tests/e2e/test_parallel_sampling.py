@@ -63,3 +63,17 @@ def test_n4_uses_three_prompt_copies_fewer_blocks(llm_no_prefix_cache, chat_prom
     stats = llm.get_stats()
     if len(prompt_ids) % BLOCK_SIZE:
         assert stats["num_cow_copies"] - stats_before["num_cow_copies"] == 3
+
+
+def test_n_above_max_num_seqs_gives_every_completion(llm, llm_factory, chat_prompt_ids):
+    """n = 4 with max_num_seqs = 2: the four samples take turns in the steps (no step has
+    more sequences than the input buffers hold) and come out as with room for all four."""
+    prompt = {"prompt_token_ids": chat_prompt_ids[1]}
+    params = SamplingParams(n=4, temperature=0.8, seed=7, max_tokens=8, ignore_eos=True)
+    narrow = llm_factory(max_num_seqs=2)
+    (out,) = narrow.generate(prompt, params, use_tqdm=False)
+    (wide,) = llm.generate(prompt, params, use_tqdm=False)
+    assert [len(c.token_ids) for c in out.outputs] == [8] * 4
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in wide.outputs]
+    kv = narrow.engine.kv
+    assert kv.num_free_blocks == kv.num_total_blocks

@@ -252,3 +252,22 @@ def test_needs_pending_tokens_for_forks_and_penalties():
     s3.add_request(req("c", 6, temperature=0.7, seed=3, logprobs=2))
     s3.schedule()
     assert not s3.needs_pending_tokens()
+
+
+def test_forks_past_max_num_seqs_take_turns():
+    """An n = 4 request forks into 4 sequences at its first token, past max_num_seqs = 2: a
+    step still takes at most 2 of them, the oldest first, and the others wait their turn."""
+    s = make(max_num_seqs=2)
+    s.add_request(Request("a", list(range(6)), SamplingParams(n=4, temperature=1.0, max_tokens=3)))
+    first = s.schedule()
+    s.update(first, {"a": [7, 8, 9, 10]})  # the first token of each sample: the fork
+    group = list(s.running)
+    assert len(group) == 4
+    turns = []
+    while s.has_unfinished_requests():
+        out = step(s)
+        assert len(out.scheduled) <= 2
+        turns.append([x.request_id for x in out.scheduled])
+    assert turns[0] == ["a", "a#1"]
+    assert {rid for turn in turns for rid in turn} == {"a", "a#1", "a#2", "a#3"}
+    assert [len(r.output_token_ids) for r in group] == [3] * 4
