@@ -131,7 +131,7 @@ class InputBuilder:
 
         Args:
             graph: for a step replayed as a CUDA graph, the captured shape it pads up to
-                (see _pad_decode and _pad_mixed); padding writes only the scratch block.
+                (see _pad); padding writes only the scratch block.
             pending_rows: request id -> its row in `last_sampled`, for requests whose last
                 new token is still on the device (`input_is_pending`).
             last_sampled: the previous step's sampled token ids, on the device.
@@ -160,12 +160,8 @@ class InputBuilder:
         block = tables[token_seq, positions // self.block_size].astype(np.int64)
         slots = block * self.block_size + positions % self.block_size
         input_ids = np.array(ids, dtype=np.int64)
-        if graph is not None and graph.decode:
-            input_ids, positions, slots, seq_lens, tables, cu = self._pad_decode(
-                graph.num_seqs, input_ids, positions, slots, seq_lens, tables
-            )
-        elif graph is not None:
-            input_ids, positions, slots, seq_lens, tables, cu = self._pad_mixed(
+        if graph is not None:
+            input_ids, positions, slots, seq_lens, tables, cu = self._pad(
                 graph, input_ids, positions, slots, seq_lens, tables, cu
             )
         size = graph.num_seqs if graph is not None else num_seqs
@@ -190,36 +186,28 @@ class InputBuilder:
         self._fill_pending(scheduled, cu, pending_rows, last_sampled)
         return StepInputs(input_ids_dev, self._upload(self.positions, positions), md)
 
-    def _pad_decode(self, size, input_ids, positions, slots, seq_lens, tables):
-        """Padding rows for a decode graph: one token each at position 0, seq_len 1, written
-        to and read from slot 0 of the scratch block."""
-        extra = size - len(seq_lens)
-        pad_tables = np.zeros((extra, tables.shape[1]), dtype=np.int32)
-        pad_tables[:, 0] = self.scratch_block
-        return (
-            np.concatenate([input_ids, np.zeros(extra, np.int64)]),
-            np.concatenate([positions, np.zeros(extra, np.int64)]),
-            np.concatenate([slots, np.full(extra, self.scratch_block * self.block_size)]),
-            np.concatenate([seq_lens, np.ones(extra, np.int64)]),
-            np.concatenate([tables, pad_tables]),
-            np.arange(size + 1, dtype=np.int64),
-        )
-
-    def _pad_mixed(self, graph, input_ids, positions, slots, seq_lens, tables, cu):
-        """Padding for a mixed-step graph: tokens of no sequence (id 0 at position 0, written
-        to slot 0 of the scratch block; their outputs are garbage nobody reads), then
-        sequences of no tokens, which every attention program skips."""
+    def _pad(self, graph, input_ids, positions, slots, seq_lens, tables, cu):
+        """Pads a step up to a captured graph's shape. Padding tokens are id 0 at position 0,
+        written to slot 0 of the scratch block; padding sequences' tables name only that
+        block. In a decode graph each padding token is a sequence of its own (seq_len 1:
+        it reads the slot it wrote). In a mixed graph padding tokens belong to no sequence
+        (their outputs are garbage nobody reads) and padding sequences have no tokens, so
+        every attention program skips them."""
         extra_tokens = graph.num_tokens - len(input_ids)
         extra_seqs = graph.num_seqs - len(seq_lens)
         pad_tables = np.zeros((extra_seqs, tables.shape[1]), dtype=np.int32)
         pad_tables[:, 0] = self.scratch_block
+        if graph.decode:
+            pad_lens, cu = np.ones(extra_seqs, np.int64), np.arange(graph.num_seqs + 1)
+        else:
+            pad_lens, cu = np.zeros(extra_seqs, np.int64), np.append(cu, [cu[-1]] * extra_seqs)
         return (
             np.concatenate([input_ids, np.zeros(extra_tokens, np.int64)]),
             np.concatenate([positions, np.zeros(extra_tokens, np.int64)]),
             np.concatenate([slots, np.full(extra_tokens, self.scratch_block * self.block_size)]),
-            np.concatenate([seq_lens, np.zeros(extra_seqs, np.int64)]),
+            np.concatenate([seq_lens, pad_lens]),
             np.concatenate([tables, pad_tables]),
-            np.concatenate([cu, np.full(extra_seqs, cu[-1])]),
+            cu,
         )
 
     def _fill_pending(self, scheduled, cu, pending_rows, last_sampled) -> None:

@@ -73,10 +73,30 @@ def test_mixed_padding_overwrites_a_larger_earlier_step():
     """A graph reads the whole padded buffers: what an earlier, larger step left past the
     real tokens must not reach a live cache slot."""
     b = builder()
-    b.build([scheduled("a", list(range(12)), 0, [1, 2, 3])], None, {}, None)
+    b.build([scheduled("a", list(range(1, 13)), 5, [1, 2, 3, 7, 8])], None, {}, None)
+    b.build([scheduled(r, [3], 9, [6, 6, 6]) for r in "defgh"], GraphShape(8, 8, True), {}, None)
     step = b.build([scheduled("c", [5, 6], 0, [4])], GraphShape(16, 8, False), {}, None)
-    assert step.md.slot_mapping.tolist() == [16, 17] + [99 * 4] * 14
-    assert step.md.query_start_loc.tolist() == [0, 2] + [2] * 7
+    md = step.md
+    assert step.input_ids.tolist() == [5, 6] + [0] * 14
+    assert step.positions.tolist() == [0, 1] + [0] * 14
+    assert md.slot_mapping.tolist() == [16, 17] + [99 * 4] * 14
+    assert md.query_start_loc.tolist() == [0, 2] + [2] * 7
+    assert md.seq_lens.tolist() == [2] + [0] * 7
+    assert md.block_tables[1:, 0].tolist() == [99] * 7
+
+
+def test_decode_padding_after_a_mixed_step():
+    """A decode graph's padding rows are one-token sequences again after a mixed step left
+    empty sequences and stray tokens in the buffers."""
+    b = builder()
+    b.build([scheduled("c", list(range(10)), 0, [4, 5, 6])], GraphShape(16, 8, False), {}, None)
+    step = b.build([scheduled("a", [7], 5, [3, 8])], GraphShape(4, 4, True), {}, None)
+    md = step.md
+    assert step.input_ids.tolist() == [7, 0, 0, 0]
+    assert md.slot_mapping.tolist() == [8 * 4 + 1] + [99 * 4] * 3
+    assert md.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert md.seq_lens.tolist() == [6, 1, 1, 1]
+    assert md.block_tables[1:, 0].tolist() == [99] * 3
 
 
 def test_mixed_capture_sizes():
