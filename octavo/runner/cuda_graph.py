@@ -55,7 +55,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 def mixed_capture_sizes(max_tokens: int) -> list[int]:
     """Mixed steps' token counts: every 16 up to 256, then every 32, up to max_tokens
     (itself included); none if max_tokens < 16."""
-    sizes = [t for t in range(16, min(max_tokens, 256) + 1, 16)]
+    sizes = list(range(16, min(max_tokens, 256) + 1, 16))
     sizes += list(range(288, max_tokens + 1, 32))
     if sizes and sizes[-1] != max_tokens:
         sizes.append(max_tokens)
