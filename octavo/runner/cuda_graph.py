@@ -85,8 +85,11 @@ class CudaGraphRunner:
         self.model = model
         self.inputs = inputs
         self.max_num_seqs = max_num_seqs
-        self.sizes = capture_sizes(max_num_seqs)
-        self.mixed_sizes = mixed_capture_sizes(max_mixed_tokens)
+        self.decode_shapes = [GraphShape(b, b, True) for b in capture_sizes(max_num_seqs)]
+        self.mixed_shapes = [
+            GraphShape(t, min(t, max_num_seqs), False)
+            for t in mixed_capture_sizes(max_mixed_tokens)
+        ]
         self.graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphShape, torch.Tensor] = {}
         self.pool = None
@@ -115,9 +118,7 @@ class CudaGraphRunner:
 
     def shapes(self) -> list[GraphShape]:
         """Every shape to capture, largest first within each ladder (mixed ones first)."""
-        mixed = [GraphShape(t, min(t, self.max_num_seqs), False) for t in self.mixed_sizes]
-        decode = [GraphShape(b, b, True) for b in self.sizes]
-        return mixed[::-1] + decode[::-1]
+        return self.mixed_shapes[::-1] + self.decode_shapes[::-1]
 
     def _fill_padding(self, shape: GraphShape) -> None:
         """Puts the buffers in a padding-only state for capturing `shape`: every token writes
@@ -157,7 +158,8 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         logger.info(
             "captured %d CUDA graphs (decode batches up to %d, mixed steps up to %d tokens) "
-            "in %.1f s", len(self.graphs), self.sizes[-1], max(self.mixed_sizes, default=0),
+            "in %.1f s", len(self.graphs), self.decode_shapes[-1].num_seqs,
+            self.mixed_shapes[-1].num_tokens if self.mixed_shapes else 0,
             time.perf_counter() - start,
         )  # fmt: skip
 
@@ -166,15 +168,8 @@ class CudaGraphRunner:
         up to, None if none fits (the step then runs eagerly)."""
         if num_seqs > self.max_num_seqs:
             return None
-        if num_tokens == num_seqs:
-            for size in self.sizes:
-                if size >= num_tokens:
-                    return GraphShape(size, size, True)
-            return None
-        for size in self.mixed_sizes:
-            if size >= num_tokens:
-                return GraphShape(size, min(size, self.max_num_seqs), False)
-        return None
+        ladder = self.decode_shapes if num_tokens == num_seqs else self.mixed_shapes
+        return next((shape for shape in ladder if shape.num_tokens >= num_tokens), None)
 
     def replay(self, shape: GraphShape) -> torch.Tensor:
         """Replays the graph of a captured shape over the buffers. Returns [tokens, hidden]."""

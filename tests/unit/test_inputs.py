@@ -120,7 +120,7 @@ def test_shape_for_pads_up_to_a_captured_shape(max_num_seqs, max_mixed, num_toke
     shape = graphs.shape_for(num_tokens, num_seqs)
     decode = num_tokens == num_seqs
     if shape is None:
-        largest = max_num_seqs if decode else max(graphs.mixed_sizes, default=0)
+        largest = max_num_seqs if decode else max(mixed_capture_sizes(max_mixed), default=0)
         assert num_seqs > max_num_seqs or num_tokens > largest
         return
     assert shape in graphs.shapes()
