@@ -160,7 +160,7 @@ class InputBuilder:
         block = tables[token_seq, positions // self.block_size].astype(np.int64)
         slots = block * self.block_size + positions % self.block_size
         input_ids = np.array(ids, dtype=np.int64)
-        if graph is not None:
+        if graph is not None and (graph.num_tokens, graph.num_seqs) != (num_tokens, num_seqs):
             input_ids, positions, slots, seq_lens, tables, cu = self._pad(
                 graph, input_ids, positions, slots, seq_lens, tables, cu
             )
