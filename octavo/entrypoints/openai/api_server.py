@@ -43,12 +43,16 @@ from octavo.entrypoints.openai.serving_completion import create_completion
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The server's ASGI app. The engine loop starts and stops with the app's lifespan; its
-    state is in `app.state.ctx` (a ServingContext)."""
-    async_engine = AsyncEngine(engine)
+def build_app(
+    engine: Engine | AsyncEngine, model_name: str, api_key: str | None = None
+) -> FastAPI:
+    """The server's ASGI app over an Engine, or an AsyncEngine (`AsyncEngine.build` keeps
+    the CPU's torch work on one thread). The engine loop starts and stops with the app's
+    lifespan; its state is in `app.state.ctx` (a ServingContext)."""
+    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     metrics = ServerMetrics(lambda: async_engine.stats)
-    ctx = ServingContext(async_engine, model_name, engine.scheduler_config.max_model_len, metrics)
+    max_model_len = async_engine.engine.scheduler_config.max_model_len
+    ctx = ServingContext(async_engine, model_name, max_model_len, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

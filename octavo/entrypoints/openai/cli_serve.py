@@ -52,25 +52,29 @@ def default_model_name(model: str | None) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from octavo.engine.async_engine import AsyncEngine
     from octavo.engine.builder import build_engine
     from octavo.entrypoints.openai.api_server import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = build_engine(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
-        seed=args.seed,
-    )
+    def make_engine():
+        return build_engine(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            load_format=args.load_format,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
+            enforce_eager=args.enforce_eager,
+            cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+            seed=args.seed,
+        )
+
+    engine = AsyncEngine.build(make_engine)  # on the thread that will step it (see there)
     name = args.served_model_name or default_model_name(args.model)
     app = build_app(engine, name, api_key=args.api_key)
     print(f"octavo: serving {name} on http://{args.host}:{args.port}/v1", flush=True)

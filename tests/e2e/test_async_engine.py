@@ -1,0 +1,91 @@
+"""AsyncEngine.build: the Engine is built and stepped on one thread, and `octavo serve` uses it.
+
+Why it matters (async_engine.py): on the CPU, torch's OpenMP pool belongs to the thread that
+runs the parallel ops, and a second pool on the same cores makes every op wait for a worker
+to wake up. The speed is measured in docs/PERFORMANCE.md; these tests check the threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import types
+
+import pytest
+
+from octavo.engine.async_engine import AsyncEngine
+from octavo.sampling_params import SamplingParams
+
+
+def test_build_steps_the_engine_on_the_thread_that_built_it():
+    from octavo.engine.builder import build_engine
+
+    built_on = []
+
+    def make_engine():
+        built_on.append(threading.get_ident())
+        return build_engine()
+
+    async_engine = AsyncEngine.build(make_engine)
+    assert built_on and built_on[0] != threading.get_ident()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def serve_one() -> tuple[int, list[int]]:
+        async_engine.start()
+        try:
+            stepped_on = await async_engine.call(lambda engine: threading.get_ident())
+            outputs = [out async for out in async_engine.generate("Hello", params, "r0")]
+        finally:
+            await async_engine.shutdown()
+        return stepped_on, outputs[-1].outputs[0].token_ids
+
+    stepped_on, token_ids = asyncio.run(serve_one())
+    assert stepped_on == built_on[0]
+    assert len(token_ids) == 4
+    assert not async_engine.is_running
+
+
+def test_build_raises_the_factory_error_on_the_callers_thread():
+    def make_engine():
+        raise ValueError("no such model: 'nowhere'")
+
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.build(make_engine)
+    assert threading.active_count() == before
+
+
+def _fake_engine():
+    return types.SimpleNamespace(
+        get_stats=dict, scheduler_config=types.SimpleNamespace(max_model_len=64)
+    )
+
+
+def test_a_built_engine_that_never_started_shuts_down():
+    async_engine = AsyncEngine.build(_fake_engine)
+    thread = async_engine._thread
+    assert not async_engine.is_running
+    asyncio.run(async_engine.shutdown())
+    assert not thread.is_alive()
+
+
+def test_serve_builds_its_engine_on_the_engine_thread(monkeypatch):
+    import uvicorn
+
+    import octavo.engine.builder
+    from octavo.entrypoints import cli
+
+    built_on, served = [], []
+
+    def fake_build_engine(*args, **kwargs):
+        built_on.append(threading.current_thread())
+        return _fake_engine()
+
+    monkeypatch.setattr(octavo.engine.builder, "build_engine", fake_build_engine)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    args = cli.build_parser().parse_args(["serve"])
+    assert args.func(args) == 0
+    (async_engine,) = (app.state.ctx.engine for app in served)
+    assert built_on == [async_engine._thread]
+    assert built_on[0] is not threading.main_thread()
+    asyncio.run(async_engine.shutdown())
