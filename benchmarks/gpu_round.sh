@@ -5,6 +5,7 @@
 #           | timeline8b | latency | overlap | pdl | norms | prefill-sweep | splits | fused | layerk
 #           | mixed06 | mixed8b (CUDA graphs for mixed steps: TTFT and serving, on and off)
 #           | capture (what each mixed-step graph costs at start-up)
+#           | serve (`octavo serve` end to end on the dummy Qwen3-0.6B: benchmarks/serve_smoke.py)
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
@@ -62,6 +63,7 @@ for stage in $stages; do
             --num-requests 128 --json "$OUT/mixed_qwen3_8b.json" 2>&1 | tee "$OUT/mixed_8b.log" | tail -14 ;;
     capture) timeout 200 python3 benchmarks/capture_probe.py --model qwen3-8b \
             --json "$OUT/capture_8b.json" 2>&1 | tee "$OUT/capture_8b.log" | tail -3 ;;
+    serve) timeout 300 python3 benchmarks/serve_smoke.py --requests 64 2>&1 | grep -v "INFO:" | tee "$OUT/serve_smoke.log" | tail -4 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"
