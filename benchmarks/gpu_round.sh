@@ -9,7 +9,7 @@
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 # The CLI, with every thread's stack dumped each 90 s (to see where a slow run spends it).
 OCTAVO=(python3 -c "import faulthandler, sys; faulthandler.dump_traceback_later(90, repeat=True)
 sys.argv = ['octavo', *sys.argv[1:]]
