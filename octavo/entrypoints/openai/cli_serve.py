@@ -57,6 +57,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from octavo.entrypoints.openai.api_server import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
     def make_engine():
         return build_engine(
             args.model,
