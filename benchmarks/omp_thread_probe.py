@@ -48,26 +48,27 @@ def _decode_ms(engine) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def _measure(way: str) -> dict:
-    from octavo.engine.builder import build_engine
+def _time(engine) -> dict:
+    return {"linear_us": _linear_us(), "decode_ms": _decode_ms(engine)}
 
+
+def _on_new_thread(fn) -> dict:
     result: dict = {}
-
-    def on_thread(build: bool) -> None:
-        result["linear_us"] = _linear_us()
-        result["decode_ms"] = _decode_ms(build_engine() if build else engine)
-
-    if way == WAYS[2]:
-        thread = threading.Thread(target=on_thread, args=(True,))
-    else:
-        engine = build_engine()
-        if way == WAYS[0]:
-            on_thread(False)
-            return result
-        thread = threading.Thread(target=on_thread, args=(False,))
+    thread = threading.Thread(target=lambda: result.update(fn()))
     thread.start()
     thread.join()
     return result
+
+
+def _measure(way: str) -> dict:
+    from octavo.engine.builder import build_engine
+
+    if way == WAYS[2]:
+        return _on_new_thread(lambda: _time(build_engine()))
+    engine = build_engine()
+    if way == WAYS[0]:
+        return _time(engine)
+    return _on_new_thread(lambda: _time(engine))
 
 
 def main() -> None:
