@@ -68,6 +68,7 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self._cached: dict[int, KVBlock] = {}
+        self._num_refs = 0  # the sum of every block's ref_cnt, kept as they change
 
     # ---- allocation ---------------------------------------------------------------------
 
@@ -85,6 +86,7 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
+        self._num_refs += num_blocks
         return taken
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -103,6 +105,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free_queue[block.block_id] = block
+        self._num_refs -= len(blocks)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Adds one reference to each block (prefix hits), taking unused ones out of the
@@ -111,6 +114,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 del self._free_queue[block.block_id]
             block.ref_cnt += 1
+            self._num_refs += 1
 
     def incref(self, blocks: Iterable[KVBlock]) -> None:
         """Adds one reference to blocks already in use (sharing between sequences: n > 1,
@@ -118,6 +122,7 @@ class BlockPool:
         for block in blocks:
             assert block.ref_cnt > 0, f"incref of free block {block.block_id}"
             block.ref_cnt += 1
+            self._num_refs += 1
 
     # ---- prefix cache -------------------------------------------------------------------
 
@@ -162,6 +167,12 @@ class BlockPool:
     @property
     def num_total_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def num_shared_refs(self) -> int:
+        """References beyond each block's first (blocks saved by sharing), in O(1): every
+        reference, less one per block in use."""
+        return self._num_refs - (self.num_total_blocks - self.num_free_blocks)
 
     @property
     def usage(self) -> float:

@@ -274,7 +274,7 @@ class KVCacheManager:
     @property
     def num_shared_block_refs(self) -> int:
         """Blocks saved by sharing right now: every reference beyond a block's first."""
-        return sum(b.ref_cnt - 1 for b in self.pool.blocks if b.ref_cnt > 1)
+        return self.pool.num_shared_refs
 
     @property
     def prefix_cache_queries(self) -> int:

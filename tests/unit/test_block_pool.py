@@ -23,13 +23,17 @@ def test_fresh_pool_hands_out_blocks_in_id_order():
 def test_ref_counts_follow_allocate_touch_incref_free():
     pool = BlockPool(4, enable_prefix_caching=True)
     a, b = pool.allocate(2)
-    assert (a.ref_cnt, b.ref_cnt) == (1, 1)
+    assert (a.ref_cnt, b.ref_cnt, pool.num_shared_refs) == (1, 1, 0)
     pool.touch([a])
     pool.incref([a, b])
-    assert (a.ref_cnt, b.ref_cnt) == (3, 2)
+    assert (a.ref_cnt, b.ref_cnt, pool.num_shared_refs) == (3, 2, 3)
     pool.free([a, b])
-    assert (a.ref_cnt, b.ref_cnt) == (2, 1)
+    assert (a.ref_cnt, b.ref_cnt, pool.num_shared_refs) == (2, 1, 1)
     assert pool.free_block_ids() == [2, 3]  # neither reached 0
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free([b, b])
+    pool.free([a, a, b])
+    assert pool.num_shared_refs == 0 and pool.num_free_blocks == 4
 
 
 def test_freed_blocks_go_to_the_back_in_the_order_given():
