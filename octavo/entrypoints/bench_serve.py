@@ -1,15 +1,19 @@
 """`octavo bench serve`: an online serving benchmark against any OpenAI-compatible server.
 
 Requests arrive as a Poisson process (exponential gaps at `--request-rate` per second; `inf`
-sends all at once), each a streaming POST /v1/completions of synthetic random text. The
-metrics are vLLM's `bench serve` ones:
+sends all at once), each a streaming POST /v1/completions of synthetic random text, or of
+random token ids with `--token-ids N` (ids below N, for a model without a tokenizer, e.g.
+`--load-format dummy`). Prompt lengths are `--input-len`, or uniform over `--input-len` x
+(1 -/+ `--random-range-ratio`) as in vLLM's random dataset. The metrics are vLLM's `bench
+serve` ones:
 
-    TTFT  time from sending to the first streamed text
+    TTFT  time from sending to the first streamed chunk with a choice in it
     TPOT  (latency - TTFT) / (output tokens - 1), per request: the first token excluded
-    ITL   every gap between two streamed text chunks, pooled over all requests
+    ITL   every gap between two such chunks, pooled over all requests
 
-Output tokens come from the server's usage (stream_options.include_usage), else from the
-number of text chunks. `ignore_eos` is sent as a vLLM-style extra field so that every request
+A chunk counts even when its text is empty (a special token, a model without a tokenizer), as
+in vLLM. Output tokens come from the server's usage (stream_options.include_usage), else from
+the number of chunks. `ignore_eos` is sent as a vLLM-style extra field so that every request
 produces exactly --max-tokens tokens (--no-ignore-eos for servers that reject it; --extra-body
 passes a server's own fields, e.g. transformers serve's `generation_config`).
 """
@@ -46,10 +50,22 @@ class RequestResult:
     error: str = ""
 
 
-def synthetic_prompts(num_prompts: int, input_len: int, seed: int) -> list[str]:
-    """Random sentences of `input_len` words from a fixed seed (no dataset needed)."""
+def synthetic_prompts(
+    num_prompts: int,
+    input_len: int,
+    seed: int,
+    range_ratio: float = 0.0,
+    token_ids: int | None = None,
+) -> list[str] | list[list[int]]:
+    """Random prompts from a fixed seed (no dataset needed): sentences of that many words, or
+    lists of ids below `token_ids`. Lengths are uniform over input_len x (1 -/+ range_ratio)."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(_WORDS) for _ in range(input_len)) for _ in range(num_prompts)]
+    low = max(1, round(input_len * (1 - range_ratio)))
+    high = max(low, round(input_len * (1 + range_ratio)))
+    lengths = [rng.randint(low, high) if high > low else low for _ in range(num_prompts)]
+    if token_ids is not None:
+        return [[rng.randrange(token_ids) for _ in range(n)] for n in lengths]
+    return [" ".join(rng.choice(_WORDS) for _ in range(n)) for n in lengths]
 
 
 async def send_request(client, url: str, payload: dict, headers: dict) -> RequestResult:
@@ -75,8 +91,7 @@ async def send_request(client, url: str, payload: dict, headers: dict) -> Reques
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"].get("completion_tokens", 0)
                     result.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
-                choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
+                if chunk.get("choices"):
                     now = time.perf_counter()
                     if chunks == 0:
                         result.ttft = now - start
@@ -104,7 +119,13 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         url = args.base_url.rstrip("/") + args.endpoint
         payloads = [
             _payload(args, model, p)
-            for p in synthetic_prompts(args.num_prompts, args.input_len, args.seed)
+            for p in synthetic_prompts(
+                args.num_prompts,
+                args.input_len,
+                args.seed,
+                args.random_range_ratio,
+                args.token_ids,
+            )
         ]
         warmup = await send_request(client, url, payloads[0], headers)
         if not warmup.ok:
@@ -121,7 +142,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     return summarize(results, duration) | {"model": model, "request_rate": args.request_rate}
 
 
-def _payload(args: argparse.Namespace, model: str, prompt: str) -> dict:
+def _payload(args: argparse.Namespace, model: str, prompt: str | list[int]) -> dict:
     payload = {
         "model": model,
         "prompt": prompt,
@@ -200,6 +221,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     if args.num_prompts < 1 or args.max_tokens < 1 or args.input_len < 1:
         raise ValueError("--num-prompts, --max-tokens and --input-len must be >= 1")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if args.token_ids is not None and args.token_ids < 1:
+        raise ValueError(f"--token-ids must be >= 1, got {args.token_ids}")
     if not isinstance(args.extra_body, dict):
         raise ValueError("--extra-body must be a JSON object")
     summary = asyncio.run(run_benchmark(args))
@@ -219,7 +244,22 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, or inf")
     p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=64, help="words per synthetic prompt")
+    p.add_argument(
+        "--input-len", type=int, default=64, help="words (or token ids) per synthetic prompt"
+    )
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="prompt lengths uniform over input-len x (1 -/+ this), as in vLLM",
+    )
+    p.add_argument(
+        "--token-ids",
+        type=int,
+        default=None,
+        metavar="N",
+        help="send prompts as random token ids below N (for a model without a tokenizer)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
