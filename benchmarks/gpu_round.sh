@@ -6,6 +6,7 @@
 #           | mixed06 | mixed8b (CUDA graphs for mixed steps: TTFT and serving, on and off)
 #           | capture (what each mixed-step graph costs at start-up)
 #           | serve (`octavo serve` end to end on the dummy Qwen3-0.6B: benchmarks/serve_smoke.py)
+#           | http06 | http8b (serving over HTTP against the engine in process: http_serve_probe.py)
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
@@ -64,6 +65,11 @@ for stage in $stages; do
     capture) timeout 200 python3 benchmarks/capture_probe.py --model qwen3-8b \
             --json "$OUT/capture_8b.json" 2>&1 | tee "$OUT/capture_8b.log" | tail -3 ;;
     serve) timeout 300 python3 benchmarks/serve_smoke.py --requests 64 2>&1 | grep -v "INFO:" | tee "$OUT/serve_smoke.log" | tail -4 ;;
+    http06) timeout 500 python3 benchmarks/http_serve_probe.py --model qwen3-0.6b ${HTTP_ARGS:-} \
+            --json "$OUT/http_qwen3_0.6b.json" 2>&1 | grep -v "INFO:" | tee "$OUT/http_0.6b.log" | tail -12 ;;
+    http8b) timeout 500 python3 benchmarks/http_serve_probe.py --model qwen3-8b --rates 4 16 \
+            --num-requests 128 --settings default scan ${HTTP_ARGS:-} \
+            --json "$OUT/http_qwen3_8b.json" 2>&1 | grep -v "INFO:" | tee "$OUT/http_8b.log" | tail -8 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"
