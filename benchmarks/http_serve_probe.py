@@ -7,11 +7,12 @@ of its own and `octavo bench serve` runs against it at each --rate: Poisson arri
 of 64-512 random token ids, --output-len tokens each (ignore_eos), streamed. Both processes'
 CPU seconds are read from /proc around each run, per thread for the server, to see which
 thread is busy. Settings:
-- `default`: `octavo serve` as shipped;
-- `switch=S`: the same after `sys.setswitchinterval(S)` (how long a thread may hold the GIL
+- `default`: `octavo serve` as shipped: the engine in a process of its own (since session 13);
+- `thread`: `octavo serve --engine-in-thread`, the engine on a thread of the server's process;
+- `switch=S`: `thread` after `sys.setswitchinterval(S)` (how long a thread may hold the GIL
   while another waits for it; Python's default is 5 ms);
-- `scan`: the engine's stats as before session 13, when the count of shared KV blocks walked
-  every block of the pool after each step.
+- `scan`: `thread` with the engine's stats as before session 13, when the count of shared KV
+  blocks walked every block of the pool after each step.
 
 Then the same requests go through `Engine.add_request` / `step` in this process
 (`mixed_graph_probe.serve`): the in-process figures are what the engine gives with no server.
@@ -97,6 +98,8 @@ def run_server(setting: str, args: argparse.Namespace, port: int) -> dict:
         "--max-model-len", "4096", "--max-num-batched-tokens", "2048", "--port", str(port),
         "--log-level", "warning",
     ]  # fmt: skip
+    if setting != "default":
+        command.append("--engine-in-thread")
     server = subprocess.Popen(command)
     report: dict = {"setting": setting, "runs": []}
     try:
@@ -106,10 +109,10 @@ def run_server(setting: str, args: argparse.Namespace, port: int) -> dict:
             summary = bench(base, rate, args, f"/tmp/http_probe_{port}_{rate}.json")
             cpu_after = thread_cpu(server.pid)
             used = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()}
-            others = sorted((v for k, v in used.items() if k != "main"), reverse=True)
+            others = sorted((v for k, v in used.items() if k != "main"), reverse=True) or [0.0]
             summary["server_cpu_s"] = {
                 "main": round(used["main"], 2),
-                "busiest": round(others[0], 2),  # the engine thread, or an OpenMP worker
+                "busiest": round(others[0], 2),  # the engine thread, or any other
                 "rest": round(sum(others[1:]), 2),
                 "seconds": summary["duration_s"],
             }
@@ -140,7 +143,7 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[16.0, 64.0])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--settings", nargs="+", default=["default", "scan", "switch=0.0005"])
+    parser.add_argument("--settings", nargs="+", default=["default", "thread", "scan"])
     parser.add_argument("--no-in-process", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

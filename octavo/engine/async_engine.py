@@ -139,6 +139,14 @@ class AsyncEngine:
         return self._loop is not None and self._thread is not None and self._thread.is_alive()
 
     @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.scheduler_config.max_model_len
+
+    @property
     def stats(self) -> dict[str, int | float]:
         """`Engine.get_stats()` as of the last step (a snapshot: reading it is thread-safe)."""
         return self._stats
@@ -165,7 +173,7 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, params))
+        self._send(_Add(request_id, prompt, params))
         finished = False
         try:
             while not finished:
@@ -179,11 +187,14 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:  # aborting an id the engine no longer has is a no-op
-                self._commands.put(_Abort([request_id]))
+                self._send(_Abort([request_id]))
+
+    def _send(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
 
     def abort(self, request_ids: list[str]) -> None:
         """Asks the engine thread to abort requests (unknown ids are ignored)."""
-        self._commands.put(_Abort(list(request_ids)))
+        self._send(_Abort(list(request_ids)))
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Runs `fn(engine)` on the engine thread between two steps and returns its result:

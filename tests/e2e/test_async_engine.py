@@ -1,4 +1,6 @@
-"""AsyncEngine.build: the Engine is built and stepped on one thread, and `octavo serve` uses it.
+"""AsyncEngine.build: the Engine is built and stepped on one thread, and `octavo serve
+--engine-in-thread` uses it (by default `octavo serve` runs the Engine in a process of its
+own: test_engine_process.py).
 
 Why it matters (async_engine.py): on the CPU, torch's OpenMP pool belongs to the thread that
 runs the parallel ops, and a second pool on the same cores makes every op wait for a worker
@@ -69,7 +71,7 @@ def test_a_built_engine_that_never_started_shuts_down():
     assert not thread.is_alive()
 
 
-def test_serve_builds_its_engine_on_the_engine_thread(monkeypatch):
+def test_serve_in_thread_builds_its_engine_on_the_engine_thread(monkeypatch):
     import uvicorn
 
     import octavo.engine.builder
@@ -83,7 +85,7 @@ def test_serve_builds_its_engine_on_the_engine_thread(monkeypatch):
 
     monkeypatch.setattr(octavo.engine.builder, "build_engine", fake_build_engine)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
-    args = cli.build_parser().parse_args(["serve"])
+    args = cli.build_parser().parse_args(["serve", "--engine-in-thread"])
     assert args.func(args) == 0
     (async_engine,) = (app.state.ctx.engine for app in served)
     assert built_on == [async_engine._thread]

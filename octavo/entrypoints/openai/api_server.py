@@ -47,12 +47,12 @@ def build_app(
     engine: Engine | AsyncEngine, model_name: str, api_key: str | None = None
 ) -> FastAPI:
     """The server's ASGI app over an Engine, or an AsyncEngine (`AsyncEngine.build` keeps
-    the CPU's torch work on one thread). The engine loop starts and stops with the app's
+    the CPU's torch work on one thread; `EngineProcess` runs the Engine in a process of its
+    own, as `octavo serve` does). The engine loop starts and stops with the app's
     lifespan; its state is in `app.state.ctx` (a ServingContext)."""
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     metrics = ServerMetrics(lambda: async_engine.stats)
-    max_model_len = async_engine.engine.scheduler_config.max_model_len
-    ctx = ServingContext(async_engine, model_name, max_model_len, metrics)
+    ctx = ServingContext(async_engine, model_name, async_engine.max_model_len, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

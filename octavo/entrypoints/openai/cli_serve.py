@@ -36,6 +36,10 @@ def add_parser(sub) -> None:
         help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--engine-in-thread", action="store_true",
+        help="step the engine on a thread of the server's process, not in a process of its own",
+    )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
 
@@ -54,28 +58,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from octavo.engine.async_engine import AsyncEngine
     from octavo.engine.builder import build_engine
+    from octavo.engine.engine_process import EngineProcess
     from octavo.entrypoints.openai.api_server import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-
-    def make_engine():
-        return build_engine(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            load_format=args.load_format,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            enable_prefix_caching=args.enable_prefix_caching,
-            enforce_eager=args.enforce_eager,
-            cuda_graph_max_tokens=args.cuda_graph_max_tokens,
-            seed=args.seed,
-        )
-
-    engine = AsyncEngine.build(make_engine)  # on the thread that will step it (see there)
+    options = dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        seed=args.seed,
+    )
+    if args.engine_in_thread:  # on the thread that will step it (see AsyncEngine.build)
+        engine = AsyncEngine.build(lambda: build_engine(**options))
+    else:
+        engine = EngineProcess.start_process(**options)
     name = args.served_model_name or default_model_name(args.model)
     app = build_app(engine, name, api_key=args.api_key)
     print(f"octavo: serving {name} on http://{args.host}:{args.port}/v1", flush=True)

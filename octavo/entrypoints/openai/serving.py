@@ -73,7 +73,7 @@ class ServingContext:
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

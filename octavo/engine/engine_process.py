@@ -1,0 +1,243 @@
+"""The Engine in a process of its own, behind AsyncEngine's asyncio interface: `octavo serve`.
+
+    server process (event loop)                       engine process (owns the Engine)
+    generate() --_Add / _Abort / _Stop--> pipe -->    drain commands; step()
+    reader thread <-- ("step", outputs, stats) <--    one message per step
+
+Why a process: an Engine on a thread of the server's process shares the GIL with the event
+loop, which spends ~60 us of Python on every streamed chunk. With a decode step of ~1.5 ms and
+~20 streams open, the loop alone holds the GIL about as long as the GPU takes for a step, and
+the engine waits for it (docs/PERFORMANCE.md, session 13). vLLM runs its engine core in a
+process of its own for the same reason.
+
+The engine process builds the Engine itself (`build_engine(**options)`; spawned, so CUDA is
+set up there only) and runs the same loop as AsyncEngine's thread. Outputs cross the pipe
+pickled, one message per step. The server process keeps the tokenizer for prompts and chat
+templates. Requests and their errors behave as with AsyncEngine: a rejected prompt raises
+ValueError, a failed step EngineStepError, and a dead engine EngineDeadError, in `generate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import signal
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from octavo.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    _Abort,
+    _Add,
+)
+from octavo.engine.gc_heap import frozen_gc_heap
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+class EngineProcess(AsyncEngine):
+    """An AsyncEngine whose Engine lives in a child process. Build it with `start_process`,
+    then use it as an AsyncEngine (`call` is not available: the Engine is not here)."""
+
+    def __init__(self, process, conn, max_model_len: int, stats: dict, tokenizer) -> None:
+        # NOTE: AsyncEngine.__init__ is not called: it needs the Engine, which is not here.
+        self.engine = None
+        self._process = process
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._max_model_len = max_model_len
+        self._tokenizer = tokenizer
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None  # reads the pipe
+        self._stats = stats
+        self.error: BaseException | None = None
+
+    @classmethod
+    def start_process(cls, **options: Any) -> EngineProcess:
+        """Spawns the engine process, which runs `build_engine(**options)`; waits until it
+        is built and raises what building raised (ValueError for bad options)."""
+        from octavo.engine.builder import resolve_model
+        from octavo.model.tokenizer import load_tokenizer
+
+        context = multiprocessing.get_context("spawn")
+        conn, child_conn = context.Pipe()
+        process = context.Process(
+            target=_engine_process_main, args=(child_conn, options), name="octavo-engine",
+            daemon=True,
+        )  # fmt: skip
+        process.start()
+        child_conn.close()
+        try:
+            message = conn.recv()
+        except EOFError:
+            process.join()
+            raise RuntimeError(f"the engine process exited ({process.exitcode})") from None
+        if message[0] == "failed":
+            process.join()
+            raise message[1]
+        _, max_model_len, stats = message
+        tokenizer = load_tokenizer(options.get("tokenizer") or resolve_model(options.get("model")))
+        return cls(process, conn, max_model_len, stats, tokenizer)
+
+    # ---- what the server reads --------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return (
+            self._loop is not None
+            and self._thread is not None
+            and self._thread.is_alive()
+            and self._process.is_alive()
+        )
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._loop is not None:
+            raise RuntimeError("the engine loop is already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._read, name="octavo-engine-pipe", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stops the engine process after its current step; unfinished requests are aborted."""
+        self._send(_Stop())
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._process.join, 30)
+        if self._process.is_alive():
+            self._process.kill()
+            await asyncio.to_thread(self._process.join)
+        self._conn.close()
+        self._thread = self._loop = None
+
+    def _send(self, command: Any) -> None:
+        """Sends a command; if the engine process is gone, a new request fails at once and
+        anything else has nothing left to do."""
+        try:
+            with self._send_lock:
+                self._conn.send(command)
+        except OSError:
+            if isinstance(command, _Add):  # called on the event loop, by `generate`
+                error = EngineDeadError(f"the engine process exited ({self._process.exitcode})")
+                self._deliver_error(command.request_id, error)
+
+    def _submit_call(self, fn):
+        raise NotImplementedError("the Engine runs in another process: `call` cannot reach it")
+
+    # ---- the pipe-reading thread ------------------------------------------------------
+
+    def _read(self) -> None:
+        error: BaseException = EngineDeadError("the server is shutting down")
+        try:
+            while True:
+                kind, *rest = self._conn.recv()
+                if kind == "step":
+                    outputs, self._stats = rest
+                    if outputs:
+                        self._post(self._dispatch, outputs)
+                elif kind == "reject":
+                    self._post(self._deliver_error, rest[0], ValueError(rest[1]))
+                elif kind == "fail":
+                    self._post(self._fail, rest[0], EngineStepError(rest[1]))
+                else:  # "stopped", or "dead" with why
+                    if kind == "dead":
+                        error = self.error = EngineDeadError(rest[0])
+                    break
+        except (EOFError, OSError):
+            code = self._process.exitcode
+            error = self.error = EngineDeadError(f"the engine process exited ({code})")
+            logger.error("%s", error)
+        self._post(self._fail_all, error)
+
+
+def _engine_process_main(conn, options: dict) -> None:
+    """The engine process: build the Engine, then step it and answer commands until told
+    to stop or until the server's end of the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops us
+    from octavo.engine.builder import build_engine
+
+    try:
+        engine = build_engine(**options)
+    except BaseException as e:  # noqa: BLE001 - raised again in the server process
+        conn.send(("failed", e if isinstance(e, ValueError) else RuntimeError(repr(e))))
+        return
+    conn.send(("ready", engine.scheduler_config.max_model_len, engine.get_stats()))
+    live: dict = {}  # request id -> Request
+    try:
+        with frozen_gc_heap(collect_first=True):
+            while _apply_commands(conn, engine, live, block=not engine.has_unfinished_requests()):
+                outputs = _step(conn, engine, live) if engine.has_unfinished_requests() else []
+                conn.send(("step", outputs, engine.get_stats()))  # stats also after an abort
+    except (EOFError, OSError):  # the server is gone
+        return
+    except BaseException as e:  # a bug in the loop: tell the server
+        logger.exception("the engine loop died")
+        with contextlib.suppress(OSError):
+            conn.send(("dead", f"the engine loop died: {e!r}"))
+        return
+    if live:
+        engine.abort_request(list(live))
+    with contextlib.suppress(OSError):
+        conn.send(("stopped",))
+
+
+def _apply_commands(conn, engine, live: dict, block: bool) -> bool:
+    """Applies every command waiting in the pipe (waiting for one if `block`); False on stop."""
+    while block or conn.poll():
+        block = False
+        command = conn.recv()
+        if isinstance(command, _Stop):
+            return False
+        if isinstance(command, _Add):
+            try:
+                request = engine.add_request(command.prompt, command.params, command.request_id)
+            except ValueError as e:
+                conn.send(("reject", command.request_id, str(e)))
+            else:
+                live[command.request_id] = request
+        elif isinstance(command, _Abort):
+            engine.abort_request(command.request_ids)
+            for request_id in command.request_ids:
+                live.pop(request_id, None)
+    return True
+
+
+def _step(conn, engine, live: dict) -> list:
+    """One step; a failure fails the requests it finished (or all, if none), as AsyncEngine."""
+    try:
+        outputs = engine.step()
+    except Exception as e:  # noqa: BLE001
+        logger.error("engine step failed:\n%s", traceback.format_exc())
+        dropped = [rid for rid, request in live.items() if request.is_finished]
+        if not dropped:
+            dropped = list(live)
+            engine.abort_request(dropped)
+        for request_id in dropped:
+            del live[request_id]
+        conn.send(("fail", dropped, f"the engine failed on this request: {e!r}"))
+        return []
+    for out in outputs:
+        if out.finished:
+            live.pop(out.request_id, None)
+    return outputs

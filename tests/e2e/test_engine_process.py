@@ -1,0 +1,149 @@
+"""EngineProcess: `octavo serve`'s engine in a process of its own, on the embedded model.
+
+The server's answers must be those of an in-process engine; a rejected prompt, a client that
+goes away, a failed step and a dead engine process behave as with the engine on a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+import types
+
+import httpx
+import pytest
+from server_fixture import ServerThread
+
+from octavo import SamplingParams
+from octavo.engine.async_engine import AsyncEngine, EngineStepError
+from octavo.engine.engine_process import EngineProcess, _step
+from octavo.entrypoints.openai.api_server import build_app
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def wait_for(predicate, timeout=30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def served(llm):  # llm: the embedded model, only so that it is known to be installed
+    engine = EngineProcess.start_process()
+    with ServerThread(build_app(engine, MODEL)) as server:
+        yield server, engine
+    assert not engine._process.is_alive()  # shutdown stopped the engine process
+
+
+def test_completions_match_the_engine_in_this_process(served, llm):
+    server, _ = served
+    prompts = ["The capital of France is", [1, 504, 3458, 282]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for prompt in prompts:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        key = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        expected = llm.generate([key], params, use_tqdm=False)[0].outputs[0].text
+        assert r.json()["choices"][0]["text"] == expected
+
+
+def test_a_rejected_prompt_is_a_400_and_the_server_goes_on(served):
+    server, _ = served
+    bad = {"model": MODEL, "prompt": [10**9], "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/completions", json=bad, timeout=60)
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    good = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(server.url + "/v1/completions", json=good, timeout=60).status_code == 200
+
+
+def test_disconnect_aborts_and_frees_kv_blocks(served):
+    server, engine = served
+    free_before = engine.stats["kv_blocks_free"]
+    body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    url = server.url + "/v1/completions"
+    with httpx.Client(timeout=60) as h, h.stream("POST", url, json=body) as r:
+        received = [line for _, line in zip(range(3), r.iter_lines(), strict=False)]
+        assert len(received) == 3
+        assert engine.stats["kv_blocks_free"] < free_before
+    assert wait_for(lambda: engine.stats["kv_blocks_free"] == free_before)
+    assert engine.stats["num_requests_running"] == 0
+
+
+def test_a_failing_step_fails_only_its_requests(llm):
+    """The engine process's step, on this process's engine: the requests of a failed step
+    are aborted and reported; the next step runs."""
+    engine, sent = llm.engine, []
+    conn = types.SimpleNamespace(send=sent.append)
+    request = engine.add_request("Hello", SamplingParams(max_tokens=4), "doomed")
+    live = {"doomed": request}
+    runner = engine.runner
+    runner.execute_async = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
+    try:
+        assert _step(conn, engine, live) == []
+    finally:
+        del runner.execute_async
+    assert sent == [
+        ("fail", ["doomed"], "the engine failed on this request: RuntimeError('injected')")
+    ]
+    assert not live and not engine.has_unfinished_requests()
+
+
+def test_pipe_messages_reach_the_waiting_requests():
+    """The server side alone, over a real pipe: a step failure and the engine's death."""
+    conn, far_end = multiprocessing.Pipe()
+    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None)
+    engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
+    params = SamplingParams(max_tokens=2)
+
+    async def scenario():
+        engine.start()
+        failing = asyncio.ensure_future(_collect(engine.generate([1], params, "a")))
+        dying = asyncio.ensure_future(_collect(engine.generate([1], params, "b")))
+        await asyncio.sleep(0.1)
+        assert [far_end.recv().request_id for _ in range(2)] == ["a", "b"]
+        far_end.send(("fail", ["a"], "boom"))
+        with pytest.raises(EngineStepError, match="boom"):
+            await failing
+        far_end.close()  # the engine process is gone
+        with pytest.raises(RuntimeError, match="the engine process exited"):
+            await dying
+        assert not engine.is_running
+
+    asyncio.run(scenario())
+
+
+async def _collect(stream):
+    return [out async for out in stream]
+
+
+def test_bad_options_raise_in_the_server_process():
+    with pytest.raises(ValueError, match="load_format"):
+        EngineProcess.start_process(load_format="pickle")
+
+
+def test_serve_runs_the_engine_in_a_process_unless_told_otherwise(monkeypatch):
+    import uvicorn
+
+    from octavo.entrypoints import cli
+
+    started, served = [], []
+    fake = types.SimpleNamespace(
+        get_stats=dict, tokenizer=None, scheduler_config=types.SimpleNamespace(max_model_len=64)
+    )
+    monkeypatch.setattr(
+        EngineProcess,
+        "start_process",
+        lambda **options: started.append(options) or AsyncEngine(fake),
+    )
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    args = cli.build_parser().parse_args(["serve", "--max-num-seqs", "7"])
+    assert args.func(args) == 0
+    assert len(started) == 1 and started[0]["max_num_seqs"] == 7
