@@ -49,3 +49,13 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.sock.close()
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    """Polls `predicate` until it holds or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

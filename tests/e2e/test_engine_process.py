@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import time
 import types
 
 import httpx
 import pytest
-from server_fixture import ServerThread
+from server_fixture import ServerThread, wait_for
 
 from octavo import SamplingParams
 from octavo.engine.async_engine import AsyncEngine, EngineStepError
@@ -21,15 +20,6 @@ from octavo.engine.engine_process import EngineProcess, _step
 from octavo.entrypoints.openai.api_server import build_app
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def wait_for(predicate, timeout=30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +63,7 @@ def test_disconnect_aborts_and_frees_kv_blocks(served):
         received = [line for _, line in zip(range(3), r.iter_lines(), strict=False)]
         assert len(received) == 3
         assert engine.stats["kv_blocks_free"] < free_before
-    assert wait_for(lambda: engine.stats["kv_blocks_free"] == free_before)
+    assert wait_for(lambda: engine.stats["kv_blocks_free"] == free_before, timeout=30)
     assert engine.stats["num_requests_running"] == 0
 
 

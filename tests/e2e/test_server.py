@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_fixture import ServerThread
+from server_fixture import ServerThread, wait_for
 
 from octavo import SamplingParams
 from octavo.entrypoints.openai.api_server import build_app
@@ -72,15 +71,6 @@ def metrics(server) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return samples
-
-
-def wait_for(predicate, timeout=10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 # ---- the happy paths --------------------------------------------------------------------
