@@ -62,6 +62,7 @@ class EngineProcess(AsyncEngine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None  # reads the pipe
         self._stats = stats
+        self._closed = False  # set on the event loop once the pipe's reader has ended
         self.error: BaseException | None = None
 
     @classmethod
@@ -104,7 +105,8 @@ class EngineProcess(AsyncEngine):
     @property
     def is_running(self) -> bool:
         return (
-            self._loop is not None
+            not self._closed
+            and self._loop is not None
             and self._thread is not None
             and self._thread.is_alive()
             and self._process.is_alive()
@@ -120,14 +122,15 @@ class EngineProcess(AsyncEngine):
         self._thread.start()
 
     async def shutdown(self) -> None:
-        """Stops the engine process after its current step; unfinished requests are aborted."""
+        """Stops the engine process after its current step; unfinished requests are aborted.
+        A process that does not stop within 30 s (a hung device, say) is killed."""
         self._send(_Stop())
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
         await asyncio.to_thread(self._process.join, 30)
         if self._process.is_alive():
             self._process.kill()
             await asyncio.to_thread(self._process.join)
+        if self._thread is not None:  # the pipe is closed at the far end: the reader ends
+            await asyncio.to_thread(self._thread.join)
         self._conn.close()
         self._thread = self._loop = None
 
@@ -165,10 +168,50 @@ class EngineProcess(AsyncEngine):
                         error = self.error = EngineDeadError(rest[0])
                     break
         except (EOFError, OSError):
+            self._process.join(5)  # for its exit code
             code = self._process.exitcode
             error = self.error = EngineDeadError(f"the engine process exited ({code})")
             logger.error("%s", error)
-        self._post(self._fail_all, error)
+        except BaseException as e:  # a message this side cannot read: a bug
+            logger.exception("reading the engine process's pipe failed")
+            error = self.error = EngineDeadError(f"reading the engine's pipe failed: {e!r}")
+        finally:
+            self._post(self._close, error)
+
+    def _close(self, error: BaseException) -> None:
+        """On the event loop: no request is taken from now on, and every waiting one fails."""
+        self._closed = True
+        self._fail_all(error)
+
+
+class _ServerGone(Exception):
+    """The server's end of the pipe is closed."""
+
+
+class _Pipe:
+    """The engine process's end of the pipe; a closed pipe raises _ServerGone, so that an
+    OSError from the engine itself is not mistaken for the server going away."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def send(self, message: Any) -> None:
+        try:
+            self.conn.send(message)
+        except OSError as e:
+            raise _ServerGone from e
+
+    def poll(self) -> bool:
+        try:
+            return self.conn.poll()
+        except (EOFError, OSError) as e:
+            raise _ServerGone from e
+
+    def recv(self) -> Any:
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError) as e:
+            raise _ServerGone from e
 
 
 def _engine_process_main(conn, options: dict) -> None:
@@ -183,22 +226,23 @@ def _engine_process_main(conn, options: dict) -> None:
         conn.send(("failed", e if isinstance(e, ValueError) else RuntimeError(repr(e))))
         return
     conn.send(("ready", engine.scheduler_config.max_model_len, engine.get_stats()))
+    conn = _Pipe(conn)
     live: dict = {}  # request id -> Request
     try:
         with frozen_gc_heap(collect_first=True):
             while _apply_commands(conn, engine, live, block=not engine.has_unfinished_requests()):
                 outputs = _step(conn, engine, live) if engine.has_unfinished_requests() else []
                 conn.send(("step", outputs, engine.get_stats()))  # stats also after an abort
-    except (EOFError, OSError):  # the server is gone
+    except _ServerGone:
         return
     except BaseException as e:  # a bug in the loop: tell the server
         logger.exception("the engine loop died")
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(_ServerGone):
             conn.send(("dead", f"the engine loop died: {e!r}"))
         return
     if live:
         engine.abort_request(list(live))
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(_ServerGone):
         conn.send(("stopped",))
 
 

@@ -89,7 +89,7 @@ def test_a_failing_step_fails_only_its_requests(llm):
 def test_pipe_messages_reach_the_waiting_requests():
     """The server side alone, over a real pipe: a step failure and the engine's death."""
     conn, far_end = multiprocessing.Pipe()
-    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None)
+    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
     engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
     params = SamplingParams(max_tokens=2)
 
@@ -101,11 +101,30 @@ def test_pipe_messages_reach_the_waiting_requests():
         assert [far_end.recv().request_id for _ in range(2)] == ["a", "b"]
         far_end.send(("fail", ["a"], "boom"))
         with pytest.raises(EngineStepError, match="boom"):
-            await failing
+            await asyncio.wait_for(failing, 30)
         far_end.close()  # the engine process is gone
         with pytest.raises(RuntimeError, match="the engine process exited"):
-            await dying
+            await asyncio.wait_for(dying, 30)
         assert not engine.is_running
+
+    asyncio.run(scenario())
+
+
+def test_an_unreadable_message_fails_the_waiting_requests():
+    conn, far_end = multiprocessing.Pipe()
+    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
+    engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
+
+    async def scenario():
+        engine.start()
+        waiting = asyncio.ensure_future(_collect(engine.generate([1], SamplingParams(), "a")))
+        await asyncio.sleep(0.1)
+        far_end.send_bytes(b"not a pickle")
+        with pytest.raises(RuntimeError, match="reading the engine's pipe failed"):
+            await asyncio.wait_for(waiting, 30)
+        assert not engine.is_running
+        with pytest.raises(RuntimeError, match="not running"):
+            await _collect(engine.generate([1], SamplingParams(), "b"))
 
     asyncio.run(scenario())
 
