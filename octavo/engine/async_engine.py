@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -60,6 +61,54 @@ class _Call:
 
 
 _STOP = object()
+
+
+def apply_command(
+    engine: Engine,
+    live: dict[str, Request],
+    command: _Add | _Abort,
+    reject: Callable[[str, ValueError], None],
+) -> None:
+    """Adds or aborts requests in `engine`, keeping `live` (id -> request) in step; a
+    prompt or parameters the engine refuses go to `reject(request_id, error)`."""
+    if isinstance(command, _Add):
+        try:
+            request = engine.add_request(command.prompt, command.params, command.request_id)
+        except ValueError as e:
+            reject(command.request_id, e)
+        else:
+            live[command.request_id] = request
+    else:
+        engine.abort_request(command.request_ids)
+        for request_id in command.request_ids:
+            live.pop(request_id, None)
+
+
+def step_engine(
+    engine: Engine,
+    live: dict[str, Request],
+    fail: Callable[[list[str], EngineStepError], None],
+) -> list[RequestOutput]:
+    """One step of `engine`; finished requests leave `live`. If the step fails, the engine
+    has aborted the requests in it: those go to `fail(request_ids, error)`. If it aborted
+    none, all are aborted, since the engine's state is unknown. Returns the step's outputs
+    ([] after a failure)."""
+    try:
+        outputs = engine.step()
+    except Exception as e:  # noqa: BLE001
+        logger.error("engine step failed:\n%s", traceback.format_exc())
+        dropped = [rid for rid, request in live.items() if request.is_finished]
+        if not dropped and live:
+            dropped = list(live)
+            engine.abort_request(dropped)
+        for request_id in dropped:
+            del live[request_id]
+        fail(dropped, EngineStepError(f"the engine failed on this request: {e!r}"))
+        return []
+    for out in outputs:
+        if out.finished:
+            live.pop(out.request_id, None)
+    return outputs
 
 
 class AsyncEngine:
@@ -247,19 +296,9 @@ class AsyncEngine:
             self._apply(command)
 
     def _apply(self, command: _Add | _Abort | _Call) -> None:
-        if isinstance(command, _Add):
-            try:
-                request = self.engine.add_request(
-                    command.prompt, command.params, command.request_id
-                )
-            except ValueError as e:
-                self._post(self._deliver_error, command.request_id, e)
-            else:
-                self._live[command.request_id] = request
-        elif isinstance(command, _Abort):
-            self.engine.abort_request(command.request_ids)
-            for request_id in command.request_ids:
-                self._live.pop(request_id, None)
+        if not isinstance(command, _Call):
+            reject = functools.partial(self._post, self._deliver_error)
+            apply_command(self.engine, self._live, command, reject)
         elif command.future.set_running_or_notify_cancel():
             try:
                 command.future.set_result(command.fn(self.engine))
@@ -267,21 +306,8 @@ class AsyncEngine:
                 command.future.set_exception(e)
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:  # noqa: BLE001
-            # The engine aborts the requests of a step that failed; fail those, and keep
-            # serving the others. If it aborted none, abort all: the engine's state is unknown.
-            logger.error("engine step failed:\n%s", traceback.format_exc())
-            error = EngineStepError(f"the engine failed on this request: {e!r}")
-            dropped = [rid for rid, request in self._live.items() if request.is_finished]
-            for request_id in dropped:
-                del self._live[request_id]
-            self._post(self._fail, dropped or self._abort_all(), error)
-            return
-        for out in outputs:
-            if out.finished:
-                self._live.pop(out.request_id, None)
+        fail = functools.partial(self._post, self._fail)
+        outputs = step_engine(self.engine, self._live, fail)
         if outputs:
             self._post(self._dispatch, outputs)
 

@@ -25,7 +25,6 @@ import logging
 import multiprocessing
 import signal
 import threading
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +32,9 @@ from octavo.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineStepError,
-    _Abort,
     _Add,
+    apply_command,
+    step_engine,
 )
 from octavo.engine.gc_heap import frozen_gc_heap
 
@@ -228,10 +228,16 @@ def _engine_process_main(conn, options: dict) -> None:
     conn.send(("ready", engine.scheduler_config.max_model_len, engine.get_stats()))
     conn = _Pipe(conn)
     live: dict = {}  # request id -> Request
+
+    def fail(request_ids: list[str], error: Exception) -> None:
+        conn.send(("fail", request_ids, str(error)))
+
     try:
         with frozen_gc_heap(collect_first=True):
             while _apply_commands(conn, engine, live, block=not engine.has_unfinished_requests()):
-                outputs = _step(conn, engine, live) if engine.has_unfinished_requests() else []
+                outputs = []
+                if engine.has_unfinished_requests():
+                    outputs = step_engine(engine, live, fail)
                 conn.send(("step", outputs, engine.get_stats()))  # stats also after an abort
     except _ServerGone:
         return
@@ -253,35 +259,5 @@ def _apply_commands(conn, engine, live: dict, block: bool) -> bool:
         command = conn.recv()
         if isinstance(command, _Stop):
             return False
-        if isinstance(command, _Add):
-            try:
-                request = engine.add_request(command.prompt, command.params, command.request_id)
-            except ValueError as e:
-                conn.send(("reject", command.request_id, str(e)))
-            else:
-                live[command.request_id] = request
-        elif isinstance(command, _Abort):
-            engine.abort_request(command.request_ids)
-            for request_id in command.request_ids:
-                live.pop(request_id, None)
+        apply_command(engine, live, command, lambda rid, e: conn.send(("reject", rid, str(e))))
     return True
-
-
-def _step(conn, engine, live: dict) -> list:
-    """One step; a failure fails the requests it finished (or all, if none), as AsyncEngine."""
-    try:
-        outputs = engine.step()
-    except Exception as e:  # noqa: BLE001
-        logger.error("engine step failed:\n%s", traceback.format_exc())
-        dropped = [rid for rid, request in live.items() if request.is_finished]
-        if not dropped:
-            dropped = list(live)
-            engine.abort_request(dropped)
-        for request_id in dropped:
-            del live[request_id]
-        conn.send(("fail", dropped, f"the engine failed on this request: {e!r}"))
-        return []
-    for out in outputs:
-        if out.finished:
-            live.pop(out.request_id, None)
-    return outputs

@@ -15,8 +15,8 @@ import pytest
 from server_fixture import ServerThread, wait_for
 
 from octavo import SamplingParams
-from octavo.engine.async_engine import AsyncEngine, EngineStepError
-from octavo.engine.engine_process import EngineProcess, _step
+from octavo.engine.async_engine import AsyncEngine, EngineStepError, step_engine
+from octavo.engine.engine_process import EngineProcess
 from octavo.entrypoints.openai.api_server import build_app
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -68,21 +68,20 @@ def test_disconnect_aborts_and_frees_kv_blocks(served):
 
 
 def test_a_failing_step_fails_only_its_requests(llm):
-    """The engine process's step, on this process's engine: the requests of a failed step
-    are aborted and reported; the next step runs."""
-    engine, sent = llm.engine, []
-    conn = types.SimpleNamespace(send=sent.append)
+    """The step both engine loops run (step_engine), on this process's engine: the requests
+    of a failed step are aborted and reported; the next step runs."""
+    engine, failed = llm.engine, []
     request = engine.add_request("Hello", SamplingParams(max_tokens=4), "doomed")
     live = {"doomed": request}
     runner = engine.runner
     runner.execute_async = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
     try:
-        assert _step(conn, engine, live) == []
+        assert step_engine(engine, live, lambda ids, e: failed.append((ids, e))) == []
     finally:
         del runner.execute_async
-    assert sent == [
-        ("fail", ["doomed"], "the engine failed on this request: RuntimeError('injected')")
-    ]
+    ((ids, error),) = failed
+    assert ids == ["doomed"] and isinstance(error, EngineStepError)
+    assert str(error) == "the engine failed on this request: RuntimeError('injected')"
     assert not live and not engine.has_unfinished_requests()
 
 
