@@ -2,7 +2,7 @@
 
 from octavo.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from octavo.outputs import CompletionOutput, Logprob, RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
@@ -12,6 +12,7 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]
 __version__ = "0.1.0"

@@ -46,3 +46,25 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+
+    def add(self, later: RequestOutput) -> RequestOutput:
+        """Folds a later delta output (RequestOutputKind.DELTA) of the same request into this
+        one, in place: each completion's text, token ids and log-probs are appended, and its
+        latest state kept. Returns self."""
+        by_index = {c.index: c for c in self.outputs}
+        for new in later.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                by_index[new.index] = new
+                continue
+            old.text += new.text
+            old.token_ids = old.token_ids + new.token_ids
+            if old.logprobs is not None and new.logprobs is not None:
+                old.logprobs = old.logprobs + new.logprobs
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        return self

@@ -14,6 +14,14 @@ MAX_N = 128  # the most completions one request may ask for
 _SEED_MIX = 0x9E3779B97F4A7C15
 
 
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs holds (vLLM's names and meanings)."""
+
+    CUMULATIVE = 0  # everything so far: text, token ids and log-probs
+    DELTA = 1  # only what is new since the request's previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
 class SamplingType(enum.Enum):
     """How the sampler picks a row's token."""
 
@@ -50,6 +58,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._validate_sampling()
@@ -100,6 +109,8 @@ class SamplingParams:
             self.logprobs = _as_int("logprobs", self.logprobs, allowed, lo=0, hi=MAX_LOGPROBS)
         value = self.skip_special_tokens
         _check(isinstance(value, bool), "skip_special_tokens", "a bool", value)
+        value = self.output_kind
+        _check(isinstance(value, RequestOutputKind), "output_kind", "a RequestOutputKind", value)
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -29,7 +29,7 @@ from octavo.engine.engine import Engine
 from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.engine.request import Request
 from octavo.outputs import RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -207,9 +207,10 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Adds a request and yields its outputs until it finishes.
 
-        Each output is cumulative (text and token ids so far); when the consumer falls
-        behind, outputs in between are skipped, never the last one. Leaving the loop early
-        (or being cancelled) aborts the request.
+        Each output is what `params.output_kind` asks for. When the consumer falls behind,
+        the outputs waiting are folded into one: DELTA outputs are joined
+        (RequestOutput.add), and of cumulative ones only the latest is kept. Leaving the loop
+        early (or being cancelled) aborts the request.
 
         Raises:
             ValueError: the engine rejected the prompt or parameters.
@@ -223,20 +224,27 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         self._send(_Add(request_id, prompt, params))
+        deltas = params.output_kind is RequestOutputKind.DELTA
         finished = False
         try:
             while not finished:
                 item = await stream.get()
                 while not stream.empty() and not isinstance(item, BaseException):
-                    item = stream.get_nowait()  # coalesce: outputs are cumulative
+                    later = stream.get_nowait()
+                    join = deltas and not isinstance(later, BaseException)
+                    item = item.add(later) if join else later
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(request_id, None)
+            self._forget(request_id)
             if not finished:  # aborting an id the engine no longer has is a no-op
                 self._send(_Abort([request_id]))
+
+    def _forget(self, request_id: str) -> None:
+        """On the event loop: the request's consumer is gone."""
+        self._streams.pop(request_id, None)
 
     def _send(self, command: _Add | _Abort) -> None:
         self._commands.put(command)

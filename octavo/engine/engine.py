@@ -25,7 +25,7 @@ from octavo.engine.request import Request, RequestStatus
 from octavo.engine.scheduler import Scheduler, SchedulerOutput
 from octavo.outputs import RequestOutput
 from octavo.runner.model_runner import ModelRunner, PendingOutput
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -144,9 +144,10 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------
 
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         """Runs one step and returns an output for each request that got a token (finished
-        ones marked finished); with `final_only`, only for the finished ones.
+        ones marked finished), as its `output_kind` asks: FINAL_ONLY requests only once
+        they finish.
 
         With async scheduling the outputs are those of the previous step, while this one
         runs on the device; a step with nothing new to schedule just finishes the one in
@@ -156,17 +157,17 @@ class Engine:
             so = self.scheduler.schedule()
             if so.is_empty:
                 return []
-            return self._finish(so, self._launch(so), final_only)
+            return self._finish(so, self._launch(so))
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self.scheduler.needs_pending_tokens():
-            outputs = self._finish(*self._in_flight, final_only)
+            outputs = self._finish(*self._in_flight)
             self._in_flight = None
         so = self.scheduler.schedule()
         launched = None if so.is_empty else (so, self._launch(so))
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
             try:
-                outputs += self._finish(*in_flight, final_only)
+                outputs += self._finish(*in_flight)
             except Exception:
                 if launched is not None:  # it may read the failed step's tokens: drop it
                     self._fail(launched[0])
@@ -186,9 +187,7 @@ class Engine:
         self.abort_request(list({s.request.group_id: None for s in so.scheduled}))
         self.kv.reset_prefix_cache()
 
-    def _finish(
-        self, so: SchedulerOutput, pending: PendingOutput, final_only: bool
-    ) -> list[RequestOutput]:
+    def _finish(self, so: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:
         """Waits for a launched step's tokens, appends them and checks stops."""
         try:
             result = pending.result()
@@ -199,7 +198,7 @@ class Engine:
         self.stats.num_tokens_computed += so.num_batched_tokens
         updated = self.scheduler.update(so, result.sampled_token_ids)
         self.stats.num_generated_tokens += len(updated)
-        groups: dict[str, None] = {}
+        groups: dict[str, RequestOutputKind] = {}
         for request in updated:
             logprobs = result.logprobs.get(request.request_id) or result.logprobs.get(
                 request.group_id
@@ -210,10 +209,12 @@ class Engine:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             if request.is_finished:
                 self._count_outcome(request)
-            if not final_only or request.is_finished:
-                groups[request.group_id] = None
-        outputs = [self.outputs.make_output(g) for g in groups]
-        return [o for o in outputs if o.finished] if final_only else outputs
+            groups[request.group_id] = request.sampling_params.output_kind
+        return [
+            self.outputs.make_output(group_id)
+            for group_id, kind in groups.items()
+            if kind is not RequestOutputKind.FINAL_ONLY or self.outputs.is_finished(group_id)
+        ]
 
     def _count_outcome(self, request: Request) -> None:
         reason = request.status.finish_reason or "unknown"

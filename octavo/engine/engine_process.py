@@ -12,7 +12,8 @@ process of its own for the same reason.
 
 The engine process builds the Engine itself (`build_engine(**options)`; spawned, so CUDA is
 set up there only) and runs the same loop as AsyncEngine's thread. Outputs cross the pipe
-pickled, one message per step. The server process keeps the tokenizer for prompts and chat
+pickled, one message per step; a request's prompt ids cross once, with its first output
+(the server asks for DELTA outputs, so the rest of a message is the step's new tokens). The server process keeps the tokenizer for prompts and chat
 templates. Requests and their errors behave as with AsyncEngine: a rejected prompt raises
 ValueError, a failed step EngineStepError, and a dead engine EngineDeadError, in `generate`.
 """
@@ -37,6 +38,7 @@ from octavo.engine.async_engine import (
     step_engine,
 )
 from octavo.engine.gc_heap import frozen_gc_heap
+from octavo.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class EngineProcess(AsyncEngine):
         self._max_model_len = max_model_len
         self._tokenizer = tokenizer
         self._streams: dict[str, asyncio.Queue] = {}
+        self._prompt_ids: dict[str, list[int]] = {}  # of requests with a consumer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None  # reads the pipe
         self._stats = stats
@@ -178,6 +181,23 @@ class EngineProcess(AsyncEngine):
         finally:
             self._post(self._close, error)
 
+    # ---- event-loop callbacks ---------------------------------------------------------
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.prompt_token_ids is None:  # sent with an earlier output (_prompt_ids_once)
+                out.prompt_token_ids = self._prompt_ids.get(out.request_id, [])
+            else:
+                self._prompt_ids[out.request_id] = out.prompt_token_ids
+            stream.put_nowait(out)
+
+    def _forget(self, request_id: str) -> None:
+        super()._forget(request_id)
+        self._prompt_ids.pop(request_id, None)
+
     def _close(self, error: BaseException) -> None:
         """On the event loop: no request is taken from now on, and every waiting one fails."""
         self._closed = True
@@ -228,6 +248,7 @@ def _engine_process_main(conn, options: dict) -> None:
     conn.send(("ready", engine.scheduler_config.max_model_len, engine.get_stats()))
     conn = _Pipe(conn)
     live: dict = {}  # request id -> Request
+    announced: set[str] = set()  # requests whose prompt ids the server has
 
     def fail(request_ids: list[str], error: Exception) -> None:
         conn.send(("fail", request_ids, str(error)))
@@ -238,6 +259,7 @@ def _engine_process_main(conn, options: dict) -> None:
                 outputs = []
                 if engine.has_unfinished_requests():
                     outputs = step_engine(engine, live, fail)
+                    _prompt_ids_once(outputs, announced, live)
                 conn.send(("step", outputs, engine.get_stats()))  # stats also after an abort
     except _ServerGone:
         return
@@ -261,3 +283,14 @@ def _apply_commands(conn, engine, live: dict, block: bool) -> bool:
             return False
         apply_command(engine, live, command, lambda rid, e: conn.send(("reject", rid, str(e))))
     return True
+
+
+def _prompt_ids_once(outputs: list[RequestOutput], announced: set[str], live: dict) -> None:
+    """Leaves a request's prompt ids out of every output after its first (None; the server
+    puts them back), so that a step's message does not grow with the prompts' lengths."""
+    for out in outputs:
+        if out.request_id in announced:
+            out.prompt_token_ids = None  # type: ignore[assignment]
+        else:
+            announced.add(out.request_id)
+    announced.intersection_update(live)  # finished, aborted and failed requests leave

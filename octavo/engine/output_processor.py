@@ -2,6 +2,11 @@
 
 A prompt with n > 1 is a group of n sequences (see Scheduler._fork); its RequestOutput holds
 one CompletionOutput per sequence, in index order, and is finished when all of them are.
+
+The request's `output_kind` picks what an output holds: everything so far (CUMULATIVE), or
+what is new since the last output (DELTA: the work is proportional to the new tokens, not to
+the output's length; a sequence with nothing new is left out). FINAL_ONLY requests get
+cumulative outputs, made only once they finish (Engine._finish).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.request import Request
 from octavo.outputs import CompletionOutput, Logprob, RequestOutput
 from octavo.runner.model_runner import TokenLogprobs
+from octavo.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -19,6 +25,8 @@ class _SequenceState:
     detokenizer: IncrementalDetokenizer | None
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
+    num_tokens_sent: int = 0  # DELTA: token ids already in an output
+    finish_sent: bool = False  # DELTA: the finish reason is out
 
 
 class OutputProcessor:
@@ -43,6 +51,9 @@ class OutputProcessor:
 
     def members(self, group_id: str) -> list[Request]:
         return list(self._groups.get(group_id, []))
+
+    def is_finished(self, group_id: str) -> bool:
+        return all(m.is_finished for m in self._groups[group_id])
 
     def process_token(
         self, request: Request, logprobs: list[TokenLogprobs] | None
@@ -70,11 +81,15 @@ class OutputProcessor:
         members = sorted(self._groups[group_id], key=lambda r: r.index)
         finished = all(m.is_finished for m in members)
         first = members[0]
+        if first.sampling_params.output_kind is RequestOutputKind.DELTA:
+            completions = [c for c in map(self._delta, members) if c is not None]
+        else:
+            completions = [self._completion(m) for m in members]
         output = RequestOutput(
             request_id=group_id,
             prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids,
-            outputs=[self._completion(m) for m in members],
+            outputs=completions,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
         )
@@ -95,6 +110,27 @@ class OutputProcessor:
             token_ids=list(request.output_token_ids),
             cumulative_logprob=state.cumulative_logprob,
             logprobs=state.logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+
+    def _delta(self, request: Request) -> CompletionOutput | None:
+        """What is new in one sequence since its last output; None if nothing is."""
+        state = self._states[request.request_id]
+        finished = request.is_finished
+        text = ""
+        if state.detokenizer is not None:
+            text = state.detokenizer.get_next_output_text(finished, delta=True)
+        start, end = state.num_tokens_sent, len(request.output_token_ids)
+        if start == end and not text and (state.finish_sent or not finished):
+            return None
+        state.num_tokens_sent, state.finish_sent = end, finished
+        return CompletionOutput(
+            index=request.index,
+            text=text,
+            token_ids=request.output_token_ids[start:end],
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=None if state.logprobs is None else state.logprobs[start:end],
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
         )

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Iterator
 
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -73,17 +74,13 @@ def stream_chat_reply(llm, conversation: list[dict], params: SamplingParams) -> 
 
     engine = llm.engine
     ids = apply_chat_template(engine.tokenizer, conversation)
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
     request = engine.add_request(ids, params)
-    sent = 0
     try:
         while not request.is_finished:
             for out in engine.step():
-                if out.request_id != request.request_id:
-                    continue
-                text = out.outputs[0].text
-                if len(text) > sent:
-                    yield text[sent:]
-                    sent = len(text)
+                if out.request_id == request.request_id and out.outputs[0].text:
+                    yield out.outputs[0].text
     finally:
         if not request.is_finished:
             engine.abort_request(request.request_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -13,7 +14,7 @@ from octavo.engine.builder import build_engine
 from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.model.tokenizer import apply_chat_template
 from octavo.outputs import RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
 Conversation = list[dict[str, Any]]
@@ -114,7 +115,7 @@ class LLM:
         try:
             with frozen_gc_heap():
                 while self.engine.has_unfinished_requests():
-                    for out in self.engine.step(final_only=True):
+                    for out in self.engine.step():
                         finished[out.request_id] = out
                         bar.update(1)
                     if use_tqdm:
@@ -144,14 +145,22 @@ def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[Promp
 def _normalize_params(
     params: SamplingParams | Sequence[SamplingParams] | None, n: int
 ) -> list[SamplingParams]:
+    """One SamplingParams per prompt, each asking for its final output only (as vLLM's LLM
+    does: no output is made for a request until it finishes). The caller's are not changed."""
     if params is None:
         params = SamplingParams()
     if isinstance(params, SamplingParams):
-        return [params] * n
+        params = [params] * n
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
-    return params
+    final: dict[int, SamplingParams] = {}  # one copy per distinct object
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        if id(p) not in final:
+            final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+    return [final[id(p)] for p in params]
 
 
 def _prompt_input(prompt: PromptType) -> str | list[int]:

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from server_fixture import ServerThread, wait_for
 
-from octavo import SamplingParams
+from octavo import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from octavo.engine.async_engine import AsyncEngine, EngineStepError, step_engine
-from octavo.engine.engine_process import EngineProcess
+from octavo.engine.engine_process import EngineProcess, _prompt_ids_once
 from octavo.entrypoints.openai.api_server import build_app
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -124,6 +124,41 @@ def test_an_unreadable_message_fails_the_waiting_requests():
         assert not engine.is_running
         with pytest.raises(RuntimeError, match="not running"):
             await _collect(engine.generate([1], SamplingParams(), "b"))
+
+    asyncio.run(scenario())
+
+
+def test_prompt_ids_cross_the_pipe_once_and_every_output_has_them():
+    """The engine side leaves a request's prompt ids out after its first output; the server
+    side puts them back, so every output the consumer sees has them."""
+    first = RequestOutput("a", None, [5, 6, 7], [CompletionOutput(0, "x", [1])])
+    later = RequestOutput("a", None, [5, 6, 7], [CompletionOutput(0, "y", [2])], finished=True)
+    announced: set[str] = set()
+    _prompt_ids_once([first], announced, live={"a": None})
+    _prompt_ids_once([later], announced, live={})  # finished: it has left `live`
+    assert first.prompt_token_ids == [5, 6, 7] and later.prompt_token_ids is None
+    assert announced == set()
+
+    conn, far_end = multiprocessing.Pipe()
+    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
+    engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
+    params = SamplingParams(max_tokens=2, output_kind=RequestOutputKind.DELTA)
+
+    async def scenario():
+        engine.start()
+        stream = engine.generate([5, 6, 7], params, "a")
+        waiting = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.1)
+        assert far_end.recv().request_id == "a"
+        far_end.send(("step", [first], {}))
+        assert (await asyncio.wait_for(waiting, 30)).prompt_token_ids == [5, 6, 7]
+        far_end.send(("step", [later], {}))
+        out = await asyncio.wait_for(anext(stream), 30)
+        assert out.prompt_token_ids == [5, 6, 7] and out.outputs[0].text == "y"
+        with pytest.raises(StopAsyncIteration):  # the request is done: forgotten
+            await anext(stream)
+        assert engine._prompt_ids == {} and engine._streams == {}
+        far_end.close()
 
     asyncio.run(scenario())
 

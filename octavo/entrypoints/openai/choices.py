@@ -1,8 +1,9 @@
-"""From cumulative engine outputs to OpenAI choices: what is new in each choice since the last
-chunk, and log-probs in the completions and chat shapes.
+"""From engine outputs to OpenAI choices: what is new in each choice, and log-probs in the
+completions and chat shapes.
 
-Engine outputs are cumulative (all text and token ids so far, maybe several steps at once when
-the client fell behind), so a tracker remembers how much of each choice it has sent.
+The server asks the engine for DELTA outputs: each holds what is new since the request's last
+one (several steps' worth, joined, when the client fell behind). A tracker numbers the choices
+across prompts and counts their tokens for `usage`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from octavo.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from octavo.outputs import CompletionOutput, Logprob, RequestOutput
+from octavo.outputs import Logprob, RequestOutput
 
 
 @dataclass
@@ -31,18 +32,12 @@ class ChoiceDelta:
 
 
 @dataclass
-class _Sent:
-    text: int = 0
-    tokens: int = 0
-    finished: bool = False
-
-
-@dataclass
 class ChoiceTracker:
-    """Turns (prompt index, cumulative output) into deltas; counts tokens for usage."""
+    """Turns (prompt index, DELTA output) into choice deltas; counts tokens for usage."""
 
     n: int
-    _sent: dict[int, _Sent] = field(default_factory=dict)
+    _tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens sent
+    _finished: set[int] = field(default_factory=set)
     _prompt_tokens: dict[int, int] = field(default_factory=dict)
 
     def update(self, prompt_index: int, out: RequestOutput) -> list[ChoiceDelta]:
@@ -50,35 +45,23 @@ class ChoiceTracker:
         deltas = []
         for c in out.outputs:
             index = prompt_index * self.n + c.index
-            sent = self._sent.setdefault(index, _Sent())
-            if sent.finished:
+            if index in self._finished:
                 continue
-            delta = _delta(index, c, sent)
-            sent.text = max(sent.text, len(c.text))
-            sent.tokens = len(c.token_ids)
-            sent.finished = c.finish_reason is not None
-            if delta.text or delta.token_ids or delta.finish_reason:
-                deltas.append(delta)
+            self._tokens[index] = self._tokens.get(index, 0) + len(c.token_ids)
+            if c.finish_reason is not None:
+                self._finished.add(index)
+            if c.text or c.token_ids or c.finish_reason:
+                deltas.append(
+                    ChoiceDelta(index, c.text, c.token_ids, c.logprobs, c.finish_reason)
+                )
         return deltas
 
     def usage(self) -> UsageInfo:
         prompt = sum(self._prompt_tokens.values())
-        completion = sum(s.tokens for s in self._sent.values())
+        completion = sum(self._tokens.values())
         return UsageInfo(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
-
-
-def _delta(index: int, c: CompletionOutput, sent: _Sent) -> ChoiceDelta:
-    num_tokens = len(c.token_ids)
-    return ChoiceDelta(
-        index=index,
-        text=c.text[sent.text :],
-        token_ids=c.token_ids[sent.tokens :],
-        # NOTE: the engine may keep appending to this list; slice by our token count.
-        logprobs=None if c.logprobs is None else c.logprobs[sent.tokens : num_tokens],
-        finish_reason=c.finish_reason,
-    )
 
 
 def _token_text(token_id: int, entry: Logprob | None) -> str:

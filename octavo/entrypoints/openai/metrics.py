@@ -67,40 +67,47 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Times one engine request from arrival to finish and records it once."""
+    """Times one engine request from arrival to finish and records it once. It reads the
+    request's DELTA outputs (what is new since the last), as the server asks for them."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self.arrival = time.perf_counter()
         self.first_token: float | None = None
-        self.last: RequestOutput | None = None
+        self.num_prompt_tokens: int | None = None  # None until the first output
+        self.num_tokens: dict[int, int] = {}  # completion index -> tokens so far
+        self.finish_reasons: dict[int, str] = {}
+        self.finished = False
         self.recorded = False
 
     def observe(self, out: RequestOutput) -> None:
         if self.first_token is None and any(c.token_ids for c in out.outputs):
             self.first_token = time.perf_counter()
             self.metrics.ttft.observe(self.first_token - self.arrival)
-        self.last = out
+        self.num_prompt_tokens = len(out.prompt_token_ids)
+        for c in out.outputs:
+            self.num_tokens[c.index] = self.num_tokens.get(c.index, 0) + len(c.token_ids)
+            if c.finish_reason is not None:
+                self.finish_reasons[c.index] = c.finish_reason
+        self.finished = out.finished
 
     def finish(self, outcome: str | None = None) -> None:
-        """Records the request; `outcome` defaults to the last output's finish reason."""
+        """Records the request; `outcome` defaults to the first completion's finish reason."""
         if self.recorded:
             return
         self.recorded = True
         m = self.metrics
-        last = self.last
         if outcome is None:
-            reasons = [c.finish_reason for c in last.outputs] if last is not None else []
-            outcome = reasons[0] if reasons and reasons[0] else "abort"
+            first = min(self.finish_reasons, default=None)
+            outcome = "abort" if first is None else self.finish_reasons[first]
         m.requests.labels(outcome=outcome).inc()
-        if last is None:
+        if self.num_prompt_tokens is None:
             return
         e2e = time.perf_counter() - self.arrival
         m.e2e.observe(e2e)
-        m.prompt_tokens.inc(len(last.prompt_token_ids))
-        num_out = sum(len(c.token_ids) for c in last.outputs)
-        m.generation_tokens.inc(num_out)
-        longest = max((len(c.token_ids) for c in last.outputs), default=0)
+        m.prompt_tokens.inc(self.num_prompt_tokens)
+        m.generation_tokens.inc(sum(self.num_tokens.values()))
+        longest = max(self.num_tokens.values(), default=0)
         if self.first_token is not None and longest > 1:
             m.tpot.observe((e2e - (self.first_token - self.arrival)) / (longest - 1))
 

@@ -22,7 +22,7 @@ from octavo.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepE
 from octavo.entrypoints.openai.metrics import ServerMetrics
 from octavo.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
 from octavo.outputs import RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 
@@ -104,8 +104,9 @@ class ServingContext:
     async def generate(
         self, prompts: list[list[int]], params: list[SamplingParams], request_id: str
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Runs each prompt as one engine request; yields (prompt index, output) as they come.
-        Closing the iterator early aborts every unfinished request."""
+        """Runs each prompt as one engine request; yields (prompt index, output) as they come,
+        each output what is new since the last (DELTA). Closing the iterator early aborts
+        every unfinished request."""
         streams = [
             self._timed(ids, p, f"{request_id}-{i}")
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True))
@@ -133,8 +134,7 @@ class ServingContext:
             raise
         finally:
             if not failed:
-                finished = timer.last is not None and timer.last.finished
-                timer.finish(None if finished else "abort")
+                timer.finish(None if timer.finished else "abort")
 
 
 async def _merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
@@ -176,6 +176,9 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None)
         "max_tokens": max_tokens,
         "ignore_eos": req.ignore_eos,
         "logprobs": logprobs,
+        # What is new in each step: a step's message from the engine process stays small,
+        # whatever the lengths so far (choices.py turns deltas into chunks).
+        "output_kind": RequestOutputKind.DELTA,
     }
     for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",

@@ -59,8 +59,8 @@ async def create_chat_completion(
     final: list[RequestOutput] = []
 
     async def collect() -> None:
-        async for _, out in outputs:
-            final[:] = [out]
+        async for _, out in outputs:  # deltas: join them
+            final[:] = [final[0].add(out) if final else out]
 
     await unless_disconnected(raw, collect())
     tracker = ChoiceTracker(req.n)

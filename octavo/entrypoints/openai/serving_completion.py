@@ -44,8 +44,8 @@ async def create_completion(
     finals: dict[int, RequestOutput] = {}
 
     async def collect() -> None:
-        async for prompt_index, out in outputs:
-            finals[prompt_index] = out
+        async for i, out in outputs:  # deltas: join them
+            finals[i] = finals[i].add(out) if i in finals else out
 
     await unless_disconnected(raw, collect())
     tracker = ChoiceTracker(req.n)
