@@ -12,7 +12,9 @@ thread is busy. Settings:
 - `switch=S`: `thread` after `sys.setswitchinterval(S)` (how long a thread may hold the GIL
   while another waits for it; Python's default is 5 ms);
 - `scan`: `thread` with the engine's stats as before session 13, when the count of shared KV
-  blocks walked every block of the pool after each step.
+  blocks walked every block of the pool after each step;
+- `tree=DIR`: `default` with the octavo package found in DIR (an older commit unpacked
+  there, to compare two versions of the server in one run).
 
 Then the same requests go through `Engine.add_request` / `step` in this process
 (`mixed_graph_probe.serve`): the in-process figures are what the engine gives with no server.
@@ -47,6 +49,23 @@ def thread_cpu(pid: int) -> dict[str, float]:
         fields = stat[stat.rindex(")") + 2 :].split()
         result["main" if tid == str(pid) else tid] = (int(fields[11]) + int(fields[12])) / tick
     return result
+
+
+def children_cpu(pid: int) -> float:
+    """CPU seconds of `pid`'s child processes (the engine process), all threads."""
+    total = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children = f.read().split()
+        except FileNotFoundError:
+            continue
+        for child in children:
+            try:
+                total += sum(thread_cpu(int(child)).values())
+            except FileNotFoundError:
+                continue
+    return total
 
 
 def wait_up(base: str, server: subprocess.Popen, timeout: float = 300) -> float:
@@ -98,22 +117,27 @@ def run_server(setting: str, args: argparse.Namespace, port: int) -> dict:
         "--max-model-len", "4096", "--max-num-batched-tokens", "2048", "--port", str(port),
         "--log-level", "warning",
     ]  # fmt: skip
-    if setting != "default":
+    env, cwd = None, None
+    if setting.startswith("tree="):  # `-c` code imports from its working directory first
+        cwd = setting.split("=", 1)[1]
+        env = {**os.environ, "PYTHONPATH": cwd + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    elif setting != "default":
         command.append("--engine-in-thread")
-    server = subprocess.Popen(command)
+    server = subprocess.Popen(command, env=env, cwd=cwd)
     report: dict = {"setting": setting, "runs": []}
     try:
         report["startup_s"] = wait_up(base, server)
         for rate in args.rates:
-            cpu_before = thread_cpu(server.pid)
+            cpu_before, engine_before = thread_cpu(server.pid), children_cpu(server.pid)
             summary = bench(base, rate, args, f"/tmp/http_probe_{port}_{rate}.json")
-            cpu_after = thread_cpu(server.pid)
+            cpu_after, engine_after = thread_cpu(server.pid), children_cpu(server.pid)
             used = {k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()}
             others = sorted((v for k, v in used.items() if k != "main"), reverse=True) or [0.0]
             summary["server_cpu_s"] = {
                 "main": round(used["main"], 2),
                 "busiest": round(others[0], 2),  # the engine thread, or any other
                 "rest": round(sum(others[1:]), 2),
+                "children": round(engine_after - engine_before, 2),  # the engine process
                 "seconds": summary["duration_s"],
             }
             report["runs"].append(summary)
