@@ -4,9 +4,9 @@
 
 For each server setting, `octavo serve` (dummy weights, 2,048 tokens a step) runs in a process
 of its own and `octavo bench serve` runs against it at each --rate: Poisson arrivals, prompts
-of 64-512 random token ids, --output-len tokens each (ignore_eos), streamed. Both processes'
-CPU seconds are read from /proc around each run, per thread for the server, to see which
-thread is busy. Settings:
+of 64-512 random token ids (--input-len, --range-ratio), --output-len tokens each (ignore_eos),
+streamed. Both processes' CPU seconds are read from /proc around each run, per thread for the
+server, to see which thread is busy. Settings:
 - `default`: `octavo serve` as shipped: the engine in a process of its own (since session 13);
 - `thread`: `octavo serve --engine-in-thread`, the engine on a thread of the server's process;
 - `switch=S`: `thread` after `sys.setswitchinterval(S)` (how long a thread may hold the GIL
@@ -33,6 +33,11 @@ import time
 import httpx
 
 RANGE = 0.7778  # --input-len 288 with this ratio draws lengths of 64-512, as the probe does
+
+
+def prompt_lens(args: argparse.Namespace) -> tuple[int, int]:
+    """The prompt lengths `octavo bench serve` draws from (vLLM's --random-range-ratio)."""
+    return round(args.input_len * (1 - args.range_ratio)), round(args.input_len * (1 + args.range_ratio))
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -86,7 +91,8 @@ def bench(base: str, rate: float, args: argparse.Namespace, out: str) -> dict:
     command = [
         sys.executable, "-m", "octavo.entrypoints.cli", "bench", "serve", "--base-url", base,
         "--request-rate", str(rate), "--num-prompts", str(args.num_requests),
-        "--input-len", "288", "--random-range-ratio", str(RANGE), "--token-ids", "10000",
+        "--input-len", str(args.input_len), "--random-range-ratio", str(args.range_ratio),
+        "--token-ids", "10000",
         "--max-tokens", str(args.output_len), "--seed", "2", "--json", out,
     ]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -158,7 +164,8 @@ def in_process(args: argparse.Namespace) -> list[dict]:
     from octavo import LLM
 
     llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=2048)
-    return [serve(llm.engine, r, args.num_requests, args.output_len, seed=2) for r in args.rates]
+    lens = prompt_lens(args)
+    return [serve(llm.engine, r, args.num_requests, args.output_len, 2, lens) for r in args.rates]
 
 
 def main() -> None:
@@ -167,6 +174,8 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[16.0, 64.0])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=288)
+    parser.add_argument("--range-ratio", type=float, default=RANGE)
     parser.add_argument("--settings", nargs="+", default=["default", "thread", "scan"])
     parser.add_argument("--no-in-process", action="store_true")
     parser.add_argument("--json", default=None)
@@ -181,8 +190,9 @@ def main() -> None:
             json.dump(report, f, indent=2)
 
     blocks = report["servers"][0].get("kv_blocks_total")
-    print(f"{args.model}, {args.num_requests} requests, {args.output_len} tokens each, "
-          f"{blocks:.0f} KV blocks; ms")  # fmt: skip
+    low, high = prompt_lens(args)
+    print(f"{args.model}, {args.num_requests} requests, prompts of {low}-{high} tokens, "
+          f"{args.output_len} tokens each, {blocks:.0f} KV blocks; ms")  # fmt: skip
     print(f"{'setting':<16}{'rate':>6}{'tok/s':>8}{'TTFT':>8}{'p99':>8}{'TPOT':>7}{'p99':>7}"
           f"{'ITL p99':>9}  cpu s: client / server threads")  # fmt: skip
     for server in report["servers"]:

@@ -69,14 +69,18 @@ def measure_ttft(engine, lengths: list[int], reps: int, rng: random.Random) -> d
     return result
 
 
-def serve(engine, rate: float, num_requests: int, output_len: int, seed: int) -> dict:
-    """Poisson arrivals at `rate` req/s through the engine; vLLM's serving metrics."""
+def serve(
+    engine, rate: float, num_requests: int, output_len: int, seed: int,
+    prompt_lens: tuple[int, int] = (64, 512),
+) -> dict:  # fmt: skip
+    """Poisson arrivals at `rate` req/s through the engine, prompts of `prompt_lens` random
+    tokens; vLLM's serving metrics."""
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     for _ in range(num_requests):
         t += rng.expovariate(rate)
         arrivals.append(t)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(64, 512))] for _ in arrivals]
+    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(*prompt_lens))] for _ in arrivals]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     live: dict[str, tuple[object, float, list[float]]] = {}  # id -> (request, arrival, times)
     done: list[tuple[float, list[float]]] = []
