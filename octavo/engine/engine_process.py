@@ -1,8 +1,11 @@
 """The Engine in a process of its own, behind AsyncEngine's asyncio interface: `octavo serve`.
 
     server process (event loop)                       engine process (owns the Engine)
-    generate() --_Add / _Abort / _Stop--> pipe -->    drain commands; step()
-    reader thread <-- ("step", outputs, stats) <--    one message per step
+    generate() -> writer thread --_Add / _Abort / _Stop--> pipe -> drain commands; step()
+    reader thread <-- ("step", outputs, stats) <-- pipe <--         one message per step
+
+The event loop never waits on the pipe: a long prompt fills the pipe's buffer until the engine
+process reads it between two steps, so a writer thread sends the commands.
 
 Why a process: an Engine on a thread of the server's process shares the GIL with the event
 loop, which spends ~60 us of Python on every streamed chunk. With a decode step of ~1.5 ms and
@@ -24,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import queue
 import signal
 import threading
 from dataclasses import dataclass
@@ -57,7 +61,8 @@ class EngineProcess(AsyncEngine):
         self.engine = None
         self._process = process
         self._conn = conn
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands for the writer
+        self._writer: threading.Thread | None = None
         self._max_model_len = max_model_len
         self._tokenizer = tokenizer
         self._streams: dict[str, asyncio.Queue] = {}
@@ -123,30 +128,43 @@ class EngineProcess(AsyncEngine):
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._read, name="octavo-engine-pipe", daemon=True)
         self._thread.start()
+        self._writer = threading.Thread(target=self._write, name="octavo-engine-send", daemon=True)
+        self._writer.start()
 
     async def shutdown(self) -> None:
         """Stops the engine process after its current step; unfinished requests are aborted.
         A process that does not stop within 30 s (a hung device, say) is killed."""
-        self._send(_Stop())
+        if self._writer is not None:
+            self._send(_Stop())
+        else:  # never started: no writer thread
+            with contextlib.suppress(OSError):
+                self._conn.send(_Stop())
         await asyncio.to_thread(self._process.join, 30)
         if self._process.is_alive():
             self._process.kill()
             await asyncio.to_thread(self._process.join)
-        if self._thread is not None:  # the pipe is closed at the far end: the reader ends
-            await asyncio.to_thread(self._thread.join)
+        for thread in (self._thread, self._writer):  # the pipe is closed at the far end
+            if thread is not None:
+                await asyncio.to_thread(thread.join)
         self._conn.close()
-        self._thread = self._loop = None
+        self._thread = self._writer = self._loop = None
 
     def _send(self, command: Any) -> None:
-        """Sends a command; if the engine process is gone, a new request fails at once and
-        anything else has nothing left to do."""
-        try:
-            with self._send_lock:
+        self._outbox.put(command)
+
+    def _write(self) -> None:
+        """The writer thread: sends each command in order until _Stop. If the engine process
+        is gone, a new request fails and anything else has nothing left to do."""
+        while True:
+            command = self._outbox.get()
+            try:
                 self._conn.send(command)
-        except OSError:
-            if isinstance(command, _Add):  # called on the event loop, by `generate`
-                error = EngineDeadError(f"the engine process exited ({self._process.exitcode})")
-                self._deliver_error(command.request_id, error)
+            except OSError:
+                if isinstance(command, _Add):
+                    error = EngineDeadError(f"the engine process exited ({self._process.exitcode})")
+                    self._post(self._deliver_error, command.request_id, error)
+            if isinstance(command, _Stop):
+                return
 
     def _submit_call(self, fn):
         raise NotImplementedError("the Engine runs in another process: `call` cannot reach it")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import threading
 import types
 
 import httpx
@@ -161,6 +162,34 @@ def test_prompt_ids_cross_the_pipe_once_and_every_output_has_them():
         far_end.close()
 
     asyncio.run(scenario())
+
+
+def test_a_long_prompt_does_not_block_the_event_loop():
+    """The pipe's buffer holds far less than a 2M-token prompt: until the engine process
+    reads it, only the writer thread waits; the event loop goes on."""
+    conn, far_end = multiprocessing.Pipe()
+    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
+    engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
+    prompt = list(range(2_000_000))
+    ticks = []
+
+    async def scenario():
+        engine.start()
+        asyncio.ensure_future(_collect(engine.generate(prompt, SamplingParams(), "long")))
+        for _ in range(5):  # the loop runs while the command waits in the pipe
+            await asyncio.sleep(0.01)
+            ticks.append(True)
+        command = await asyncio.to_thread(far_end.recv)  # the engine process reads it
+        assert command.request_id == "long" and command.prompt == prompt
+        far_end.close()
+
+    thread = threading.Thread(target=asyncio.run, args=(scenario(),), daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():  # blocked in a send on the event loop: unblock, then fail
+        far_end.recv()
+        pytest.fail("the event loop waited for the pipe")
+    assert len(ticks) == 5
 
 
 async def _collect(stream):
