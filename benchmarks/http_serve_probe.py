@@ -37,7 +37,9 @@ RANGE = 0.7778  # --input-len 288 with this ratio draws lengths of 64-512, as th
 
 def prompt_lens(args: argparse.Namespace) -> tuple[int, int]:
     """The prompt lengths `octavo bench serve` draws from (vLLM's --random-range-ratio)."""
-    return round(args.input_len * (1 - args.range_ratio)), round(args.input_len * (1 + args.range_ratio))
+    return round(args.input_len * (1 - args.range_ratio)), round(
+        args.input_len * (1 + args.range_ratio)
+    )
 
 
 def thread_cpu(pid: int) -> dict[str, float]:

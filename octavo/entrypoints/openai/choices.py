@@ -51,9 +51,7 @@ class ChoiceTracker:
             if c.finish_reason is not None:
                 self._finished.add(index)
             if c.text or c.token_ids or c.finish_reason:
-                deltas.append(
-                    ChoiceDelta(index, c.text, c.token_ids, c.logprobs, c.finish_reason)
-                )
+                deltas.append(ChoiceDelta(index, c.text, c.token_ids, c.logprobs, c.finish_reason))
         return deltas
 
     def usage(self) -> UsageInfo:
