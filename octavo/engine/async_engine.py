@@ -128,6 +128,7 @@ class AsyncEngine:
         self._stats: dict[str, int | float] = engine.get_stats()
         # The requests in the engine, by id; touched only on the engine thread.
         self._live: dict[str, Request] = {}
+        self._closed = False  # set on the event loop once the engine loop has ended
         self.error: BaseException | None = None  # why the loop died, if it did
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -168,6 +169,7 @@ class AsyncEngine:
         if self._loop is not None:
             raise RuntimeError("the engine loop is already started")
         self._loop = asyncio.get_running_loop()
+        self._closed = False
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
             self._thread.start()
@@ -185,7 +187,12 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._loop is not None and self._thread is not None and self._thread.is_alive()
+        return (
+            not self._closed
+            and self._loop is not None
+            and self._thread is not None
+            and self._thread.is_alive()
+        )
 
     @property
     def tokenizer(self):
@@ -284,11 +291,11 @@ class AsyncEngine:
         except BaseException as e:  # a bug in the loop itself: fail every waiter
             logger.exception("the engine loop died")
             self.error = e
-            self._post(self._fail_all, EngineDeadError(f"the engine loop died: {e!r}"))
+            self._post(self._close, EngineDeadError(f"the engine loop died: {e!r}"))
         else:
             self._abort_all()
             self._stats = self.engine.get_stats()
-            self._post(self._fail_all, EngineDeadError("the server is shutting down"))
+            self._post(self._close, EngineDeadError("the server is shutting down"))
         self._cancel_pending_calls()
 
     def _drain_commands(self, block: bool) -> bool:
@@ -356,6 +363,12 @@ class AsyncEngine:
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         for request_id in request_ids:
             self._deliver_error(request_id, error)
+
+    def _close(self, error: BaseException) -> None:
+        """No request is taken from now on (the thread may not have exited yet, but nothing
+        reads its commands any more), and every waiting one fails."""
+        self._closed = True
+        self._fail_all(error)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():

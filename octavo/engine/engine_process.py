@@ -216,11 +216,6 @@ class EngineProcess(AsyncEngine):
         super()._forget(request_id)
         self._prompt_ids.pop(request_id, None)
 
-    def _close(self, error: BaseException) -> None:
-        """On the event loop: no request is taken from now on, and every waiting one fails."""
-        self._closed = True
-        self._fail_all(error)
-
 
 class _ServerGone(Exception):
     """The server's end of the pipe is closed."""

@@ -71,6 +71,23 @@ def test_a_built_engine_that_never_started_shuts_down():
     assert not thread.is_alive()
 
 
+def test_no_request_is_taken_once_the_engine_loop_has_ended():
+    """The engine loop tells the event loop it has ended (`_close`) before its thread exits;
+    a request that comes in between fails at once instead of waiting for ever."""
+    async_engine = AsyncEngine(_fake_engine())
+    async_engine._thread = types.SimpleNamespace(is_alive=lambda: True)  # not exited yet
+
+    async def scenario():
+        async_engine._loop = asyncio.get_running_loop()
+        assert async_engine.is_running
+        async_engine._close(RuntimeError("the engine loop died"))
+        with pytest.raises(RuntimeError, match="not running"):
+            await anext(async_engine.generate([1], SamplingParams(), "late"))
+        assert async_engine._commands.empty()
+
+    asyncio.run(scenario())
+
+
 def test_serve_in_thread_builds_its_engine_on_the_engine_thread(monkeypatch):
     import uvicorn
 
