@@ -80,7 +80,8 @@ def serve(
     for _ in range(num_requests):
         t += rng.expovariate(rate)
         arrivals.append(t)
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(*prompt_lens))] for _ in arrivals]
+    top = min(10000, engine.vocab_size - 1)  # ids below 10,000, as on the GPU; a tiny model's
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(*prompt_lens))] for _ in arrivals]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     live: dict[str, tuple[object, float, list[float]]] = {}  # id -> (request, arrival, times)
     done: list[tuple[float, list[float]]] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 
@@ -50,13 +51,13 @@ class RequestOutput:
     def add(self, later: RequestOutput) -> RequestOutput:
         """Folds a later delta output (RequestOutputKind.DELTA) of the same request into this
         one, in place: each completion's text, token ids and log-probs are appended, and its
-        latest state kept. Returns self."""
+        latest state kept. `later` is left as it was. Returns self."""
         by_index = {c.index: c for c in self.outputs}
         for new in later.outputs:
             old = by_index.get(new.index)
             if old is None:
-                self.outputs.append(new)
-                by_index[new.index] = new
+                by_index[new.index] = copy.copy(new)  # later joins change the copy, not `later`
+                self.outputs.append(by_index[new.index])
                 continue
             old.text += new.text
             old.token_ids = old.token_ids + new.token_ids

@@ -16,9 +16,10 @@ process of its own for the same reason.
 The engine process builds the Engine itself (`build_engine(**options)`; spawned, so CUDA is
 set up there only) and runs the same loop as AsyncEngine's thread. Outputs cross the pipe
 pickled, one message per step; a request's prompt ids cross once, with its first output
-(the server asks for DELTA outputs, so the rest of a message is the step's new tokens). The server process keeps the tokenizer for prompts and chat
-templates. Requests and their errors behave as with AsyncEngine: a rejected prompt raises
-ValueError, a failed step EngineStepError, and a dead engine EngineDeadError, in `generate`.
+(the server asks for DELTA outputs, so the rest of a message is the step's new tokens).
+The server process keeps the tokenizer for prompts and chat templates. Requests and their
+errors behave as with AsyncEngine: a rejected prompt raises ValueError, a failed step
+EngineStepError, and a dead engine EngineDeadError, in `generate`.
 """
 
 from __future__ import annotations
@@ -163,6 +164,11 @@ class EngineProcess(AsyncEngine):
                 if isinstance(command, _Add):
                     error = EngineDeadError(f"the engine process exited ({self._process.exitcode})")
                     self._post(self._deliver_error, command.request_id, error)
+            except Exception as e:  # noqa: BLE001 - a command pickle cannot take
+                logger.warning("could not send %s to the engine process: %r", type(command), e)
+                if isinstance(command, _Add):
+                    error = ValueError(f"the request cannot be sent to the engine process: {e!r}")
+                    self._post(self._deliver_error, command.request_id, error)
             if isinstance(command, _Stop):
                 return
 
@@ -207,7 +213,10 @@ class EngineProcess(AsyncEngine):
             if stream is None:
                 continue
             if out.prompt_token_ids is None:  # sent with an earlier output (_prompt_ids_once)
-                out.prompt_token_ids = self._prompt_ids.get(out.request_id, [])
+                ids = self._prompt_ids.get(out.request_id)
+                if ids is None:  # a late output of an aborted request whose id is used again
+                    continue
+                out.prompt_token_ids = ids
             else:
                 self._prompt_ids[out.request_id] = out.prompt_token_ids
             stream.put_nowait(out)
@@ -268,7 +277,9 @@ def _engine_process_main(conn, options: dict) -> None:
 
     try:
         with frozen_gc_heap(collect_first=True):
-            while _apply_commands(conn, engine, live, block=not engine.has_unfinished_requests()):
+            while _apply_commands(
+                conn, engine, live, announced, block=not engine.has_unfinished_requests()
+            ):
                 outputs = []
                 if engine.has_unfinished_requests():
                     outputs = step_engine(engine, live, fail)
@@ -287,13 +298,17 @@ def _engine_process_main(conn, options: dict) -> None:
         conn.send(("stopped",))
 
 
-def _apply_commands(conn, engine, live: dict, block: bool) -> bool:
-    """Applies every command waiting in the pipe (waiting for one if `block`); False on stop."""
+def _apply_commands(conn, engine, live: dict, announced: set[str], block: bool) -> bool:
+    """Applies every command waiting in the pipe (waiting for one if `block`); False on stop.
+    A request added or aborted leaves `announced`: an id used again sends its prompt ids
+    again."""
     while block or conn.poll():
         block = False
         command = conn.recv()
         if isinstance(command, _Stop):
             return False
+        ids = [command.request_id] if isinstance(command, _Add) else command.request_ids
+        announced.difference_update(ids)
         apply_command(engine, live, command, lambda rid, e: conn.send(("reject", rid, str(e))))
     return True
 

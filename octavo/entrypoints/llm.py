@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -159,7 +159,8 @@ def _normalize_params(
         if not isinstance(p, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
         if id(p) not in final:
-            final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            final[id(p)] = copy.copy(p)  # not re-validated: the caller's, as they are
+            final[id(p)].output_kind = RequestOutputKind.FINAL_ONLY
     return [final[id(p)] for p in params]
 
 

@@ -16,8 +16,8 @@ import pytest
 from server_fixture import ServerThread, wait_for
 
 from octavo import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
-from octavo.engine.async_engine import AsyncEngine, EngineStepError, step_engine
-from octavo.engine.engine_process import EngineProcess, _prompt_ids_once
+from octavo.engine.async_engine import AsyncEngine, EngineStepError, _Abort, _Add, step_engine
+from octavo.engine.engine_process import EngineProcess, _apply_commands, _prompt_ids_once
 from octavo.entrypoints.openai.api_server import build_app
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -160,6 +160,39 @@ def test_prompt_ids_cross_the_pipe_once_and_every_output_has_them():
             await anext(stream)
         assert engine._prompt_ids == {} and engine._streams == {}
         far_end.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_id_used_again_sends_its_prompt_ids_again(llm):
+    """An aborted request's id leaves the engine side's record as the abort is applied, even
+    with no step after it; a new request under that id then sends its prompt ids again."""
+    commands = [_Add("a", [1, 2, 3], SamplingParams(max_tokens=2)), _Abort(["a"])]
+    conn = types.SimpleNamespace(poll=lambda: bool(commands), recv=lambda: commands.pop(0))
+    announced, live = {"a", "b"}, {}
+    assert _apply_commands(conn, llm.engine, live, announced, block=False)
+    assert announced == {"b"} and live == {}
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_command_the_pipe_cannot_take_fails_only_its_request():
+    conn, far_end = multiprocessing.Pipe()
+    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
+    engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
+    unpicklable = SamplingParams()
+    unpicklable.stop = [lambda: None]  # set after validation: pickle refuses it
+
+    async def scenario():
+        engine.start()
+        with pytest.raises(ValueError, match="cannot be sent to the engine process"):
+            await asyncio.wait_for(_collect(engine.generate([1], unpicklable, "bad")), 30)
+        good = asyncio.ensure_future(_collect(engine.generate([1], SamplingParams(), "good")))
+        aborted = await asyncio.to_thread(far_end.recv)  # the writer thread goes on
+        added = await asyncio.to_thread(far_end.recv)
+        assert aborted.request_ids == ["bad"] and added.request_id == "good"
+        far_end.close()
+        with pytest.raises(RuntimeError, match="the engine process exited"):
+            await asyncio.wait_for(good, 30)
 
     asyncio.run(scenario())
 

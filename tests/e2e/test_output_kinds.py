@@ -16,8 +16,9 @@ CUMULATIVE, DELTA, FINAL_ONLY = (
     RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 )  # fmt: skip
 CASES = {
-    # a stop string that the embedded model reaches ("," in its haiku), with log-probs
-    "greedy-stop": SamplingParams(temperature=0, max_tokens=40, stop=[","], logprobs=2),
+    # a stop string that the embedded model reaches ("," in its haiku), with log-probs; the
+    # longer one, never reached, makes streaming hold back the text's last 6 characters
+    "greedy-stop": SamplingParams(temperature=0, max_tokens=40, stop=[" silent", ","], logprobs=2),
     # n > 1: the samples fork, run and finish at different steps
     "seeded-n3": SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=24, logprobs=1),
     "ignore-eos": SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
