@@ -25,6 +25,7 @@ EngineStepError, and a dead engine EngineDeadError, in `generate`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import multiprocessing
@@ -78,9 +79,6 @@ class EngineProcess(AsyncEngine):
     def start_process(cls, **options: Any) -> EngineProcess:
         """Spawns the engine process, which runs `build_engine(**options)`; waits until it
         is built and raises what building raised (ValueError for bad options)."""
-        from octavo.engine.builder import resolve_model
-        from octavo.model.tokenizer import load_tokenizer
-
         context = multiprocessing.get_context("spawn")
         conn, child_conn = context.Pipe()
         process = context.Process(
@@ -89,6 +87,10 @@ class EngineProcess(AsyncEngine):
         )  # fmt: skip
         process.start()
         child_conn.close()
+        # The server's own tokenizer loads while the engine is built (a GGUF tokenizer takes
+        # seconds to convert); an error in building wins over one in loading.
+        tokenizer = concurrent.futures.Future()
+        threading.Thread(target=_load_tokenizer, args=(tokenizer, options), daemon=True).start()
         try:
             message = conn.recv()
         except EOFError:
@@ -98,8 +100,7 @@ class EngineProcess(AsyncEngine):
             process.join()
             raise message[1]
         _, max_model_len, stats = message
-        tokenizer = load_tokenizer(options.get("tokenizer") or resolve_model(options.get("model")))
-        return cls(process, conn, max_model_len, stats, tokenizer)
+        return cls(process, conn, max_model_len, stats, tokenizer.result())
 
     # ---- what the server reads --------------------------------------------------------
 
@@ -224,6 +225,17 @@ class EngineProcess(AsyncEngine):
     def _forget(self, request_id: str) -> None:
         super()._forget(request_id)
         self._prompt_ids.pop(request_id, None)
+
+
+def _load_tokenizer(result: concurrent.futures.Future, options: dict) -> None:
+    from octavo.engine.builder import resolve_model
+    from octavo.model.tokenizer import load_tokenizer
+
+    try:
+        path = options.get("tokenizer") or resolve_model(options.get("model"))
+        result.set_result(load_tokenizer(path))
+    except BaseException as e:  # noqa: BLE001 - raised again by start_process
+        result.set_exception(e)
 
 
 class _ServerGone(Exception):
