@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
+import os
+import shutil
+import tempfile
 
 import pytest
+
+# Converted GGUF tokenizers are cached on disk (octavo/model/tokenizer.py): one cache for this
+# run, inherited by the servers and engine processes it starts, and none left behind.
+if "OCTAVO_CACHE_DIR" not in os.environ:
+    os.environ["OCTAVO_CACHE_DIR"] = tempfile.mkdtemp(prefix="octavo-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["OCTAVO_CACHE_DIR"], True)
 
 
 @pytest.fixture(scope="session")

@@ -3,15 +3,28 @@
 A model is a `.gguf` file (the tokenizer, its special tokens and the chat template come from
 the GGUF metadata, converted by transformers) or an HF directory (tokenizer files next to
 config.json; a dummy-weights config directory has none, and then there is no tokenizer).
+
+Converting a GGUF tokenizer takes ~3 s on a laptop CPU, longer than the embedded model's
+weights take to load. So the converted tokenizer is saved once, in HF's own format, under
+`$OCTAVO_CACHE_DIR` (default `$XDG_CACHE_HOME/octavo`, else `~/.cache/octavo`; an empty value
+turns the cache off), keyed by the file's path, size and modification time and by the
+transformers version; later loads read it in ~0.2 s.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 
+import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")
 GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
@@ -58,13 +71,52 @@ def _load_cached(path: str) -> PreTrainedTokenizerBase | None:
         if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
             return None
         return AutoTokenizer.from_pretrained(path)
+    cache = gguf_tokenizer_cache_dir(path)
+    if cache is not None and os.path.isfile(os.path.join(cache, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cache)
+        except Exception as e:  # noqa: BLE001 - a damaged entry: convert and save again
+            logger.warning("replacing the cached tokenizer in %s: %r", cache, e)
+            shutil.rmtree(cache, ignore_errors=True)
     directory, filename = os.path.split(path)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     if not tokenizer.chat_template:
         template = read_gguf_chat_template(path)
         if template is not None:
             tokenizer.chat_template = template
+    if cache is not None:
+        _save(tokenizer, cache)
     return tokenizer
+
+
+def gguf_tokenizer_cache_dir(path: str) -> str | None:
+    """Where the tokenizer converted from the GGUF file at `path` is kept; None when the
+    cache is off."""
+    root = os.environ.get("OCTAVO_CACHE_DIR")
+    if root is None:
+        home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(home, "octavo")
+    if not root:
+        return None
+    stat = os.stat(path)
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return os.path.join(root, "tokenizers", f"{os.path.basename(path)}-{digest}")
+
+
+def _save(tokenizer: PreTrainedTokenizerBase, cache: str) -> None:
+    """Saves into a new directory, then renames it into place: a reader sees all of it or
+    none, and of two processes saving at once, one wins."""
+    try:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        staging = tempfile.mkdtemp(dir=os.path.dirname(cache), prefix=".saving-")
+        tokenizer.save_pretrained(staging)
+        try:
+            os.rename(staging, cache)
+        except OSError:  # another process saved it first
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as e:  # a read-only home, say: no cache, no harm
+        logger.info("could not cache the converted tokenizer in %s: %r", cache, e)
 
 
 def read_gguf_chat_template(path: str) -> str | None:

@@ -65,11 +65,74 @@ def test_load_tokenizer_is_cached_per_path(smollm2_path, smollm2_tokenizer):
 def test_gguf_chat_template_is_read_from_metadata_when_transformers_drops_it(
     smollm2_path, smollm2_tokenizer, monkeypatch
 ):
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", "")  # no cache: convert
     bare = SimpleNamespace(chat_template=None)
     monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", lambda *a, **k: bare)
     loaded = tokenizer_module._load_cached.__wrapped__(smollm2_path)
     assert loaded is bare
     assert loaded.chat_template == smollm2_tokenizer.chat_template
+
+
+def test_a_converted_gguf_tokenizer_is_cached_on_disk(smollm2_path, monkeypatch, tmp_path):
+    """The first load converts and saves; the second reads the saved one, which tokenizes,
+    decodes and renders chats as the converted one does."""
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))
+    real = tokenizer_module.AutoTokenizer.from_pretrained
+    calls = []
+
+    def from_pretrained(*args, **kwargs):
+        calls.append("gguf" if "gguf_file" in kwargs else "cache")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", from_pretrained)
+    path = os.path.realpath(smollm2_path)
+    converted = tokenizer_module._load_cached.__wrapped__(path)
+    cached = tokenizer_module._load_cached.__wrapped__(path)
+    assert calls == ["gguf", "cache"]
+    assert os.listdir(tmp_path / "tokenizers") == [
+        os.path.basename(tokenizer_module.gguf_tokenizer_cache_dir(path))
+    ]  # and no staging directory left behind
+    text = "def f(x):\n\treturn x  # 你好 🌍 <|im_end|>"
+    ids = converted.encode(text, add_special_tokens=False)
+    assert cached.encode(text, add_special_tokens=False) == ids
+    for skip in (True, False):
+        assert cached.decode(ids, skip_special_tokens=skip) == converted.decode(
+            ids, skip_special_tokens=skip
+        )
+    assert [cached.decode([i]) for i in range(len(converted))] == [
+        converted.decode([i]) for i in range(len(converted))
+    ]
+    assert (cached.eos_token_id, cached.all_special_ids) == (
+        converted.eos_token_id, converted.all_special_ids
+    )  # fmt: skip
+    assert apply_chat_template(cached, USER) == apply_chat_template(converted, USER)
+
+
+def test_the_tokenizer_cache_key_and_its_failures(smollm2_path, monkeypatch, tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x")
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "cache"))
+    before = tokenizer_module.gguf_tokenizer_cache_dir(str(gguf))
+    os.utime(gguf, ns=(0, 10**18))  # the file changed: another entry
+    assert tokenizer_module.gguf_tokenizer_cache_dir(str(gguf)) != before
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", "")
+    assert tokenizer_module.gguf_tokenizer_cache_dir(str(gguf)) is None
+    # A root that cannot be a directory: saving fails quietly.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    tokenizer_module._save(SimpleNamespace(), str(blocker / "tokenizers" / "x"))
+    # A damaged entry is converted and saved again.
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "damaged"))
+    path = os.path.realpath(smollm2_path)
+    entry = tokenizer_module.gguf_tokenizer_cache_dir(path)
+    os.makedirs(entry)
+    (tmp_path / "damaged" / "tokenizers" / os.path.basename(entry) / "tokenizer.json").write_text(
+        "{not json"
+    )
+    tok = tokenizer_module._load_cached.__wrapped__(path)
+    assert tok.decode(tok.encode("Hello", add_special_tokens=False)) == "Hello"
+    with open(os.path.join(entry, "tokenizer.json")) as f:
+        assert json.load(f)["model"]
 
 
 def test_hf_directory_tokenizer(smollm2_tokenizer, tmp_path):
