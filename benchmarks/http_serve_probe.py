@@ -75,7 +75,8 @@ def children_cpu(pid: int) -> float:
     return total
 
 
-def wait_up(base: str, server: subprocess.Popen, timeout: float = 300) -> float:
+def wait_up(base: str, server: subprocess.Popen, timeout: float = 300, poll: float = 0.5) -> float:
+    """Seconds until the server at `base` answers /health (polled every `poll` s)."""
     start = time.perf_counter()
     while time.perf_counter() - start < timeout:
         if server.poll() is not None:
@@ -85,7 +86,7 @@ def wait_up(base: str, server: subprocess.Popen, timeout: float = 300) -> float:
                 return time.perf_counter() - start
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll)
     raise RuntimeError("the server did not come up")
 
 

@@ -15,9 +15,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
-import httpx
+from http_serve_probe import wait_up
 
 LLM_CODE = "import time; t = time.perf_counter(); from octavo import LLM; LLM(); print(time.perf_counter() - t)"
 
@@ -40,19 +39,11 @@ def time_llm(tree: str | None, cache: str) -> float:
 def time_serve(tree: str | None, cache: str, extra: list[str], port: int = 8095) -> float:
     code = "import sys; from octavo.entrypoints.cli import main; sys.exit(main(sys.argv[1:]))"
     command = [sys.executable, "-c", code, "serve", "--port", str(port), "--log-level", "warning"]
-    start = time.perf_counter()
     server = subprocess.Popen(
         command + extra, env=env_for(tree, cache), cwd=tree, stdout=subprocess.DEVNULL
     )
     try:
-        while server.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return time.perf_counter() - start
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"octavo serve exited ({server.returncode})")
+        return wait_up(f"http://127.0.0.1:{port}", server, poll=0.05)
     finally:
         server.terminate()
         server.wait(timeout=60)

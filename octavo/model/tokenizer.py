@@ -107,16 +107,16 @@ def gguf_tokenizer_cache_dir(path: str) -> str | None:
 def _save(tokenizer: PreTrainedTokenizerBase, cache: str) -> None:
     """Saves into a new directory, then renames it into place: a reader sees all of it or
     none, and of two processes saving at once, one wins."""
+    staging = None
     try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         staging = tempfile.mkdtemp(dir=os.path.dirname(cache), prefix=".saving-")
         tokenizer.save_pretrained(staging)
-        try:
-            os.rename(staging, cache)
-        except OSError:  # another process saved it first
+        os.rename(staging, cache)  # fails if another process saved it first
+    except Exception as e:  # noqa: BLE001 - a read-only home, say: no cache, no harm
+        logger.info("did not cache the converted tokenizer in %s: %r", cache, e)
+        if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
-    except OSError as e:  # a read-only home, say: no cache, no harm
-        logger.info("could not cache the converted tokenizer in %s: %r", cache, e)
 
 
 def read_gguf_chat_template(path: str) -> str | None:
