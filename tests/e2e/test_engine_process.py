@@ -7,6 +7,7 @@ goes away, a failed step and a dead engine process behave as with the engine on 
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import threading
 import types
@@ -43,6 +44,31 @@ def test_completions_match_the_engine_in_this_process(served, llm):
         key = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
         expected = llm.generate([key], params, use_tqdm=False)[0].outputs[0].text
         assert r.json()["choices"][0]["text"] == expected
+
+
+def test_streamed_choices_over_the_pipe_join_to_the_whole_response(served):
+    """n = 2 seeded samples with log-probs: the streamed deltas, joined per choice, equal the
+    whole response, and so do the usage counts."""
+    server, _ = served
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "n": 2,
+            "temperature": 1.0, "seed": 5, "logprobs": 2, "ignore_eos": True}  # fmt: skip
+    url = server.url + "/v1/completions"
+    whole = httpx.post(url, json=body, timeout=60).json()
+    texts, tokens, usage = {0: "", 1: ""}, {0: [], 1: []}, None
+    stream = body | {"stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=60) as h, h.stream("POST", url, json=stream) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            usage = chunk.get("usage") or usage
+            for c in chunk["choices"]:
+                texts[c["index"]] += c["text"]
+                tokens[c["index"]] += c["logprobs"]["tokens"] if c["logprobs"] else []
+    for c in whole["choices"]:
+        assert texts[c["index"]] == c["text"] and tokens[c["index"]] == c["logprobs"]["tokens"]
+        assert len(tokens[c["index"]]) == 10
+    assert usage == whole["usage"] and usage["completion_tokens"] == 20
 
 
 def test_a_rejected_prompt_is_a_400_and_the_server_goes_on(served):
