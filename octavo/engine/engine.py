@@ -209,7 +209,9 @@ class Engine:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             if request.is_finished:
                 self._count_outcome(request)
-            groups[request.group_id] = request.sampling_params.output_kind
+            kind = request.sampling_params.output_kind
+            if kind is not RequestOutputKind.FINAL_ONLY or request.is_finished:
+                groups[request.group_id] = kind  # a FINAL_ONLY group ends with a member
         return [
             self.outputs.make_output(group_id)
             for group_id, kind in groups.items()

@@ -89,8 +89,9 @@ class EngineProcess(AsyncEngine):
         child_conn.close()
         # The server's own tokenizer loads while the engine is built (a GGUF tokenizer takes
         # seconds to convert); an error in building wins over one in loading.
-        tokenizer = concurrent.futures.Future()
-        threading.Thread(target=_load_tokenizer, args=(tokenizer, options), daemon=True).start()
+        loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="octavo-tokenizer")
+        tokenizer = loader.submit(_server_tokenizer, options)
+        loader.shutdown(wait=False)
         try:
             message = conn.recv()
         except EOFError:
@@ -114,13 +115,7 @@ class EngineProcess(AsyncEngine):
 
     @property
     def is_running(self) -> bool:
-        return (
-            not self._closed
-            and self._loop is not None
-            and self._thread is not None
-            and self._thread.is_alive()
-            and self._process.is_alive()
-        )
+        return super().is_running and self._process.is_alive()
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -161,14 +156,13 @@ class EngineProcess(AsyncEngine):
             command = self._outbox.get()
             try:
                 self._conn.send(command)
-            except OSError:
-                if isinstance(command, _Add):
+            except Exception as e:  # noqa: BLE001 - the process is gone, or pickle refused
+                if isinstance(e, OSError):
                     error = EngineDeadError(f"the engine process exited ({self._process.exitcode})")
-                    self._post(self._deliver_error, command.request_id, error)
-            except Exception as e:  # noqa: BLE001 - a command pickle cannot take
-                logger.warning("could not send %s to the engine process: %r", type(command), e)
-                if isinstance(command, _Add):
+                else:
+                    logger.warning("could not send %s to the engine process: %r", type(command), e)
                     error = ValueError(f"the request cannot be sent to the engine process: {e!r}")
+                if isinstance(command, _Add):
                     self._post(self._deliver_error, command.request_id, error)
             if isinstance(command, _Stop):
                 return
@@ -227,15 +221,11 @@ class EngineProcess(AsyncEngine):
         self._prompt_ids.pop(request_id, None)
 
 
-def _load_tokenizer(result: concurrent.futures.Future, options: dict) -> None:
+def _server_tokenizer(options: dict):
     from octavo.engine.builder import resolve_model
     from octavo.model.tokenizer import load_tokenizer
 
-    try:
-        path = options.get("tokenizer") or resolve_model(options.get("model"))
-        result.set_result(load_tokenizer(path))
-    except BaseException as e:  # noqa: BLE001 - raised again by start_process
-        result.set_exception(e)
+    return load_tokenizer(options.get("tokenizer") or resolve_model(options.get("model")))
 
 
 class _ServerGone(Exception):
