@@ -24,10 +24,18 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="then decode once more under cProfile and print where the host's time goes",
+    )
     args = parser.parse_args()
 
     llm = LLM(
-        args.model, load_format="dummy", max_model_len=2048, max_num_seqs=8,
+        args.model,
+        load_format="dummy",
+        max_model_len=2048,
+        max_num_seqs=8,
         enforce_eager=args.enforce_eager,
     )
     rng = random.Random(0)
@@ -73,6 +81,31 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.profile:
+        profile_decode(
+            engine, [rng.randint(20_001, 30_000) for _ in range(args.prompt_len)], params
+        )
+
+
+def profile_decode(engine, prompt: list[int], params: SamplingParams) -> None:
+    """The same single-request decode under cProfile (after the timed run, so it is not slowed)."""
+    import cProfile
+    import pstats
+
+    request = engine.add_request(prompt, params)
+    engine.step()  # the prefill, outside the profile
+    profiler = cProfile.Profile()
+    steps = 0
+    start = time.perf_counter()
+    profiler.enable()
+    while not request.is_finished:
+        engine.step()
+        steps += 1
+    profiler.disable()
+    print(
+        f"under cProfile: {steps} steps, {(time.perf_counter() - start) / steps * 1e3:.2f} ms a step"
+    )
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":
