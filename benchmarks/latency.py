@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import time
 
@@ -30,6 +31,7 @@ def main() -> None:
         help="then decode once more under cProfile and print where the host's time goes",
     )
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     llm = LLM(
         args.model,

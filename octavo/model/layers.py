@@ -14,7 +14,7 @@ loaders; this file implements world size 1.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +163,11 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """True while a CUDA graph captures on the current stream of x's device."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), with W [output_size, input_size]; the base of the fused linears.
 
@@ -185,7 +190,14 @@ class Linear(nn.Module):
         """Copies the whole checkpoint tensor (a TP rank would copy its slice)."""
         default_weight_loader(param, loaded_weight)
 
+    # {rows: fn(x, w)}, a GEMM measured faster than F.linear at that many rows; run only
+    # while a CUDA graph captures (runner/gemm_tuning.py). Shared by projections of a shape.
+    tuned: dict[int, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tuned = self.tuned.get(x.shape[0]) if self.tuned and x.dim() == 2 else None
+        if tuned is not None and x.is_contiguous() and _capturing(x):
+            return tuned(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -15,7 +15,13 @@ from octavo.engine.scheduler import SchedulerOutput
 from octavo.model.hf_config import get_head_dim
 from octavo.model.layers import Linear
 from octavo.model.loader import load_model
-from octavo.runner.cuda_graph import CudaGraphRunner, GraphShape
+from octavo.runner.cuda_graph import (
+    CudaGraphRunner,
+    GraphShape,
+    capture_sizes,
+    mixed_capture_sizes,
+)
+from octavo.runner.gemm_tuning import tune_linears
 from octavo.runner.inputs import InputBuilder
 from octavo.runner.sampler import Sampler, SamplerOutput, SamplingMetadata, to_device
 from octavo.sampling_params import SamplingParams
@@ -157,11 +163,12 @@ class ModelRunner:
         )
         self._last_sampled = None
         if self.use_cuda_graphs:
+            max_mixed_tokens = min(self.cuda_graph_max_tokens, max_num_batched_tokens)
+            tune_linears(
+                self.model, capture_sizes(max_num_seqs) + mixed_capture_sizes(max_mixed_tokens)
+            )
             self.graph_runner = CudaGraphRunner(
-                self.model,
-                self.inputs,
-                max_num_seqs,
-                min(self.cuda_graph_max_tokens, max_num_batched_tokens),
+                self.model, self.inputs, max_num_seqs, max_mixed_tokens
             )
             self.graph_runner.capture()
         if warm_up and self.device.type == "cuda":
