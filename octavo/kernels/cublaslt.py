@@ -87,7 +87,13 @@ def library() -> ctypes.CDLL:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], ctypes.c_size_t
     return lib
+
+
+def version() -> int:
+    """cuBLASLt's version number (an algorithm saved under one version is only valid for it)."""
+    return library().cublasLtGetVersion()
 
 
 def _check(status: int, what: str) -> None:
@@ -147,13 +153,14 @@ class LtGemm:
                 ctypes.byref(found)), "heuristic")  # fmt: skip
         finally:
             lib.cublasLtMatmulPreferenceDestroy(pref)
-        out = []
+        out, seen = [], set()
         for result in results[: found.value]:
             if result.state != 0:
                 continue
             for split in splits:
                 algo = self._with_split(result.algo, split)
-                if algo is not None:
+                if algo is not None and bytes(algo) not in seen:
+                    seen.add(bytes(algo))
                     out.append(algo)
         return out
 
@@ -167,12 +174,15 @@ class LtGemm:
                 if lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(new), attr,
                                                             ctypes.byref(v), 4) != 0:  # fmt: skip
                     return None
-        check = _Heuristic()
-        status = lib.cublasLtMatmulAlgoCheck(_handle(), self.desc, self.a, self.b, self.d,
-                                             self.d, ctypes.byref(new), ctypes.byref(check))  # fmt: skip
-        if status != 0 or check.workspace_size > WORKSPACE_BYTES:
-            return None
-        return new
+        return new if self.accepts(new) else None
+
+    def accepts(self, algo: Algo) -> bool:
+        """True if `algo` can run this GEMM within the workspace (cublasLtMatmulAlgoCheck)."""
+        result = _Heuristic()
+        status = library().cublasLtMatmulAlgoCheck(
+            _handle(), self.desc, self.a, self.b, self.d, self.d, ctypes.byref(algo),
+            ctypes.byref(result))  # fmt: skip
+        return status == 0 and result.workspace_size <= WORKSPACE_BYTES
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, algo: Algo) -> torch.Tensor:
         """x [M, K] @ w [N, K]^T with `algo`, on the current stream (CUDA-graph safe).

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from octavo.cache import cache_root
+
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -92,11 +94,8 @@ def _load_cached(path: str) -> PreTrainedTokenizerBase | None:
 def gguf_tokenizer_cache_dir(path: str) -> str | None:
     """Where the tokenizer converted from the GGUF file at `path` is kept; None when the
     cache is off."""
-    root = os.environ.get("OCTAVO_CACHE_DIR")
+    root = cache_root()
     if root is None:
-        home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(home, "octavo")
-    if not root:
         return None
     stat = os.stat(path)
     key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"

@@ -1,28 +1,34 @@
 """Measured GEMM algorithms for the projections that CUDA graphs capture.
 
 At the row counts of decode steps a projection is latency-bound, and cuBLAS's first heuristic
-pick (what `F.linear` runs) is sometimes well off the best it has. At start-up, before graph
-capture, `tune_linears` times `F.linear` against cuBLASLt's candidates for each distinct
-projection and row count, and hands each winner to the projections of that shape: their
-`forward` runs it while a CUDA graph captures (kernels/cublaslt.py). Eager steps keep
-`F.linear`, where a ctypes call would cost more host time than it saves.
+pick (what `F.linear` runs) is sometimes well off the best it has: on an H200, Qwen3-0.6B's
+o_proj takes 13.3 us at one row against 6.1 us with another of cuBLASLt's algorithms. At
+start-up, before graph capture, `tune_linears` times `F.linear` against cuBLASLt's candidates
+for each distinct projection and row count, and hands each winner to the projections of that
+shape: their `forward` runs it while a CUDA graph captures (kernels/cublaslt.py). Eager steps
+keep `F.linear`, where a ctypes call would cost more host time than it saves.
 
-Timing is a CUDA graph of the candidate over several weights of the shape, more bytes than L2
-holds, as in a decode step whose attention streams the KV cache between the projections.
-Environment: OCTAVO_LT_GEMMS=0 turns the tuning off.
+Timing is a CUDA graph of the candidate over enough weights of the shape to overflow L2, as in
+a decode step, whose attention streams the KV cache between the projections. The choices are
+kept in octavo's cache (octavo/cache.py), one file per GPU model and library versions, so
+only the first start-up on a machine pays for them. OCTAVO_LT_GEMMS=0 turns all this off.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from octavo.cache import cache_root
 from octavo.kernels import cublaslt
 from octavo.model.layers import Linear
 
@@ -31,17 +37,18 @@ logger = logging.getLogger(__name__)
 ENABLED = os.environ.get("OCTAVO_LT_GEMMS", "1") != "0"
 MAX_ROWS = 64  # above this a projection's time grows with its rows; cuBLAS's pick holds
 MARGIN = 0.03  # a candidate must beat F.linear by this fraction
-CANDIDATES = 8  # heuristic algorithms asked for, each also tried with K split 2, 4 and 8
+# cuBLASLt's first 4 heuristic algorithms, each also with K split 2, 4 and 8: in a sweep of 16
+# (benchmarks/cublaslt_probe.py) every winner by more than 3% was among these.
+CANDIDATES = 4
 
 
-def graph_us(fns: list[Callable[[], object]], replays: int = 3, rounds: int = 3) -> float:
+def graph_us(fns: list[Callable[[], object]], replays: int = 3, rounds: int = 2) -> float:
     """Microseconds per call of `fns`, captured as one CUDA graph: the best of `rounds`
-    means over `replays` replays."""
+    means over `replays` replays. The first call is run once before, to load its kernel."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for fn in fns:  # warm up outside the capture: kernels load, the allocator settles
-            fn()
+        fns[0]()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -68,11 +75,65 @@ def choose(torch_us: float, candidate_us: list[float], margin: float = MARGIN) -
     return best if candidate_us[best] < torch_us * (1 - margin) else None
 
 
-def _weights_for_timing(group: list[Linear], l2_bytes: int) -> list[torch.Tensor]:
-    """Enough of the group's weights to exceed twice L2, cycling if it has too few."""
-    w = group[0].weight
-    needed = max(2, math.ceil(2 * l2_bytes / (w.numel() * w.element_size())))
-    return [group[i % len(group)].weight for i in range(min(needed, 4 * len(group)))]
+class TuningCache:
+    """{key: {"algo": hex or None (F.linear), "speedup": float}}, one JSON file.
+
+    Args:
+        path: the file; None keeps the choices in memory only.
+    """
+
+    def __init__(self, path: str | None) -> None:
+        self.path, self.entries, self.changed = path, {}, False
+        if path is not None and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    self.entries = dict(json.load(f))
+            except (OSError, ValueError, TypeError) as e:  # a torn or foreign file: start over
+                logger.info("ignoring the GEMM tuning cache %s: %r", path, e)
+
+    @classmethod
+    def for_this_gpu(cls) -> TuningCache:
+        """The file for the current GPU model and the cuBLASLt and torch versions."""
+        root = cache_root()
+        if root is None:
+            return cls(None)
+        name = torch.cuda.get_device_name()
+        key = (
+            f"{name}|{torch.cuda.get_device_capability()}|{cublaslt.version()}|{torch.__version__}"
+        )
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return cls(os.path.join(root, "gemm_tuning", f"{name.replace(' ', '_')}-{digest}.json"))
+
+    def get(self, key: str) -> dict | None:
+        return self.entries.get(key)
+
+    def put(self, key: str, entry: dict) -> None:
+        self.entries[key] = entry
+        self.changed = True
+
+    def save(self) -> None:
+        """Writes a new file and renames it into place (readers see all of it or none)."""
+        if self.path is None or not self.changed:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd, staging = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".saving-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.entries, f, indent=0, sort_keys=True)
+            os.replace(staging, self.path)
+            self.changed = False
+        except OSError as e:  # a read-only home, say: no cache, no harm
+            logger.info("did not save the GEMM tuning cache %s: %r", self.path, e)
+
+
+class TunedGemm:
+    """A cuBLASLt GEMM and the algorithm chosen for it: called as fn(x, w)."""
+
+    def __init__(self, gemm: cublaslt.LtGemm, algo: cublaslt.Algo) -> None:
+        self.gemm, self.algo = gemm, algo
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, w, self.algo)
 
 
 def _tunable(module: Linear) -> bool:
@@ -86,23 +147,38 @@ def _tunable(module: Linear) -> bool:
     )
 
 
-class TunedGemm:
-    """A cuBLASLt GEMM and the algorithm chosen for it: called as fn(x, w)."""
+def _weights_for_timing(group: list[Linear], l2_bytes: int) -> list[torch.Tensor]:
+    """Enough of the group's weights to exceed 1.5 times L2, cycling if it has too few."""
+    w = group[0].weight
+    needed = max(2, math.ceil(1.5 * l2_bytes / (w.numel() * w.element_size())))
+    return [group[i % len(group)].weight for i in range(min(needed, 4 * len(group)))]
 
-    def __init__(self, gemm: cublaslt.LtGemm, algo: cublaslt.Algo) -> None:
-        self.gemm, self.algo = gemm, algo
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.gemm(x, w, self.algo)
+def _measure(gemm: cublaslt.LtGemm, weights: list[torch.Tensor]) -> dict:
+    """Times F.linear and each candidate at gemm's shape; the cache entry for the winner."""
+    x = torch.randn(gemm.m, gemm.k, dtype=gemm.dtype, device=weights[0].device)
+    ref = F.linear(x, weights[0]).float()
+    torch_us = graph_us([lambda w=w: F.linear(x, w) for w in weights])
+    algos, times = [], []
+    for algo in gemm.candidates(CANDIDATES):
+        err = ((gemm(x, weights[0], algo).float() - ref).norm() / ref.norm()).item()
+        if not err < 1e-2:  # a wrong or NaN result: never
+            continue
+        algos.append(algo)
+        times.append(graph_us([lambda w=w, a=algo: gemm(x, w, a) for w in weights]))
+    best = choose(torch_us, times, MARGIN)
+    if best is None:
+        return {"algo": None, "speedup": 1.0}
+    return {"algo": bytes(algos[best]).hex(), "speedup": round(torch_us / times[best], 3)}
 
 
 @torch.inference_mode()
-def tune_linears(model: torch.nn.Module, rows: list[int]) -> dict[tuple, dict[int, float]]:
-    """Times each distinct projection of `model` at each row count in `rows` (up to
-    MAX_ROWS) and installs the winners on the projections (`Linear.tuned`).
+def tune_linears(model: torch.nn.Module, rows: list[int]) -> dict[str, float]:
+    """Chooses each distinct projection's GEMM at each row count in `rows` up to MAX_ROWS,
+    from the cache or by timing, and installs the winners (`Linear.tuned`).
 
     Returns:
-        {(N, K, dtype name): {rows: speed-up over F.linear}} for the choices made.
+        {"NxK/dtype/rows": speed-up over F.linear} for the projections that got one.
     """
     groups: dict[tuple, list[Linear]] = {}
     for module in model.modules():
@@ -111,37 +187,36 @@ def tune_linears(model: torch.nn.Module, rows: list[int]) -> dict[tuple, dict[in
             groups.setdefault((*w.shape, w.dtype), []).append(module)
     if not ENABLED or not groups:
         return {}
-    start = time.perf_counter()
+    start, timed = time.perf_counter(), 0
+    cache = TuningCache.for_this_gpu()
     l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-    chosen: dict[tuple, dict[int, float]] = {}
+    chosen: dict[str, float] = {}
     for (n, k, dtype), group in groups.items():
-        weights = _weights_for_timing(group, l2_bytes)
         tuned: dict[int, TunedGemm] = {}
-        for m in (r for r in rows if r <= MAX_ROWS):
-            x = torch.randn(m, k, dtype=dtype, device=weights[0].device)
-            ref = F.linear(x, weights[0]).float()
-            torch_us = graph_us([lambda w=w: F.linear(x, w) for w in weights])  # noqa: B023
+        for m in sorted({r for r in rows if r <= MAX_ROWS}):
+            key = f"{n}x{k}/{str(dtype).removeprefix('torch.')}/{m}"
             gemm = cublaslt.LtGemm(m, n, k, dtype)
-            algos, times = [], []
-            for algo in gemm.candidates(CANDIDATES):
-                err = ((gemm(x, weights[0], algo).float() - ref).norm() / ref.norm()).item()
-                if not err < 1e-2:  # a wrong or NaN result: never
-                    continue
-                algos.append(algo)
-                times.append(graph_us([lambda w=w, a=algo: gemm(x, w, a) for w in weights]))  # noqa: B023
-            best = choose(torch_us, times, MARGIN)
-            if best is not None:
-                tuned[m] = TunedGemm(gemm, algos[best])
-                name = str(dtype).removeprefix("torch.")
-                chosen.setdefault((n, k, name), {})[m] = torch_us / times[best]
+            entry = cache.get(key)
+            algo = None
+            if entry is not None and entry.get("algo"):
+                algo = cublaslt.Algo.from_buffer_copy(bytes.fromhex(entry["algo"]))
+                if not gemm.accepts(algo):  # a cache from another setup: measure again
+                    entry = None
+            if entry is None:
+                entry = _measure(gemm, _weights_for_timing(group, l2_bytes))
+                cache.put(key, entry)
+                timed += 1
+                if entry["algo"]:
+                    algo = cublaslt.Algo.from_buffer_copy(bytes.fromhex(entry["algo"]))
+            if entry["algo"]:
+                tuned[m] = TunedGemm(gemm, algo)
+                chosen[key] = entry["speedup"]
         for module in group:
             module.tuned = tuned
+    cache.save()
     logger.info(
-        "GEMM tuning took %.1f s; cuBLASLt replaces F.linear in graphs for %s",
-        time.perf_counter() - start,
-        "; ".join(
-            f"{n}x{k} at rows {', '.join(f'{m} ({s:.2f}x)' for m, s in by_rows.items())}"
-            for (n, k, _), by_rows in chosen.items()
-        ) or "no projection",
+        "GEMM tuning: %d shapes timed in %.1f s; cuBLASLt replaces F.linear in graphs for %s",
+        timed, time.perf_counter() - start,
+        ", ".join(f"{key} ({speedup:.2f}x)" for key, speedup in chosen.items()) or "none",
     )  # fmt: skip
     return chosen

@@ -56,16 +56,20 @@ def test_a_captured_call_reads_its_inputs_at_replay():
         assert _rel_err(y, F.linear(x, w)) < 1e-2
 
 
-def test_tuned_projections_run_the_winner_inside_graphs_only(monkeypatch):
-    # A model of two projections of one shape, o_proj-like, whose F.linear cuBLAS is slow at
-    # one row on an H200; any winner must give F.linear's product.
+def _two_projections() -> torch.nn.Module:
+    """Two projections of one shape, o_proj-like (F.linear's cuBLAS pick is slow at one row
+    on an H200)."""
     model = torch.nn.Sequential(Linear(2048, 1024), Linear(2048, 1024)).cuda().bfloat16()
     for layer in model:
         torch.nn.init.normal_(layer.weight, std=2048**-0.5)
+    return model
+
+
+def test_tuned_projections_run_the_winner_inside_graphs_only(monkeypatch):
+    model = _two_projections()
     monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)  # take the fastest candidate, whatever
     chosen = gemm_tuning.tune_linears(model, [1, 4, 128])
-    assert set(chosen) == {(1024, 2048, "bfloat16")}
-    assert set(chosen[(1024, 2048, "bfloat16")]) == {1, 4}  # 128 > MAX_ROWS: not tuned
+    assert set(chosen) == {"1024x2048/bfloat16/1", "1024x2048/bfloat16/4"}  # 128 > MAX_ROWS
     assert model[0].tuned is model[1].tuned and set(model[0].tuned) == {1, 4}
 
     calls = []
@@ -81,3 +85,20 @@ def test_tuned_projections_run_the_winner_inside_graphs_only(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert _rel_err(captured, eager) < 1e-2
+
+
+def test_a_second_start_up_takes_the_choices_from_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)
+    first = gemm_tuning.tune_linears(_two_projections(), [1, 2])
+    assert set(first) == {"1024x2048/bfloat16/1", "1024x2048/bfloat16/2"}
+    assert len(list(tmp_path.glob("gemm_tuning/*.json"))) == 1
+
+    def no_timing(*args):
+        raise AssertionError("timed again despite the cache")
+
+    monkeypatch.setattr(gemm_tuning, "_measure", no_timing)
+    model = _two_projections()
+    assert gemm_tuning.tune_linears(model, [1, 2]) == first
+    x = torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16)
+    assert _rel_err(model[0].tuned[2](x, model[0].weight), F.linear(x, model[0].weight)) < 1e-2

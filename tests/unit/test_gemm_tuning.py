@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from octavo.model import layers
 from octavo.model.layers import Linear
-from octavo.runner.gemm_tuning import choose, tune_linears
+from octavo.runner.gemm_tuning import TuningCache, choose, tune_linears
 
 
 def test_choose_takes_the_fastest_only_past_the_margin():
@@ -50,3 +50,22 @@ def test_nothing_is_tuned_on_the_cpu():
     model = torch.nn.Sequential(_linear(), _linear())
     assert tune_linears(model, [1, 2, 4]) == {}
     assert all(layer.tuned is None for layer in model)
+
+
+def test_the_tuning_cache_round_trips_and_ignores_a_torn_file(tmp_path):
+    path = str(tmp_path / "gemm_tuning" / "gpu.json")
+    cache = TuningCache(path)
+    assert cache.get("1024x2048/bfloat16/1") is None
+    cache.put("1024x2048/bfloat16/1", {"algo": "00ff", "speedup": 2.17})
+    cache.put("4096x1024/bfloat16/8", {"algo": None, "speedup": 1.0})
+    cache.save()
+    again = TuningCache(path)
+    assert again.get("1024x2048/bfloat16/1") == {"algo": "00ff", "speedup": 2.17}
+    assert again.get("4096x1024/bfloat16/8") == {"algo": None, "speedup": 1.0}
+    with open(path, "w") as f:
+        f.write('{"1024x2048/bfl')  # a write cut short
+    assert TuningCache(path).entries == {}
+    memory_only = TuningCache(None)
+    memory_only.put("k", {"algo": None, "speedup": 1.0})
+    memory_only.save()  # nowhere to write: no error
+    assert list(tmp_path.glob("gemm_tuning/.saving-*")) == []
