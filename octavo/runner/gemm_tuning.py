@@ -187,6 +187,11 @@ def tune_linears(model: torch.nn.Module, rows: list[int]) -> dict[str, float]:
             groups.setdefault((*w.shape, w.dtype), []).append(module)
     if not ENABLED or not groups:
         return {}
+    try:
+        cublaslt.library()
+    except RuntimeError as e:  # ROCm, say: F.linear everywhere
+        logger.info("no GEMM tuning: %s", e)
+        return {}
     start, timed = time.perf_counter(), 0
     cache = TuningCache.for_this_gpu()
     l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
@@ -203,7 +208,11 @@ def tune_linears(model: torch.nn.Module, rows: list[int]) -> dict[str, float]:
                 if not gemm.accepts(algo):  # a cache from another setup: measure again
                     entry = None
             if entry is None:
-                entry = _measure(gemm, _weights_for_timing(group, l2_bytes))
+                try:
+                    entry = _measure(gemm, _weights_for_timing(group, l2_bytes))
+                except RuntimeError as e:  # a cuBLASLt call failed: keep F.linear here
+                    logger.warning("GEMM tuning of %s failed: %s", key, e)
+                    continue
                 cache.put(key, entry)
                 timed += 1
                 if entry["algo"]:
