@@ -51,7 +51,7 @@ def timed_launch(engine, so) -> tuple[float, float]:
     host = time.perf_counter() - t0
     end.record()
     end.synchronize()
-    engine._finish(so, pending, False)
+    engine._finish(so, pending)
     return host, start.elapsed_time(end) / 1e3
 
 
@@ -77,7 +77,7 @@ def profiled_steps(engine, steps: int):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             so = engine.scheduler.schedule()
-            engine._finish(so, engine.runner.execute_async(so), False)
+            engine._finish(so, engine.runner.execute_async(so))
         torch.cuda.synchronize()
     return prof
 
@@ -144,8 +144,8 @@ def main() -> None:
         all_decode = so.num_batched_tokens == len(so.scheduled)
         if all_decode:
             break
-        engine._finish(so, runner.execute_async(so), False)
-    engine._finish(so, runner.execute_async(so), False)
+        engine._finish(so, runner.execute_async(so))
+    engine._finish(so, runner.execute_async(so))
     fl = workload_floor(runner.model, runner.hf_config, runner.dtype, [args.context], [1],
                         ceilings)
     step_floor = (args.batch * (args.context + 4) * fl.kv_bytes_per_token + fl.weight_bytes) / (
