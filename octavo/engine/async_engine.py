@@ -121,7 +121,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, asyncio.Queue] = {}  # touched only on the event loop
+        self._init_streams()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()  # lets a thread from `build` begin its loop
@@ -209,6 +209,23 @@ class AsyncEngine:
 
     # ---- requests ---------------------------------------------------------------------
 
+    def _init_streams(self) -> None:
+        """The event loop's side: a stream per generate call, and the id its request has in
+        the engine, `request_id#n` for the n-th call. So a late output of an aborted request
+        never reaches a later request that uses its id again."""
+        self._streams: dict[str, asyncio.Queue] = {}  # touched only on the event loop
+        self._engine_ids: dict[str, str] = {}  # request id -> its id in the engine
+        self._calls = 0
+
+    def _stream_for(self, engine_id: str) -> tuple[str, asyncio.Queue] | None:
+        """(request id, stream) of the generate call that added `engine_id`; None if that
+        call has ended."""
+        request_id = engine_id.rpartition("#")[0]
+        stream = self._streams.get(request_id)
+        if stream is None or self._engine_ids.get(request_id) != engine_id:
+            return None
+        return request_id, stream
+
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
@@ -230,7 +247,9 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        self._send(_Add(request_id, prompt, params))
+        engine_id = self._engine_ids[request_id] = f"{request_id}#{self._calls}"
+        self._calls += 1
+        self._send(_Add(engine_id, prompt, params))
         deltas = params.output_kind is RequestOutputKind.DELTA
         finished = False
         try:
@@ -247,18 +266,22 @@ class AsyncEngine:
         finally:
             self._forget(request_id)
             if not finished:  # aborting an id the engine no longer has is a no-op
-                self._send(_Abort([request_id]))
+                self._send(_Abort([engine_id]))
 
     def _forget(self, request_id: str) -> None:
         """On the event loop: the request's consumer is gone."""
         self._streams.pop(request_id, None)
+        self._engine_ids.pop(request_id, None)
 
     def _send(self, command: _Add | _Abort) -> None:
         self._commands.put(command)
 
     def abort(self, request_ids: list[str]) -> None:
-        """Asks the engine thread to abort requests (unknown ids are ignored)."""
-        self._send(_Abort(list(request_ids)))
+        """Asks the engine to abort requests of running generate calls (on the event loop;
+        other ids are ignored)."""
+        engine_ids = [self._engine_ids[r] for r in request_ids if r in self._engine_ids]
+        if engine_ids:
+            self._send(_Abort(engine_ids))
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Runs `fn(engine)` on the engine thread between two steps and returns its result:
@@ -351,18 +374,19 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
+            target = self._stream_for(out.request_id)
+            if target is not None:
+                out.request_id, stream = target  # the caller's id, not the engine's
                 stream.put_nowait(out)
 
-    def _deliver_error(self, request_id: str, error: BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put_nowait(error)
+    def _deliver_error(self, engine_id: str, error: BaseException) -> None:
+        target = self._stream_for(engine_id)
+        if target is not None:
+            target[1].put_nowait(error)
 
-    def _fail(self, request_ids: list[str], error: BaseException) -> None:
-        for request_id in request_ids:
-            self._deliver_error(request_id, error)
+    def _fail(self, engine_ids: list[str], error: BaseException) -> None:
+        for engine_id in engine_ids:
+            self._deliver_error(engine_id, error)
 
     def _close(self, error: BaseException) -> None:
         """No request is taken from now on (the thread may not have exited yet, but nothing

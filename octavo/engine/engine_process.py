@@ -67,8 +67,8 @@ class EngineProcess(AsyncEngine):
         self._writer: threading.Thread | None = None
         self._max_model_len = max_model_len
         self._tokenizer = tokenizer
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._prompt_ids: dict[str, list[int]] = {}  # of requests with a consumer
+        self._init_streams()
+        self._prompt_ids: dict[str, list[int]] = {}  # by engine id, of requests with a consumer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None  # reads the pipe
         self._stats = stats
@@ -204,21 +204,22 @@ class EngineProcess(AsyncEngine):
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
+            target = self._stream_for(out.request_id)
+            if target is None:
                 continue
             if out.prompt_token_ids is None:  # sent with an earlier output (_prompt_ids_once)
                 ids = self._prompt_ids.get(out.request_id)
-                if ids is None:  # a late output of an aborted request whose id is used again
+                if ids is None:  # not expected: an engine id's first output carries them
                     continue
                 out.prompt_token_ids = ids
             else:
                 self._prompt_ids[out.request_id] = out.prompt_token_ids
+            out.request_id, stream = target  # the caller's id, not the engine's
             stream.put_nowait(out)
 
     def _forget(self, request_id: str) -> None:
+        self._prompt_ids.pop(self._engine_ids.get(request_id, ""), None)
         super()._forget(request_id)
-        self._prompt_ids.pop(request_id, None)
 
 
 def _server_tokenizer(options: dict):

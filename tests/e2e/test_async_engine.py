@@ -16,7 +16,8 @@ import types
 import pytest
 
 from octavo.engine.async_engine import AsyncEngine
-from octavo.sampling_params import SamplingParams
+from octavo.outputs import CompletionOutput, RequestOutput
+from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 
 def test_build_steps_the_engine_on_the_thread_that_built_it():
@@ -84,6 +85,37 @@ def test_no_request_is_taken_once_the_engine_loop_has_ended():
         with pytest.raises(RuntimeError, match="not running"):
             await anext(async_engine.generate([1], SamplingParams(), "late"))
         assert async_engine._commands.empty()
+
+    asyncio.run(scenario())
+
+
+def test_a_late_output_of_an_aborted_request_never_reaches_its_ids_next_user():
+    """The engine thread posts a step's outputs to the event loop; one posted for a request
+    whose consumer has since left must not reach a new request under the same id."""
+    async_engine = AsyncEngine(_fake_engine())
+    async_engine._thread = types.SimpleNamespace(is_alive=lambda: True)  # no real loop
+    params = SamplingParams(max_tokens=2, output_kind=RequestOutputKind.DELTA)
+
+    def output(engine_id: str, text: str) -> RequestOutput:
+        return RequestOutput(engine_id, None, [1], [CompletionOutput(0, text, [5])])
+
+    async def scenario():
+        async_engine._loop = asyncio.get_running_loop()
+        old = async_engine.generate([1], params, "x")
+        waiting = asyncio.ensure_future(anext(old))
+        await asyncio.sleep(0)
+        assert async_engine._commands.get_nowait().request_id == "x#0"
+        async_engine._dispatch([output("x#0", "first")])
+        assert (await waiting).request_id == "x"  # the caller's id
+        await old.aclose()  # the consumer leaves: the request is aborted
+        new = async_engine.generate([1], params, "x")
+        waiting = asyncio.ensure_future(anext(new))
+        await asyncio.sleep(0)
+        assert async_engine._commands.get_nowait().request_ids == ["x#0"]
+        assert async_engine._commands.get_nowait().request_id == "x#1"
+        async_engine._dispatch([output("x#0", "late")])  # posted before the abort was applied
+        async_engine._dispatch([output("x#1", "new")])
+        assert (await waiting).outputs[0].text == "new"
 
     asyncio.run(scenario())
 

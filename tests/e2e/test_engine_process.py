@@ -7,6 +7,7 @@ goes away, a failed step and a dead engine process behave as with the engine on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import threading
@@ -124,8 +125,9 @@ def test_pipe_messages_reach_the_waiting_requests():
         failing = asyncio.ensure_future(_collect(engine.generate([1], params, "a")))
         dying = asyncio.ensure_future(_collect(engine.generate([1], params, "b")))
         await asyncio.sleep(0.1)
-        assert [far_end.recv().request_id for _ in range(2)] == ["a", "b"]
-        far_end.send(("fail", ["a"], "boom"))
+        # the engine knows each request by its id and the number of the generate call
+        assert [far_end.recv().request_id for _ in range(2)] == ["a#0", "b#1"]
+        far_end.send(("fail", ["a#0"], "boom"))
         with pytest.raises(EngineStepError, match="boom"):
             await asyncio.wait_for(failing, 30)
         far_end.close()  # the engine process is gone
@@ -176,7 +178,8 @@ def test_prompt_ids_cross_the_pipe_once_and_every_output_has_them():
         stream = engine.generate([5, 6, 7], params, "a")
         waiting = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0.1)
-        assert far_end.recv().request_id == "a"
+        assert far_end.recv().request_id == "a#0"
+        first.request_id = later.request_id = "a#0"
         far_end.send(("step", [first], {}))
         assert (await asyncio.wait_for(waiting, 30)).prompt_token_ids == [5, 6, 7]
         far_end.send(("step", [later], {}))
@@ -201,6 +204,37 @@ def test_an_id_used_again_sends_its_prompt_ids_again(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_late_output_of_an_aborted_request_never_reaches_its_ids_next_user():
+    """An output already on its way when a request was aborted, its first (with prompt ids)
+    included, is dropped if a new request uses the id meanwhile."""
+    conn, far_end = multiprocessing.Pipe()
+    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
+    engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
+    params = SamplingParams(max_tokens=2, output_kind=RequestOutputKind.DELTA)
+
+    async def scenario():
+        engine.start()
+        old = engine.generate([1, 2], params, "x")
+        waiting = asyncio.ensure_future(anext(old))
+        assert (await asyncio.to_thread(far_end.recv)).request_id == "x#0"
+        waiting.cancel()  # the consumer leaves: the request is aborted
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        new = engine.generate([3, 4], params, "x")
+        waiting = asyncio.ensure_future(anext(new))
+        assert (await asyncio.to_thread(far_end.recv)).request_ids == ["x#0"]
+        assert (await asyncio.to_thread(far_end.recv)).request_id == "x#1"
+        late = RequestOutput("x#0", None, [1, 2], [CompletionOutput(0, "old", [7])])
+        fresh = RequestOutput("x#1", None, [3, 4], [CompletionOutput(0, "new", [8])])
+        far_end.send(("step", [late], {}))
+        far_end.send(("step", [fresh], {}))
+        out = await asyncio.wait_for(waiting, 30)
+        assert (out.request_id, out.prompt_token_ids, out.outputs[0].text) == ("x", [3, 4], "new")
+        far_end.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_command_the_pipe_cannot_take_fails_only_its_request():
     conn, far_end = multiprocessing.Pipe()
     alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
@@ -215,7 +249,7 @@ def test_a_command_the_pipe_cannot_take_fails_only_its_request():
         good = asyncio.ensure_future(_collect(engine.generate([1], SamplingParams(), "good")))
         aborted = await asyncio.to_thread(far_end.recv)  # the writer thread goes on
         added = await asyncio.to_thread(far_end.recv)
-        assert aborted.request_ids == ["bad"] and added.request_id == "good"
+        assert aborted.request_ids == ["bad#0"] and added.request_id == "good#1"
         far_end.close()
         with pytest.raises(RuntimeError, match="the engine process exited"):
             await asyncio.wait_for(good, 30)
@@ -239,7 +273,7 @@ def test_a_long_prompt_does_not_block_the_event_loop():
             await asyncio.sleep(0.01)
             ticks.append(True)
         command = await asyncio.to_thread(far_end.recv)  # the engine process reads it
-        assert command.request_id == "long" and command.prompt == prompt
+        assert command.request_id == "long#0" and command.prompt == prompt
         far_end.close()
 
     thread = threading.Thread(target=asyncio.run, args=(scenario(),), daemon=True)
