@@ -211,8 +211,9 @@ class AsyncEngine:
 
     def _init_streams(self) -> None:
         """The event loop's side: a stream per generate call, and the id its request has in
-        the engine, `request_id#n` for the n-th call. So a late output of an aborted request
-        never reaches a later request that uses its id again."""
+        the engine, `n#request_id` for the n-th call. So a late output of an aborted request
+        never reaches a later request that uses its id again. (The counter goes first: the
+        engine names an n > 1 request's sequences `id#i`, which must not be another id.)"""
         self._streams: dict[str, asyncio.Queue] = {}  # touched only on the event loop
         self._engine_ids: dict[str, str] = {}  # request id -> its id in the engine
         self._calls = 0
@@ -220,7 +221,7 @@ class AsyncEngine:
     def _stream_for(self, engine_id: str) -> tuple[str, asyncio.Queue] | None:
         """(request id, stream) of the generate call that added `engine_id`; None if that
         call has ended."""
-        request_id = engine_id.rpartition("#")[0]
+        request_id = engine_id.partition("#")[2]
         stream = self._streams.get(request_id)
         if stream is None or self._engine_ids.get(request_id) != engine_id:
             return None
@@ -247,7 +248,7 @@ class AsyncEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        engine_id = self._engine_ids[request_id] = f"{request_id}#{self._calls}"
+        engine_id = self._engine_ids[request_id] = f"{self._calls}#{request_id}"
         self._calls += 1
         self._send(_Add(engine_id, prompt, params))
         deltas = params.output_kind is RequestOutputKind.DELTA
@@ -277,8 +278,8 @@ class AsyncEngine:
         self._commands.put(command)
 
     def abort(self, request_ids: list[str]) -> None:
-        """Asks the engine to abort requests of running generate calls (on the event loop;
-        other ids are ignored)."""
+        """Asks the engine to abort the requests of running generate calls; other ids are
+        ignored. Call it on the event loop."""
         engine_ids = [self._engine_ids[r] for r in request_ids if r in self._engine_ids]
         if engine_ids:
             self._send(_Abort(engine_ids))

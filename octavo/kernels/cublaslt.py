@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 
@@ -31,6 +32,12 @@ _REDUCTION_NONE, _REDUCTION_COMPUTE_TYPE = 0, 2
 
 WORKSPACE_BYTES = 32 << 20
 SUPPORTED_DTYPES = tuple(_DATA_TYPES)
+ALIGNMENT = 256  # bytes: the pointer alignment cuBLASLt's heuristic assumes by default
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """True if `t`'s data starts on the alignment the chosen algorithms may rely on."""
+    return t.data_ptr() % ALIGNMENT == 0
 
 
 class Algo(ctypes.Structure):
@@ -63,13 +70,21 @@ def library() -> ctypes.CDLL:
     a = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
     (a @ a).sum().item()  # cuBLAS, and with it cuBLASLt, is loaded on first use
     try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcublasLt.so" in line}
+        with open("/proc/self/maps") as f:  # address perms offset dev inode [path]
+            fields = (line.rstrip("\n").split(maxsplit=5) for line in f)
+            paths = {m[5].removesuffix(" (deleted)") for m in fields if len(m) == 6}
     except OSError as e:
         raise RuntimeError(f"cannot list this process's libraries: {e}") from e
+    paths = {path for path in paths if "libcublasLt.so" in os.path.basename(path)}
     if not paths:
         raise RuntimeError("libcublasLt is not loaded in this process")
-    lib = ctypes.CDLL(min(paths))
+    try:
+        return _bind(ctypes.CDLL(min(paths)))
+    except (OSError, AttributeError) as e:  # not loadable, or a symbol missing
+        raise RuntimeError(f"cannot use {min(paths)}: {e}") from e
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
     signatures = {
         "cublasLtCreate": [p],
@@ -187,8 +202,9 @@ class LtGemm:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, algo: Algo) -> torch.Tensor:
         """x [M, K] @ w [N, K]^T with `algo`, on the current stream (CUDA-graph safe).
 
-        NOTE: x and w must be contiguous, of this GEMM's shape and dtype; not checked here
-        (the caller dispatches on them).
+        NOTE: x and w must be contiguous, of this GEMM's shape and dtype, and 256-byte
+        aligned (what cuBLASLt's heuristic assumes by default); not checked here: the
+        caller dispatches on `aligned`.
         """
         y = torch.empty(self.m, self.n, dtype=self.dtype, device=x.device)
         _check(library().cublasLtMatmul(

@@ -192,12 +192,15 @@ class Linear(nn.Module):
 
     # {rows: fn(x, w)}, a GEMM measured faster than F.linear at that many rows; run only
     # while a CUDA graph captures (runner/gemm_tuning.py). Shared by projections of a shape.
-    tuned: dict[int, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None = None
+    # fn returns None for an input it cannot take; F.linear runs then.
+    tuned: dict[int, Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tuned = self.tuned.get(x.shape[0]) if self.tuned and x.dim() == 2 else None
         if tuned is not None and x.is_contiguous() and _capturing(x):
-            return tuned(x, self.weight)
+            y = tuned(x, self.weight)
+            if y is not None:
+                return y
         return F.linear(x, self.weight, self.bias)
 
 

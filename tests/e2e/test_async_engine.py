@@ -38,10 +38,15 @@ def test_build_steps_the_engine_on_the_thread_that_built_it():
         try:
             stepped_on = await async_engine.call(lambda engine: threading.get_ident())
             outputs = [out async for out in async_engine.generate("Hello", params, "r0")]
+            # an id like the engine's own, n = 2 (whose sequences the engine calls id#i)
+            two = [o async for o in async_engine.generate("Hi", two_samples, "r0#1")]
         finally:
             await async_engine.shutdown()
+        assert {o.request_id for o in outputs + two} == {"r0", "r0#1"}
+        assert [len(c.token_ids) for c in two[-1].outputs] == [4, 4]
         return stepped_on, outputs[-1].outputs[0].token_ids
 
+    two_samples = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=0, ignore_eos=True)
     stepped_on, token_ids = asyncio.run(serve_one())
     assert stepped_on == built_on[0]
     assert len(token_ids) == 4
@@ -104,17 +109,17 @@ def test_a_late_output_of_an_aborted_request_never_reaches_its_ids_next_user():
         old = async_engine.generate([1], params, "x")
         waiting = asyncio.ensure_future(anext(old))
         await asyncio.sleep(0)
-        assert async_engine._commands.get_nowait().request_id == "x#0"
-        async_engine._dispatch([output("x#0", "first")])
+        assert async_engine._commands.get_nowait().request_id == "0#x"
+        async_engine._dispatch([output("0#x", "first")])
         assert (await waiting).request_id == "x"  # the caller's id
         await old.aclose()  # the consumer leaves: the request is aborted
         new = async_engine.generate([1], params, "x")
         waiting = asyncio.ensure_future(anext(new))
         await asyncio.sleep(0)
-        assert async_engine._commands.get_nowait().request_ids == ["x#0"]
-        assert async_engine._commands.get_nowait().request_id == "x#1"
-        async_engine._dispatch([output("x#0", "late")])  # posted before the abort was applied
-        async_engine._dispatch([output("x#1", "new")])
+        assert async_engine._commands.get_nowait().request_ids == ["0#x"]
+        assert async_engine._commands.get_nowait().request_id == "1#x"
+        async_engine._dispatch([output("0#x", "late")])  # posted before the abort was applied
+        async_engine._dispatch([output("1#x", "new")])
         assert (await waiting).outputs[0].text == "new"
 
     asyncio.run(scenario())

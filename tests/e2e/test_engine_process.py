@@ -126,8 +126,8 @@ def test_pipe_messages_reach_the_waiting_requests():
         dying = asyncio.ensure_future(_collect(engine.generate([1], params, "b")))
         await asyncio.sleep(0.1)
         # the engine knows each request by its id and the number of the generate call
-        assert [far_end.recv().request_id for _ in range(2)] == ["a#0", "b#1"]
-        far_end.send(("fail", ["a#0"], "boom"))
+        assert [far_end.recv().request_id for _ in range(2)] == ["0#a", "1#b"]
+        far_end.send(("fail", ["0#a"], "boom"))
         with pytest.raises(EngineStepError, match="boom"):
             await asyncio.wait_for(failing, 30)
         far_end.close()  # the engine process is gone
@@ -178,8 +178,8 @@ def test_prompt_ids_cross_the_pipe_once_and_every_output_has_them():
         stream = engine.generate([5, 6, 7], params, "a")
         waiting = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0.1)
-        assert far_end.recv().request_id == "a#0"
-        first.request_id = later.request_id = "a#0"
+        assert far_end.recv().request_id == "0#a"
+        first.request_id = later.request_id = "0#a"
         far_end.send(("step", [first], {}))
         assert (await asyncio.wait_for(waiting, 30)).prompt_token_ids == [5, 6, 7]
         far_end.send(("step", [later], {}))
@@ -216,16 +216,16 @@ def test_a_late_output_of_an_aborted_request_never_reaches_its_ids_next_user():
         engine.start()
         old = engine.generate([1, 2], params, "x")
         waiting = asyncio.ensure_future(anext(old))
-        assert (await asyncio.to_thread(far_end.recv)).request_id == "x#0"
+        assert (await asyncio.to_thread(far_end.recv)).request_id == "0#x"
         waiting.cancel()  # the consumer leaves: the request is aborted
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
         new = engine.generate([3, 4], params, "x")
         waiting = asyncio.ensure_future(anext(new))
-        assert (await asyncio.to_thread(far_end.recv)).request_ids == ["x#0"]
-        assert (await asyncio.to_thread(far_end.recv)).request_id == "x#1"
-        late = RequestOutput("x#0", None, [1, 2], [CompletionOutput(0, "old", [7])])
-        fresh = RequestOutput("x#1", None, [3, 4], [CompletionOutput(0, "new", [8])])
+        assert (await asyncio.to_thread(far_end.recv)).request_ids == ["0#x"]
+        assert (await asyncio.to_thread(far_end.recv)).request_id == "1#x"
+        late = RequestOutput("0#x", None, [1, 2], [CompletionOutput(0, "old", [7])])
+        fresh = RequestOutput("1#x", None, [3, 4], [CompletionOutput(0, "new", [8])])
         far_end.send(("step", [late], {}))
         far_end.send(("step", [fresh], {}))
         out = await asyncio.wait_for(waiting, 30)
@@ -249,7 +249,7 @@ def test_a_command_the_pipe_cannot_take_fails_only_its_request():
         good = asyncio.ensure_future(_collect(engine.generate([1], SamplingParams(), "good")))
         aborted = await asyncio.to_thread(far_end.recv)  # the writer thread goes on
         added = await asyncio.to_thread(far_end.recv)
-        assert aborted.request_ids == ["bad#0"] and added.request_id == "good#1"
+        assert aborted.request_ids == ["0#bad"] and added.request_id == "1#good"
         far_end.close()
         with pytest.raises(RuntimeError, match="the engine process exited"):
             await asyncio.wait_for(good, 30)
@@ -273,7 +273,7 @@ def test_a_long_prompt_does_not_block_the_event_loop():
             await asyncio.sleep(0.01)
             ticks.append(True)
         command = await asyncio.to_thread(far_end.recv)  # the engine process reads it
-        assert command.request_id == "long#0" and command.prompt == prompt
+        assert command.request_id == "0#long" and command.prompt == prompt
         far_end.close()
 
     thread = threading.Thread(target=asyncio.run, args=(scenario(),), daemon=True)

@@ -65,7 +65,8 @@ def _two_projections() -> torch.nn.Module:
     return model
 
 
-def test_tuned_projections_run_the_winner_inside_graphs_only(monkeypatch):
+def test_tuned_projections_run_the_winner_inside_graphs_only(monkeypatch, tmp_path):
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))  # forced choices stay here
     model = _two_projections()
     monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)  # take the fastest candidate, whatever
     chosen = gemm_tuning.tune_linears(model, [1, 4, 128])
@@ -102,3 +103,18 @@ def test_a_second_start_up_takes_the_choices_from_the_cache(monkeypatch, tmp_pat
     assert gemm_tuning.tune_linears(model, [1, 2]) == first
     x = torch.randn(2, 2048, device="cuda", dtype=torch.bfloat16)
     assert _rel_err(model[0].tuned[2](x, model[0].weight), F.linear(x, model[0].weight)) < 1e-2
+
+
+def test_a_stale_cache_entry_is_measured_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gemm_tuning, "MARGIN", -1.0)
+    cache = gemm_tuning.TuningCache.for_this_gpu()
+    bogus = {"algo": "00" * 64, "speedup": 9.0}  # no algorithm cuBLASLt would accept
+    cache.put("1024x2048/bfloat16/1", bogus)
+    cache.put("1024x2048/bfloat16/2", {"algo": "zz", "speedup": 9.0})  # torn
+    cache.save()
+    chosen = gemm_tuning.tune_linears(_two_projections(), [1, 2])
+    assert set(chosen) == {"1024x2048/bfloat16/1", "1024x2048/bfloat16/2"}
+    assert 9.0 not in chosen.values()
+    again = gemm_tuning.TuningCache.for_this_gpu()
+    assert again.get("1024x2048/bfloat16/1") != bogus

@@ -44,6 +44,8 @@ def test_a_tuned_projection_runs_its_gemm_only_while_capturing(monkeypatch):
     strided = torch.randn(2, 16)[:, ::2]
     assert torch.equal(layer(strided), F.linear(strided, layer.weight))  # not contiguous
     assert calls == [2]
+    layer.tuned = {2: lambda x, w: None}  # the GEMM cannot take this input
+    assert torch.equal(layer(x), F.linear(x, layer.weight))
 
 
 def test_nothing_is_tuned_on_the_cpu():
