@@ -96,6 +96,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "cublasLtMatmulPreferenceDestroy": [p],
         "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, p, p],
         "cublasLtMatmulAlgoConfigSetAttribute": [p, i, p, size],
+        "cublasLtMatmulAlgoConfigGetAttribute": [p, i, p, size, p],
         "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, p, p],
         "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, p, p, size, p],
     }
@@ -104,6 +105,22 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
     lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], ctypes.c_size_t
     return lib
+
+
+_CONFIG_NAMES = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5,
+                 "stages": 6, "inner": 7, "cluster": 8}  # fmt: skip
+
+
+def describe(algo: Algo) -> dict[str, int]:
+    """An algorithm's configuration, by cublasLtMatmulAlgoConfigAttributes_t name (cuBLASLt's
+    own enum values: tile and stage ids, split-K count, ...); -1 where it has none."""
+    out = {}
+    for name, attr in _CONFIG_NAMES.items():
+        value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+        status = library().cublasLtMatmulAlgoConfigGetAttribute(
+            ctypes.byref(algo), attr, ctypes.byref(value), 4, ctypes.byref(written))  # fmt: skip
+        out[name] = value.value if status == 0 else -1
+    return out
 
 
 def version() -> int:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import threading
 import types
 
@@ -115,9 +116,7 @@ def test_a_failing_step_fails_only_its_requests(llm):
 
 def test_pipe_messages_reach_the_waiting_requests():
     """The server side alone, over a real pipe: a step failure and the engine's death."""
-    conn, far_end = multiprocessing.Pipe()
-    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
-    engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
+    engine, far_end = _server_side_of_a_pipe()
     params = SamplingParams(max_tokens=2)
 
     async def scenario():
@@ -139,9 +138,7 @@ def test_pipe_messages_reach_the_waiting_requests():
 
 
 def test_an_unreadable_message_fails_the_waiting_requests():
-    conn, far_end = multiprocessing.Pipe()
-    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
-    engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
+    engine, far_end = _server_side_of_a_pipe()
 
     async def scenario():
         engine.start()
@@ -168,9 +165,7 @@ def test_prompt_ids_cross_the_pipe_once_and_every_output_has_them():
     assert first.prompt_token_ids == [5, 6, 7] and later.prompt_token_ids is None
     assert announced == set()
 
-    conn, far_end = multiprocessing.Pipe()
-    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
-    engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
+    engine, far_end = _server_side_of_a_pipe()
     params = SamplingParams(max_tokens=2, output_kind=RequestOutputKind.DELTA)
 
     async def scenario():
@@ -207,9 +202,7 @@ def test_an_id_used_again_sends_its_prompt_ids_again(llm):
 def test_a_late_output_of_an_aborted_request_never_reaches_its_ids_next_user():
     """An output already on its way when a request was aborted, its first (with prompt ids)
     included, is dropped if a new request uses the id meanwhile."""
-    conn, far_end = multiprocessing.Pipe()
-    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
-    engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
+    engine, far_end = _server_side_of_a_pipe()
     params = SamplingParams(max_tokens=2, output_kind=RequestOutputKind.DELTA)
 
     async def scenario():
@@ -236,9 +229,7 @@ def test_a_late_output_of_an_aborted_request_never_reaches_its_ids_next_user():
 
 
 def test_a_command_the_pipe_cannot_take_fails_only_its_request():
-    conn, far_end = multiprocessing.Pipe()
-    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
-    engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
+    engine, far_end = _server_side_of_a_pipe()
     unpicklable = SamplingParams()
     unpicklable.stop = [lambda: None]  # set after validation: pickle refuses it
 
@@ -260,9 +251,7 @@ def test_a_command_the_pipe_cannot_take_fails_only_its_request():
 def test_a_long_prompt_does_not_block_the_event_loop():
     """The pipe's buffer holds far less than a 2M-token prompt: until the engine process
     reads it, only the writer thread waits; the event loop goes on."""
-    conn, far_end = multiprocessing.Pipe()
-    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
-    engine = EngineProcess(alive, conn, 64, {}, tokenizer=None)
+    engine, far_end = _server_side_of_a_pipe()
     prompt = list(range(2_000_000))
     ticks = []
 
@@ -283,6 +272,13 @@ def test_a_long_prompt_does_not_block_the_event_loop():
         far_end.recv()
         pytest.fail("the event loop waited for the pipe")
     assert len(ticks) == 5
+
+
+def _server_side_of_a_pipe() -> tuple[EngineProcess, multiprocessing.connection.Connection]:
+    """An EngineProcess over a real pipe whose far end the test plays (no engine process)."""
+    conn, far_end = multiprocessing.Pipe()
+    alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
+    return EngineProcess(alive, conn, 64, {}, tokenizer=None), far_end
 
 
 async def _collect(stream):
