@@ -280,9 +280,7 @@ def _engine_process_main(conn, options: dict) -> None:
 
     try:
         with frozen_gc_heap(collect_first=True):
-            while _apply_commands(
-                conn, engine, live, announced, block=not engine.has_unfinished_requests()
-            ):
+            while _apply_commands(conn, engine, live, block=not engine.has_unfinished_requests()):
                 outputs = []
                 if engine.has_unfinished_requests():
                     outputs = step_engine(engine, live, fail)
@@ -301,24 +299,22 @@ def _engine_process_main(conn, options: dict) -> None:
         conn.send(("stopped",))
 
 
-def _apply_commands(conn, engine, live: dict, announced: set[str], block: bool) -> bool:
-    """Applies every command waiting in the pipe (waiting for one if `block`); False on stop.
-    A request added or aborted leaves `announced`: an id used again sends its prompt ids
-    again."""
+def _apply_commands(conn, engine, live: dict, block: bool) -> bool:
+    """Applies every command waiting in the pipe (waiting for one if `block`); False on stop."""
     while block or conn.poll():
         block = False
         command = conn.recv()
         if isinstance(command, _Stop):
             return False
-        ids = [command.request_id] if isinstance(command, _Add) else command.request_ids
-        announced.difference_update(ids)
         apply_command(engine, live, command, lambda rid, e: conn.send(("reject", rid, str(e))))
     return True
 
 
 def _prompt_ids_once(outputs: list[RequestOutput], announced: set[str], live: dict) -> None:
     """Leaves a request's prompt ids out of every output after its first (None; the server
-    puts them back), so that a step's message does not grow with the prompts' lengths."""
+    puts them back), so that a step's message does not grow with the prompts' lengths.
+    NOTE: an engine id is never used twice (AsyncEngine's `n#request_id`), so an id in
+    `announced` is always the request that announced it."""
     for out in outputs:
         if out.request_id in announced:
             out.prompt_token_ids = None  # type: ignore[assignment]

@@ -19,8 +19,8 @@ import pytest
 from server_fixture import ServerThread, wait_for
 
 from octavo import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
-from octavo.engine.async_engine import AsyncEngine, EngineStepError, _Abort, _Add, step_engine
-from octavo.engine.engine_process import EngineProcess, _apply_commands, _prompt_ids_once
+from octavo.engine.async_engine import AsyncEngine, EngineStepError, step_engine
+from octavo.engine.engine_process import EngineProcess, _prompt_ids_once
 from octavo.entrypoints.openai.api_server import build_app
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -186,17 +186,6 @@ def test_prompt_ids_cross_the_pipe_once_and_every_output_has_them():
         far_end.close()
 
     asyncio.run(scenario())
-
-
-def test_an_id_used_again_sends_its_prompt_ids_again(llm):
-    """An aborted request's id leaves the engine side's record as the abort is applied, even
-    with no step after it; a new request under that id then sends its prompt ids again."""
-    commands = [_Add("a", [1, 2, 3], SamplingParams(max_tokens=2)), _Abort(["a"])]
-    conn = types.SimpleNamespace(poll=lambda: bool(commands), recv=lambda: commands.pop(0))
-    announced, live = {"a", "b"}, {}
-    assert _apply_commands(conn, llm.engine, live, announced, block=False)
-    assert announced == {"b"} and live == {}
-    assert not llm.engine.has_unfinished_requests()
 
 
 def test_a_late_output_of_an_aborted_request_never_reaches_its_ids_next_user():
