@@ -59,7 +59,7 @@ for stage in $stages; do
             timeout 540 python3 benchmarks/layer_kernel_probe.py ${LAYERK_ARGS:-} --json "$OUT/layer_kernel.json" 2>&1 | tee "$OUT/layer_kernel.log" | tail -14 ;;
     compile) timeout 560 python3 benchmarks/compile_probe.py ${COMPILE_ARGS:-} --json "$OUT/compile_probe.json" 2>&1 | tee "$OUT/compile_probe.log" | grep -v "^{" | tail -8 ;;
     cublaslt) timeout 540 python3 benchmarks/cublaslt_probe.py ${CUBLASLT_ARGS:-} --json "$OUT/cublaslt_probe.json" 2>&1 | tee "$OUT/cublaslt_probe.log" | tail -16 ;;
-    splits) timeout 300 python3 benchmarks/split_probe.py --json "$OUT/split_probe.json" 2>&1 | tee "$OUT/split_probe.log" | tail -8 ;;
+    splits) timeout 300 python3 benchmarks/split_probe.py --json "$OUT/split_probe${TAG:-}.json" 2>&1 | tee "$OUT/split_probe${TAG:-}.log" | tail -12 ;;
     latency) timeout 300 python3 benchmarks/latency.py --model qwen3-8b \
             --json "$OUT/latency_qwen3_8b.json" 2>&1 | tee "$OUT/latency.log" | tail -4 ;;
     mixed06) timeout 400 python3 benchmarks/mixed_graph_probe.py --model qwen3-0.6b --rates 16 64 \

@@ -63,7 +63,7 @@ class Probe:
 
     def __init__(self, model: str, batch: int, context: int, seed: int = 0) -> None:
         s = SHAPES[model]
-        self.s, self.batch = s, batch
+        self.s, self.batch, self.context = s, batch, context
         g = torch.Generator(device="cuda").manual_seed(seed)
         dev, dt = "cuda", torch.bfloat16
         qkv_out = (s["heads"] + 2 * s["kv_heads"]) * s["head_dim"]

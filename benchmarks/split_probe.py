@@ -1,9 +1,10 @@
 """Decode attention at small batches, inside a CUDA graph: the time per layer for each
 number of KV splits (`overlap_probe.Probe`'s fused kernel, all layers in one graph).
 
-At batch 1-32 the engine's decode steps are latency-bound, and the split count decides how
-many programs run and whether a second (reduce) kernel follows. `choose_num_splits` picks it
-from the batch and the block-table width (max_model_len 4096 here, as the benchmarks run).
+At batch 1-32 the engine's decode steps are latency-bound, and up to ~128 partly so; the
+split count decides how many programs run and whether a second (reduce) kernel follows.
+`choose_num_splits` picks it from the batch and the block-table width (max_model_len 4096
+here, as the benchmarks run, or more for the long cases).
 
     PYTHONPATH=. python benchmarks/split_probe.py [--json out.json]
 """
@@ -16,15 +17,18 @@ import json
 from benchmarks.overlap_probe import Probe, probe_cases, time_graph
 from octavo.kernels.decode_attention import choose_num_splits, num_sms
 
-CASES = [("qwen3-8b", 1, 768), ("qwen3-0.6b", 1, 1024), ("qwen3-0.6b", 4, 1024),
-         ("qwen3-0.6b", 16, 1024), ("qwen3-0.6b", 32, 1024)]  # fmt: skip
+CASES = [("qwen3-8b", 1, 768), ("qwen3-8b", 1, 8192), ("qwen3-0.6b", 1, 1024),
+         ("qwen3-0.6b", 1, 8192), ("qwen3-0.6b", 4, 1024), ("qwen3-0.6b", 16, 1024),
+         ("qwen3-0.6b", 20, 1024), ("qwen3-0.6b", 24, 1024), ("qwen3-0.6b", 28, 1024),
+         ("qwen3-0.6b", 32, 1024), ("qwen3-0.6b", 48, 1024), ("qwen3-0.6b", 64, 1024),
+         ("qwen3-0.6b", 96, 1024), ("qwen3-0.6b", 128, 1024), ("qwen3-8b", 64, 1024)]  # fmt: skip
 SPLITS = (1, 2, 4, 8, 16, 32)
-MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN = 4096  # or the longest context a case's sequences reach, if more
 
 
 def measure(p: Probe) -> dict:
     row = {"engine_splits": choose_num_splits(
-        p.batch, p.s["kv_heads"], MAX_MODEL_LEN, num_sms(p.x.device)
+        p.batch, p.s["kv_heads"], max(MAX_MODEL_LEN, p.context * 3 // 2), num_sms(p.x.device)
     )}  # fmt: skip
     for splits in SPLITS:
         p.num_splits = splits
