@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
 
 import torch
 
@@ -90,7 +91,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "cublasLtCreate": [p],
         "cublasLtMatmulDescCreate": [p, i, i],
         "cublasLtMatmulDescSetAttribute": [p, i, p, size],
+        "cublasLtMatmulDescDestroy": [p],
         "cublasLtMatrixLayoutCreate": [p, i, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+        "cublasLtMatrixLayoutDestroy": [p],
         "cublasLtMatmulPreferenceCreate": [p],
         "cublasLtMatmulPreferenceSetAttribute": [p, i, p, size],
         "cublasLtMatmulPreferenceDestroy": [p],
@@ -145,6 +148,13 @@ def _workspace(device_index: int) -> torch.Tensor:
     return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=f"cuda:{device_index}")
 
 
+def _destroy(desc: ctypes.c_void_p, *layouts: ctypes.c_void_p) -> None:
+    lib = library()
+    lib.cublasLtMatmulDescDestroy(desc)
+    for layout in layouts:
+        lib.cublasLtMatrixLayoutDestroy(layout)
+
+
 class LtGemm:
     """y [M, N] = x [M, K] @ w [N, K]^T for one (M, N, K, dtype), fp32 accumulation.
 
@@ -167,6 +177,9 @@ class LtGemm:
             _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), _DATA_TYPES[dtype],
                                                   rows, cols, rows), "layout")  # fmt: skip
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        # The descriptors go with the object (a CUDA graph that captured a call keeps its own
+        # copy of the launch, so destroying them later is safe).
+        self.release = weakref.finalize(self, _destroy, self.desc, self.a, self.b, self.d)
 
     def candidates(self, count: int, splits: tuple[int, ...] = (1, 2, 4, 8)) -> list[Algo]:
         """cuBLASLt's first `count` heuristic algorithms, each also with K split into each of

@@ -5,6 +5,8 @@ a graph."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,7 +41,7 @@ def test_every_candidate_computes_the_product(m, n, k, dtype):
         assert _rel_err(gemm(x, w, algo), ref) < max(4 * torch_err, 4e-3)
 
 
-def test_a_captured_call_reads_its_inputs_at_replay():
+def test_a_captured_call_reads_its_inputs_at_replay_and_outlives_its_descriptors():
     m, n, k = 8, 2048, 1024
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -54,6 +56,15 @@ def test_a_captured_call_reads_its_inputs_at_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert _rel_err(y, F.linear(x, w)) < 1e-2
+    # Its descriptors go with the object, and the graph does not need them.
+    release = gemm.release
+    del gemm
+    gc.collect()
+    assert not release.alive
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel_err(y, F.linear(x, w)) < 1e-2
 
 
 def _two_projections() -> torch.nn.Module:
