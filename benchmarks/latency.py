@@ -2,6 +2,7 @@
 tokens; time per output token against the weight-read floor W / B.
 
     python benchmarks/latency.py --model qwen3-8b [--enforce-eager] [--json out.json]
+        [--profile] [--trace]
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="then decode once more under cProfile and print where the host's time goes",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="then decode once more under torch.profiler and print the device's idle gaps",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -87,6 +93,13 @@ def main() -> None:
         profile_decode(
             engine, [rng.randint(20_001, 30_000) for _ in range(args.prompt_len)], params
         )
+    if args.trace:
+        trace = trace_decode(
+            engine, [rng.randint(30_001, 40_000) for _ in range(args.prompt_len)], params
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**report, "trace": trace}, f, indent=2)
 
 
 def profile_decode(engine, prompt: list[int], params: SamplingParams) -> None:
@@ -108,6 +121,59 @@ def profile_decode(engine, prompt: list[int], params: SamplingParams) -> None:
         f"under cProfile: {steps} steps, {(time.perf_counter() - start) / steps * 1e3:.2f} ms a step"
     )
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+
+
+def trace_decode(engine, prompt: list[int], params: SamplingParams) -> dict:
+    """The same single-request decode under torch.profiler: per step, the wall time against
+    the time the device was busy (the union of its kernels and copies), and where the device
+    sat idle: each gap between two device operations, grouped by the operations around it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    request = engine.add_request(prompt, params)
+    engine.step()  # the prefill, outside the trace
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        steps, start = 0, time.perf_counter()
+        while not request.is_finished:
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, gaps = 0.0, {}
+    cur_start, cur_end, cur_name = spans[0]
+    for s, e, name in spans[1:]:
+        if s > cur_end:
+            busy += cur_end - cur_start
+            key = f"{cur_name[:45]} -> {name[:45]}"
+            n, total = gaps.get(key, (0, 0.0))
+            gaps[key] = (n + 1, total + (s - cur_end))
+            cur_start = s
+        if e >= cur_end:
+            cur_end, cur_name = e, name
+    busy += cur_end - cur_start
+    span_us = spans[-1][1] - spans[0][0]
+    out = {
+        "steps": steps,
+        "wall_ms_per_step": wall / steps * 1e3,
+        "device_span_ms_per_step": span_us / steps / 1e3,
+        "device_busy_ms_per_step": busy / steps / 1e3,
+        "gaps": sorted(
+            ({"between": k, "count": n, "us_per_step": t / steps} for k, (n, t) in gaps.items()),
+            key=lambda g: -g["us_per_step"],
+        )[:15],
+    }
+    print(
+        f"under torch.profiler: {steps} steps, wall {out['wall_ms_per_step']:.3f} ms a step; "
+        f"device span {out['device_span_ms_per_step']:.3f}, busy "
+        f"{out['device_busy_ms_per_step']:.3f} ms a step; idle gaps, us a step:"
+    )
+    for g in out["gaps"]:
+        print(f"  {g['us_per_step']:8.1f}  x{g['count'] / steps:5.2f}  {g['between']}")
+    return out
 
 
 if __name__ == "__main__":
