@@ -68,20 +68,27 @@ def apply_command(
     live: dict[str, Request],
     command: _Add | _Abort,
     reject: Callable[[str, ValueError], None],
-) -> None:
-    """Adds or aborts requests in `engine`, keeping `live` (id -> request) in step; a
-    prompt or parameters the engine refuses go to `reject(request_id, error)`."""
+    fail: Callable[[list[str], EngineStepError], None],
+) -> list[RequestOutput]:
+    """Adds or aborts requests in `engine`, keeping `live` (id -> request) in step. A
+    prompt or parameters the engine refuses go to `reject(request_id, error)`; any other
+    failure to add a request goes to `fail([request_id], error)`, and the loop goes on.
+    Returns the final outputs (finish reason "abort") of the requests an abort ended."""
     if isinstance(command, _Add):
         try:
             request = engine.add_request(command.prompt, command.params, command.request_id)
         except ValueError as e:
             reject(command.request_id, e)
+        except Exception as e:  # noqa: BLE001 - a bug, not the caller's input
+            logger.error("adding a request failed:\n%s", traceback.format_exc())
+            fail([command.request_id], EngineStepError(f"the engine could not add it: {e!r}"))
         else:
             live[command.request_id] = request
-    else:
-        engine.abort_request(command.request_ids)
-        for request_id in command.request_ids:
-            live.pop(request_id, None)
+        return []
+    outputs = engine.abort_request(command.request_ids)
+    for request_id in command.request_ids:
+        live.pop(request_id, None)
+    return outputs
 
 
 def step_engine(
@@ -244,6 +251,8 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
@@ -279,7 +288,8 @@ class AsyncEngine:
 
     def abort(self, request_ids: list[str]) -> None:
         """Asks the engine to abort the requests of running generate calls; other ids are
-        ignored. Call it on the event loop."""
+        ignored. Each such call then yields a last output, finished with reason "abort".
+        Call it on the event loop."""
         engine_ids = [self._engine_ids[r] for r in request_ids if r in self._engine_ids]
         if engine_ids:
             self._send(_Abort(engine_ids))
@@ -337,7 +347,10 @@ class AsyncEngine:
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if not isinstance(command, _Call):
             reject = functools.partial(self._post, self._deliver_error)
-            apply_command(self.engine, self._live, command, reject)
+            fail = functools.partial(self._post, self._fail)
+            aborted = apply_command(self.engine, self._live, command, reject, fail)
+            if aborted:
+                self._post(self._dispatch, aborted)
         elif command.future.set_running_or_notify_cancel():
             try:
                 command.future.set_result(command.fn(self.engine))

@@ -45,6 +45,19 @@ MAX_BEAM_WIDTH = 128
 EarlyStopping = bool | Literal["never"]
 
 
+def _score(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """HF's `cum_logprob / length ** length_penalty`, without an exception where the power
+    leaves the float range (|length_penalty| in the hundreds): it is taken as inf or 0, so
+    such a penalty scores every hypothesis -0.0 or -inf and they tie."""
+    try:
+        scale = float(length) ** length_penalty
+    except OverflowError:
+        scale = math.inf
+    if scale == 0.0:
+        return -math.inf if cum_logprob < 0 else 0.0
+    return cum_logprob / scale
+
+
 @dataclass
 class BeamSearchParams:
     """Beam search settings: vLLM's fields, plus HF's `early_stopping`.
@@ -207,7 +220,7 @@ class BeamSearchInstance:
             tokens=beam.request.all_token_ids + [cand.token_id],
             logprobs=beam.logprobs + [_logprob_dict(beam.report)],  # type: ignore[arg-type]
             cum_logprob=cand.cum_logprob,
-            score=cand.cum_logprob / step**self.params.length_penalty,
+            score=_score(cand.cum_logprob, step, self.params.length_penalty),
             finish_reason=cand.finish_reason,
         )
         # NOTE: stable: on a tie, a hypothesis found earlier stays ahead (HF's merge order).
@@ -221,7 +234,7 @@ class BeamSearchInstance:
         length = step
         if self.params.early_stopping == "never" and penalty > 0:
             length = self.params.max_tokens
-        return best_running.cum_logprob / length**penalty
+        return _score(best_running.cum_logprob, length, penalty)
 
     def output(self, tokenizer) -> BeamSearchOutput:
         """The finished hypotheses, best first, with their text (None without a tokenizer)."""

@@ -23,6 +23,7 @@ from octavo.engine.kv_cache_manager import KVCacheManager
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.request import Request, RequestStatus
 from octavo.engine.scheduler import Scheduler, SchedulerOutput
+from octavo.model.tokenizer import encode_text
 from octavo.outputs import RequestOutput
 from octavo.runner.model_runner import ModelRunner, PendingOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
@@ -92,16 +93,34 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_new_id(request_id, params.n)
         request = Request(request_id, token_ids, params, prompt=text)
         self.outputs.add(request)
         self.scheduler.add_request(request)
         return request
 
+    def _check_new_id(self, request_id: object, n: int) -> None:
+        """ValueError unless `request_id` is a str that no request, group or sample in the
+        engine uses or will use: an n > 1 request `q` names its samples `q#1`, `q#2`, ..."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+        out = self.outputs
+        taken = request_id in self.scheduler.requests or out.has_sequence(request_id)
+        taken = taken or out.has_group(request_id)
+        base, _, index = request_id.rpartition("#")
+        if not taken and base and index.isdigit() and out.has_group(base):  # an unforked sample
+            taken = int(index) < max(m.sampling_params.n for m in out.members(base))
+        if taken or any(out.has_sequence(f"{request_id}#{i}") for i in range(1, n)):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Aborts requests by the ids add_request returned (unknown ids are ignored), with
         all their sequences; their KV blocks are freed at once."""
+        if not isinstance(request_ids, str) and (
+            not isinstance(request_ids, (list, tuple, set))
+            or not all(isinstance(r, str) for r in request_ids)
+        ):
+            raise ValueError("request_ids must be a str or a list of str")
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         outputs = []
         for group_id in ids:
@@ -122,7 +141,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            return prompt, encode_text(self.tokenizer, prompt)
         # NOTE: set(map(type, ...)) walks the list in C: prompts are 100k+ tokens at times.
         if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:
             return None, list(prompt)

@@ -280,11 +280,14 @@ def _engine_process_main(conn, options: dict) -> None:
 
     try:
         with frozen_gc_heap(collect_first=True):
-            while _apply_commands(conn, engine, live, block=not engine.has_unfinished_requests()):
-                outputs = []
+            while True:
+                outputs: list[RequestOutput] = []  # from aborts first, then from the step
+                block = not engine.has_unfinished_requests()
+                if not _apply_commands(conn, engine, live, block, fail, outputs):
+                    break
                 if engine.has_unfinished_requests():
-                    outputs = step_engine(engine, live, fail)
-                    _prompt_ids_once(outputs, announced, live)
+                    outputs += step_engine(engine, live, fail)
+                _prompt_ids_once(outputs, announced, live)
                 conn.send(("step", outputs, engine.get_stats()))  # stats also after an abort
     except _ServerGone:
         return
@@ -299,14 +302,19 @@ def _engine_process_main(conn, options: dict) -> None:
         conn.send(("stopped",))
 
 
-def _apply_commands(conn, engine, live: dict, block: bool) -> bool:
-    """Applies every command waiting in the pipe (waiting for one if `block`); False on stop."""
+def _apply_commands(conn, engine, live: dict, block: bool, fail, outputs: list) -> bool:
+    """Applies every command waiting in the pipe (waiting for one if `block`), adding the
+    outputs of aborted requests to `outputs`; False on stop."""
+
+    def reject(request_id: str, error: ValueError) -> None:
+        conn.send(("reject", request_id, str(error)))
+
     while block or conn.poll():
         block = False
         command = conn.recv()
         if isinstance(command, _Stop):
             return False
-        apply_command(engine, live, command, lambda rid, e: conn.send(("reject", rid, str(e))))
+        outputs += apply_command(engine, live, command, reject, fail)
     return True
 
 

@@ -49,6 +49,13 @@ class OutputProcessor:
         )
         self._groups.setdefault(request.group_id, []).append(request)
 
+    def has_group(self, group_id: str) -> bool:
+        return group_id in self._groups
+
+    def has_sequence(self, request_id: str) -> bool:
+        """True while a sequence is tracked: from add() until its group's last output."""
+        return request_id in self._states
+
     def members(self, group_id: str) -> list[Request]:
         return list(self._groups.get(group_id, []))
 

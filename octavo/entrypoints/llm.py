@@ -123,9 +123,7 @@ class LLM:
                         elapsed = max(time.perf_counter() - start, 1e-9)
                         bar.set_postfix_str(f"out {num_out / elapsed:.1f} tok/s", refresh=False)
         except BaseException:
-            self.engine.abort_request(
-                [rid for rid in request_ids if rid not in finished]
-            )
+            self.engine.abort_request([rid for rid in request_ids if rid not in finished])
             raise
         finally:
             bar.close()
@@ -151,6 +149,10 @@ def _normalize_params(
         params = SamplingParams()
     if isinstance(params, SamplingParams):
         params = [params] * n
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(
+            f"sampling_params must be SamplingParams or a list of them, got {type(params).__name__}"
+        )
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
@@ -169,7 +171,12 @@ def _prompt_input(prompt: PromptType) -> str | list[int]:
         return prompt
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            return prompt["prompt_token_ids"]
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):  # a str here would be taken as text
+                raise ValueError(
+                    f"prompt_token_ids must be a list of int, got {type(ids).__name__}"
+                )
+            return ids
         if "prompt" in prompt:
             return prompt["prompt"]
         raise ValueError('a dict prompt needs "prompt_token_ids" (or "prompt")')

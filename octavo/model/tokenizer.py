@@ -148,6 +148,24 @@ def eos_token_ids(
     return list(dict.fromkeys(given))
 
 
+def encode_text(
+    tokenizer: PreTrainedTokenizerBase, text: str, what: str = "the prompt"
+) -> list[int]:
+    """`text`'s token ids, without special tokens, as the engine tokenizes a prompt.
+
+    Raises:
+        ValueError: `text` is not valid Unicode: a lone surrogate such as "\\ud800", which
+            a JSON string may carry as an escape and which the tokenizer cannot take.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{what} is not valid Unicode: a lone surrogate at character {e.start}"
+        ) from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase | None,
     messages: list[dict],
@@ -183,7 +201,7 @@ def apply_chat_template(
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template rejected the conversation: {e}") from e
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode_text(tokenizer, text, "the conversation")
 
 
 def _check_messages(messages: object) -> None:

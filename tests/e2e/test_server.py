@@ -316,6 +316,18 @@ ERROR_CASES = {
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
     ),
+    "lone surrogate in the prompt": (400, "/v1/completions", {"prompt": "\ud800 hi"}),
+    "lone surrogate in a message": (
+        400,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi \udfff"}]},
+    ),
+    "logit_bias": (400, "/v1/completions", {"prompt": "hi", "logit_bias": {"42": 5.0}}),
+    "stream_options without stream": (
+        400,
+        "/v1/completions",
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+    ),
     "unknown model": (404, "/v1/completions", {"prompt": "hi", "model": "gpt-17"}),
     "unknown chat model": (
         404,
@@ -328,8 +340,10 @@ ERROR_CASES = {
 @pytest.mark.parametrize("case", list(ERROR_CASES))
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, case):
     status, path, body = ERROR_CASES[case]
-    body = {"model": MODEL, **body}
-    r = httpx.post(server.url + path, json=body, headers=AUTH, timeout=60)
+    # json.dumps writes a lone surrogate as the escape "\ud800", as a client's JSON may.
+    raw = json.dumps({"model": MODEL, **body}).encode()
+    headers = AUTH | {"Content-Type": "application/json"}
+    r = httpx.post(server.url + path, content=raw, headers=headers, timeout=60)
     _assert_error(r, status)
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
 
@@ -340,6 +354,28 @@ def test_prompt_longer_than_the_context_is_a_400(server, client):
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     _assert_error(r, 400)
     assert "maximum context length" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs",
+         "top_logprobs"),
+        ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens",
+         "max_completion_tokens"),
+        ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens", "max_tokens"),
+        ("/v1/completions", {"prompt": "long", "max_tokens": None}, "prompt", "no room"),
+    ],
+)  # fmt: skip
+def test_errors_name_the_requests_own_field(server, path, body, param, words):
+    if "prompt" in body:
+        body["prompt"] = _long_prompt(server.ctx.max_model_len)
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + path, json={"model": MODEL, **body}, headers=AUTH, timeout=60)
+    _assert_error(r, 400)
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
 
 
 @pytest.mark.parametrize(

@@ -70,6 +70,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # declared so that it is refused, not ignored
 
     @property
     def include_usage(self) -> bool:

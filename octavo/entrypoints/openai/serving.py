@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -84,20 +85,34 @@ class ServingContext:
                 code="model_not_found",
             )
 
-    def check_context(self, prompt_ids: list[int], max_tokens: int | None) -> int:
+    def check_context(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        param: str = "max_tokens",
+        prompt_param: str = "prompt",
+    ) -> int:
         """Returns the max_tokens to use (the room left in the context when None).
 
-        Raises OpenAIError (400) when the prompt plus max_tokens exceeds max_model_len."""
+        Raises OpenAIError (400) when the prompt plus max_tokens exceeds max_model_len, naming
+        `param` (the request's field for max_tokens), or `prompt_param` when the prompt
+        alone fills the context."""
         room = self.max_model_len - len(prompt_ids)
+        limit = f"This model's maximum context length is {self.max_model_len} tokens. However, "
+        if max_tokens is None and room < 1:
+            raise OpenAIError(
+                f"{limit}the prompt has {len(prompt_ids)} tokens, which leaves no room for the "
+                "completion. Please reduce the length of the prompt.",
+                param=prompt_param,
+            )
         if max_tokens is None:
             max_tokens = room
         if room < 1 or max_tokens > room:
             raise OpenAIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the "
-                f"prompt, {max_tokens} for the completion). Please reduce the length of the "
-                "prompt or of the completion.",
-                param="max_tokens",
+                f"{limit}you requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} "
+                f"in the prompt, {max_tokens} for the completion). Please reduce the length of "
+                "the prompt or of the completion.",
+                param=param,
             )
         return max_tokens
 
@@ -168,9 +183,15 @@ async def _merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    req: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    aliases: dict[str, str] | None = None,
+) -> SamplingParams:
     """Builds SamplingParams from the request's fields; SamplingParams validates them, and its
-    ValueError becomes a 400 that names the field."""
+    ValueError becomes a 400 that names the field: by the request's own name for it where
+    `aliases` gives one (chat's `top_logprobs` for `logprobs`, say)."""
     fields: dict[str, Any] = {
         "n": req.n,
         "max_tokens": max_tokens,
@@ -190,7 +211,11 @@ def sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None)
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:
-        raise OpenAIError(str(e), param=_field_named_in(str(e), fields)) from e
+        message, param = str(e), _field_named_in(str(e), fields)
+        if param is not None and aliases and param in aliases:
+            message = re.sub(rf"\b{param}\b", aliases[param], message, count=1)
+            param = aliases[param]
+        raise OpenAIError(message, param=param) from e
 
 
 def _field_named_in(message: str, fields: dict[str, Any]) -> str | None:
@@ -198,11 +223,15 @@ def _field_named_in(message: str, fields: dict[str, Any]) -> str | None:
     return next((w for w in words if w in fields), None)
 
 
-def reject_unsupported(**settings: Any) -> None:
-    """400 for OpenAI fields we accept but do not implement, when set to a non-default."""
-    for name, value in settings.items():
+def reject_unsupported(req: SamplingRequest, **settings: Any) -> None:
+    """400 for OpenAI fields we accept but do not implement, when set to a non-default
+    (`logit_bias` and the endpoint's own `settings`), and for `stream_options` without
+    `stream`, as OpenAI and vLLM answer."""
+    for name, value in {"logit_bias": req.logit_bias, **settings}.items():
         if value:
             raise OpenAIError(f"`{name}` is not supported by this server", param=name)
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError("`stream_options` needs `stream` set to true", param="stream_options")
 
 
 def sse(payload: BaseModel | dict) -> str:

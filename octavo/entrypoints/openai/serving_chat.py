@@ -38,7 +38,7 @@ async def create_chat_completion(
     """Validates the request, renders the conversation, and answers with JSON or SSE."""
     ctx.check_model(req.model)
     fmt = (req.response_format or {}).get("type", "text")
-    reject_unsupported(tools=req.tools, response_format=fmt != "text")
+    reject_unsupported(req, tools=req.tools, response_format=fmt != "text")
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
     try:
@@ -49,7 +49,13 @@ async def create_chat_completion(
         req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
     )
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, ctx.check_context(prompt, max_tokens), num_logprobs)
+    aliases = {"logprobs": "top_logprobs"}  # errors name the request's fields
+    if req.max_completion_tokens is not None:
+        aliases["max_tokens"] = "max_completion_tokens"
+    max_tokens = ctx.check_context(
+        prompt, max_tokens, aliases.get("max_tokens", "max_tokens"), prompt_param="messages"
+    )
+    params = sampling_params(req, max_tokens, num_logprobs, aliases)
     request_id = random_id("chatcmpl")
     outputs = ctx.generate([prompt], [params], request_id)
     formatter = _Formatter(ctx.model_name, request_id, num_logprobs)

@@ -22,6 +22,7 @@ from octavo.entrypoints.openai.serving import (
     start_stream,
     unless_disconnected,
 )
+from octavo.model.tokenizer import encode_text
 from octavo.outputs import RequestOutput
 
 
@@ -30,7 +31,7 @@ async def create_completion(
 ) -> Response:
     """Validates the request, runs its prompts, and answers with JSON or an SSE stream."""
     ctx.check_model(req.model)
-    reject_unsupported(echo=req.echo, suffix=req.suffix, best_of=(req.best_of or 1) > 1)
+    reject_unsupported(req, echo=req.echo, suffix=req.suffix, best_of=(req.best_of or 1) > 1)
     prompts = _prompt_ids(ctx, req.prompt)
     params = [
         sampling_params(req, ctx.check_context(ids, req.max_tokens), req.logprobs)
@@ -70,7 +71,10 @@ def _prompt_ids(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
         if isinstance(p, str):
             if ctx.tokenizer is None:
                 raise OpenAIError("this model has no tokenizer: send token ids", param="prompt")
-            p = ctx.tokenizer.encode(p, add_special_tokens=False)
+            try:
+                p = encode_text(ctx.tokenizer, p)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="prompt") from None
         if not p:
             raise OpenAIError("a prompt must have at least one token", param="prompt")
         result.append(list(p))
