@@ -130,7 +130,8 @@ def trace_decode(engine, prompt: list[int], params: SamplingParams) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     request = engine.add_request(prompt, params)
-    engine.step()  # the prefill, outside the trace
+    while not request.output_token_ids:  # the prefill, outside the trace
+        engine.step()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         steps, start = 0, time.perf_counter()
         while not request.is_finished:
@@ -138,6 +139,8 @@ def trace_decode(engine, prompt: list[int], params: SamplingParams) -> dict:
             steps += 1
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    if steps == 0:
+        raise SystemExit("--trace needs --output-len of 3 or more")
     spans = sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()

@@ -16,6 +16,7 @@ its length limit was known in advance; that extra token is dropped.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from octavo.config import CacheConfig, SchedulerConfig
@@ -108,20 +109,20 @@ class Engine:
         taken = request_id in self.scheduler.requests or out.has_sequence(request_id)
         taken = taken or out.has_group(request_id)
         base, _, index = request_id.rpartition("#")
-        if not taken and base and index.isdigit() and out.has_group(base):  # an unforked sample
-            taken = int(index) < max(m.sampling_params.n for m in out.members(base))
+        if not taken and index.isdecimal() and index == str(int(index)) and out.has_group(base):
+            n_base = max(m.sampling_params.n for m in out.members(base))  # before it forks
+            taken = 1 <= int(index) < n_base  # the id of a sample not forked yet
         if taken or any(out.has_sequence(f"{request_id}#{i}") for i in range(1, n)):
             raise ValueError(f"request_id {request_id!r} is already in use")
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Aborts requests by the ids add_request returned (unknown ids are ignored), with
         all their sequences; their KV blocks are freed at once."""
-        if not isinstance(request_ids, str) and (
-            not isinstance(request_ids, (list, tuple, set))
-            or not all(isinstance(r, str) for r in request_ids)
-        ):
-            raise ValueError("request_ids must be a str or a list of str")
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        if isinstance(ids, Iterable):
+            ids = list(ids)
+        if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
+            raise ValueError("request_ids must be a str or an iterable of str")
         outputs = []
         for group_id in ids:
             members = self.outputs.members(group_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -149,7 +149,7 @@ def _normalize_params(
         params = SamplingParams()
     if isinstance(params, SamplingParams):
         params = [params] * n
-    if not isinstance(params, (list, tuple)):
+    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
         raise ValueError(
             f"sampling_params must be SamplingParams or a list of them, got {type(params).__name__}"
         )

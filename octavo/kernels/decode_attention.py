@@ -252,15 +252,12 @@ def num_sms(device: torch.device) -> int:
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: int) -> int:
     """Splits per sequence so that num_seqs * num_kv_heads * splits programs fill the GPU
     about twice over, with each split at least MIN_SPLIT_LEN positions of the longest context
-    allowed, and none once the batch's own programs fill 1.5x the SMs. Depends on shapes
-    only (CUDA-graph safe). A power of two, at most MAX_SPLITS.
+    allowed. Depends on shapes only (CUDA-graph safe). A power of two, at most MAX_SPLITS.
 
-    The cut at 1.5x is measured (H200, Qwen3-0.6B, us a layer for 1 / 2 splits): batch 24
-    (192 programs) 35.6 / 32.8, batch 28 (224 programs) 41.2 / 43.6, batch 32 43.7 / 48.1;
-    docs/PERFORMANCE.md, session 16."""
+    NOTE: the best count also depends on the step's actual lengths, which a CUDA graph cannot
+    see: at batch 28-32 one split beats two by 6-9% at 1k contexts and loses 2-5% at 4k-8k,
+    where four beat both (docs/PERFORMANCE.md, session 16)."""
     programs = max(num_seqs * num_kv_heads, 1)
-    if 2 * programs >= 3 * sms:
-        return 1
     wanted = triton.cdiv(2 * sms, programs)
     by_length = max(max_context // MIN_SPLIT_LEN, 1)
     splits = min(wanted, by_length, MAX_SPLITS)

@@ -201,7 +201,7 @@ def apply_chat_template(
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template rejected the conversation: {e}") from e
-    return encode_text(tokenizer, text, "the conversation")
+    return encode_text(tokenizer, text, "the rendered conversation")  # other keys, say
 
 
 def _check_messages(messages: object) -> None:
@@ -224,4 +224,8 @@ def _message_problem(message: object) -> str | None:
             return f" has no {key!r} key"
         if not isinstance(message[key], str):
             return f"[{key!r}] must be a str, got {type(message[key]).__name__}"
+        try:
+            message[key].encode("utf-8")
+        except UnicodeEncodeError as e:
+            return f"[{key!r}] is not valid Unicode: a lone surrogate at character {e.start}"
     return None

@@ -30,7 +30,7 @@ def test_a_lone_surrogate_is_a_value_error(llm):
     """JSON may carry "\\ud800"; the tokenizer cannot take it (it raised TypeError)."""
     with pytest.raises(ValueError, match="surrogate"):
         llm.generate("\ud800 hi", GREEDY, use_tqdm=False)
-    with pytest.raises(ValueError, match="surrogate"):
+    with pytest.raises(ValueError, match=r"messages\[0\]\['content'\].*surrogate at character 3"):
         llm.chat([{"role": "user", "content": "hi \udfff"}], GREEDY, use_tqdm=False)
     _still_generates(llm)
 
@@ -41,6 +41,8 @@ def test_wrong_kinds_of_params_and_prompts_are_value_errors(llm):
             llm.generate("Hi", params, use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_token_ids must be a list"):
         llm.generate({"prompt_token_ids": "abc"}, GREEDY, use_tqdm=False)  # not taken as text
+    both = llm.generate(["Hi", "Bye"], (p for p in [GREEDY, GREEDY]), use_tqdm=False)
+    assert len(both) == 2  # any iterable of SamplingParams, as before
     _still_generates(llm)
 
 
@@ -54,6 +56,8 @@ def test_request_ids_that_a_group_or_its_samples_use_are_refused(llm):
         engine.add_request("Hi", two, "p")
         with pytest.raises(ValueError, match="already in use"):  # p's second sample, unforked
             engine.add_request("Hi", GREEDY, "p#1")
+        engine.add_request("Hi", GREEDY, "p#0")  # no sample is named so (the first is p)
+        engine.abort_request({"p#0": None}.keys())  # any iterable of ids
         while engine.outputs.members("p")[0].num_output_tokens < 2:
             engine.step()
         engine.abort_request("q#1")

@@ -365,6 +365,7 @@ def test_prompt_longer_than_the_context_is_a_400(server, client):
          "max_completion_tokens"),
         ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens", "max_tokens"),
         ("/v1/completions", {"prompt": "long", "max_tokens": None}, "prompt", "no room"),
+        ("/v1/completions", {"prompt": "long", "max_tokens": 16}, "prompt", "no room"),
     ],
 )  # fmt: skip
 def test_errors_name_the_requests_own_field(server, path, body, param, words):

@@ -96,10 +96,10 @@ class ServingContext:
 
         Raises OpenAIError (400) when the prompt plus max_tokens exceeds max_model_len, naming
         `param` (the request's field for max_tokens), or `prompt_param` when the prompt
-        alone fills the context."""
+        alone fills the context, whatever max_tokens is."""
         room = self.max_model_len - len(prompt_ids)
         limit = f"This model's maximum context length is {self.max_model_len} tokens. However, "
-        if max_tokens is None and room < 1:
+        if room < 1:  # no max_tokens could help
             raise OpenAIError(
                 f"{limit}the prompt has {len(prompt_ids)} tokens, which leaves no room for the "
                 "completion. Please reduce the length of the prompt.",
@@ -107,7 +107,7 @@ class ServingContext:
             )
         if max_tokens is None:
             max_tokens = room
-        if room < 1 or max_tokens > room:
+        if max_tokens > room:
             raise OpenAIError(
                 f"{limit}you requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} "
                 f"in the prompt, {max_tokens} for the completion). Please reduce the length of "
