@@ -115,7 +115,7 @@ class Engine:
         if taken or any(out.has_sequence(f"{request_id}#{i}") for i in range(1, n)):
             raise ValueError(f"request_id {request_id!r} is already in use")
 
-    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Aborts requests by the ids add_request returned (unknown ids are ignored), with
         all their sequences; their KV blocks are freed at once."""
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
