@@ -157,13 +157,20 @@ def encode_text(
         ValueError: `text` is not valid Unicode: a lone surrogate such as "\\ud800", which
             a JSON string may carry as an escape and which the tokenizer cannot take.
     """
+    problem = _unicode_problem(text)
+    if problem is not None:
+        raise ValueError(f"{what}{problem}")
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _unicode_problem(text: str) -> str | None:
+    """The tail of an error message (' is not valid Unicode: ...') for a str that UTF-8
+    cannot encode, i.e. one with a lone surrogate; None for any other str."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(
-            f"{what} is not valid Unicode: a lone surrogate at character {e.start}"
-        ) from None
-    return tokenizer.encode(text, add_special_tokens=False)
+        return f" is not valid Unicode: a lone surrogate at character {e.start}"
+    return None
 
 
 def apply_chat_template(
@@ -224,8 +231,7 @@ def _message_problem(message: object) -> str | None:
             return f" has no {key!r} key"
         if not isinstance(message[key], str):
             return f"[{key!r}] must be a str, got {type(message[key]).__name__}"
-        try:
-            message[key].encode("utf-8")
-        except UnicodeEncodeError as e:
-            return f"[{key!r}] is not valid Unicode: a lone surrogate at character {e.start}"
+        problem = _unicode_problem(message[key])
+        if problem is not None:
+            return f"[{key!r}]{problem}"
     return None
