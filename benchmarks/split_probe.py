@@ -3,8 +3,9 @@ number of KV splits (`overlap_probe.Probe`'s fused kernel, all layers in one gra
 
 At batch 1-32 the engine's decode steps are latency-bound, and up to ~128 partly so; the
 split count decides how many programs run and whether a second (reduce) kernel follows.
-`choose_num_splits` picks it from the batch and the block-table width (max_model_len 4096
-here, as the benchmarks run, or more for the long cases).
+`choose_num_splits` picks it from the batch, the block-table width (max_model_len 4096
+here, as the benchmarks run, or more for the long cases) and the step's mean context; the
+`shape` column is its pick without the context (the rule before session 17).
 
     PYTHONPATH=. python benchmarks/split_probe.py [--json out.json]
 """
@@ -15,26 +16,39 @@ import argparse
 import json
 
 from benchmarks.overlap_probe import Probe, probe_cases, time_graph
-from octavo.kernels.decode_attention import choose_num_splits, num_sms
+from octavo.kernels.decode_splits import choose_num_splits, num_sms
 
-CASES = [("qwen3-8b", 1, 768), ("qwen3-8b", 1, 8192), ("qwen3-0.6b", 1, 1024),
-         ("qwen3-0.6b", 1, 8192), ("qwen3-0.6b", 4, 1024), ("qwen3-0.6b", 16, 1024),
-         ("qwen3-0.6b", 20, 1024), ("qwen3-0.6b", 24, 1024), ("qwen3-0.6b", 28, 1024),
-         ("qwen3-0.6b", 32, 1024), ("qwen3-0.6b", 48, 1024), ("qwen3-0.6b", 64, 1024),
+CASES = [("qwen3-8b", 1, 768), ("qwen3-8b", 1, 8192), ("qwen3-0.6b", 1, 256),
+         ("qwen3-0.6b", 1, 1024), ("qwen3-0.6b", 1, 2048), ("qwen3-0.6b", 1, 4096), ("qwen3-0.6b", 1, 8192),
+         ("qwen3-0.6b", 2, 8192), ("qwen3-0.6b", 4, 4096),
+         ("qwen3-0.6b", 4, 1024), ("qwen3-0.6b", 8, 1024), ("qwen3-0.6b", 8, 8192),
+         ("qwen3-0.6b", 16, 1024), ("qwen3-0.6b", 16, 4096), ("qwen3-0.6b", 20, 1024),
+         ("qwen3-0.6b", 24, 1024), ("qwen3-0.6b", 28, 1024), ("qwen3-0.6b", 32, 1024),
+         ("qwen3-0.6b", 32, 2048), ("qwen3-0.6b", 48, 1024), ("qwen3-0.6b", 64, 1024),
          ("qwen3-0.6b", 96, 1024), ("qwen3-0.6b", 128, 1024), ("qwen3-8b", 64, 1024),
          ("qwen3-0.6b", 28, 4096), ("qwen3-0.6b", 32, 4096), ("qwen3-0.6b", 40, 4096),
-         ("qwen3-0.6b", 28, 8192), ("qwen3-0.6b", 32, 8192), ("qwen3-8b", 28, 4096)]  # fmt: skip
-SPLITS = (1, 2, 4, 8, 16, 32)
+         ("qwen3-0.6b", 48, 4096), ("qwen3-0.6b", 64, 4096), ("qwen3-0.6b", 96, 4096),
+         ("qwen3-0.6b", 128, 2048), ("qwen3-0.6b", 128, 4096), ("qwen3-0.6b", 256, 2048),
+         ("qwen3-0.6b", 28, 8192), ("qwen3-0.6b", 32, 8192), ("qwen3-0.6b", 64, 8192),
+         ("qwen3-8b", 28, 4096), ("qwen3-8b", 32, 8192), ("qwen3-8b", 96, 2048)]  # fmt: skip
+SPLITS = (1, 2, 4, 8, 16, 32, 64)
 MAX_MODEL_LEN = 4096  # or the longest context a case's sequences reach, if more
 
 
 def measure(p: Probe) -> dict:
-    row = {"engine_splits": choose_num_splits(
-        p.batch, p.s["kv_heads"], max(MAX_MODEL_LEN, p.context * 3 // 2), num_sms(p.x.device)
-    )}  # fmt: skip
+    mean = int(p.seq_lens.float().mean())
+    shape = (p.batch, p.s["kv_heads"], max(MAX_MODEL_LEN, p.context * 3 // 2), num_sms(p.x.device))
+    row = {
+        "mean_context": mean,
+        "engine_splits": choose_num_splits(*shape, context=mean),  # the engine's rule
+        "shape_splits": choose_num_splits(*shape),  # the rule before session 17: no lengths
+    }
     for splits in SPLITS:
         p.num_splits = splits
         row[f"us_{splits}"] = time_graph(p.attn_only, 30) * 1e3 / p.s["layers"]
+    order, p.order, p.num_splits = p.order, None, 1  # what the longest-first order buys
+    row["us_1_unordered"] = time_graph(p.attn_only, 30) * 1e3 / p.s["layers"]
+    p.order = order
     return row
 
 
@@ -43,11 +57,18 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = probe_cases(CASES, measure)
-    print(f"\n{'model':11} {'batch':>5} {'ctx':>5} {'engine':>6} | "
-          + " ".join(f"{f'{s} split':>8}" for s in SPLITS) + "   us per layer")  # fmt: skip
+    print(f"\n{'model':11} {'batch':>5} {'ctx':>5} {'mean':>5} {'engine':>6} {'shape':>5} | "
+          + " ".join(f"{f'{s} split':>8}" for s in SPLITS) + " 1,unord   us per layer")  # fmt: skip
     for r in rows:
-        cells = " ".join(f"{r[f'us_{s}']:8.1f}" for s in SPLITS)
-        print(f"{r['model']:11} {r['batch']:5} {r['context']:5} {r['engine_splits']:6} | {cells}")
+        cells = " ".join(f"{r[f'us_{s}']:8.1f}" for s in SPLITS) + f" {r['us_1_unordered']:8.1f}"
+        print(f"{r['model']:11} {r['batch']:5} {r['context']:5} {r['mean_context']:5} "
+              f"{r['engine_splits']:6} {r['shape_splits']:5} | {cells}")  # fmt: skip
+    for rule in ("engine", "shape"):
+        over = [
+            r[f"us_{r[f'{rule}_splits']}"] / min(r[f"us_{s}"] for s in SPLITS) - 1 for r in rows
+        ]
+        print(f"{rule} rule: {sum(over) / len(over):+.1%} over the best count on average, "
+              f"{max(over):+.1%} at worst")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

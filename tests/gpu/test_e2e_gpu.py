@@ -51,10 +51,10 @@ def prompts():
     ]
 
 
-def run(model_dir, prompts, backend, **options):
+def run(model_dir, prompts, backend, max_model_len=1024, **options):
     from octavo import LLM, SamplingParams
 
-    llm = LLM(model_dir, attention_backend=backend, max_model_len=1024, **options)
+    llm = LLM(model_dir, attention_backend=backend, max_model_len=max_model_len, **options)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     del llm
@@ -106,6 +106,30 @@ def test_mixed_step_graphs_give_the_eager_tokens(model_dir, prompts, monkeypatch
     assert mixed, "no mixed step was replayed as a graph"
     eager = run(model_dir, extended, "triton", max_num_batched_tokens=256, cuda_graph_max_tokens=0)
     assert_same_except_near_ties(graphs, eager)
+
+
+def test_long_context_decode_graphs_split_finer_and_match_torch(model_dir, monkeypatch):
+    """Decode steps whose mean context reaches 4k replay the graph captured with more KV
+    splits (kernels/decode_splits.py: 16 for a batch of 4, against 8 for short contexts),
+    and give the torch backend's tokens except at near ties."""
+    from octavo.runner.cuda_graph import CudaGraphRunner
+
+    replayed = []
+    real_replay = CudaGraphRunner.replay
+
+    def spy(self, shape):
+        replayed.append(shape)
+        return real_replay(self, shape)
+
+    monkeypatch.setattr(CudaGraphRunner, "replay", spy)
+    rng = random.Random(2)
+    long_prompts = [
+        [rng.randint(0, 10000) for _ in range(rng.randint(4200, 4600))] for _ in range(4)
+    ]
+    graphs = run(model_dir, long_prompts, "triton", max_model_len=8192)
+    assert {s.splits for s in replayed if s.decode} == {16}
+    torch_outs = run(model_dir, long_prompts, "torch", max_model_len=8192, enforce_eager=True)
+    assert_same_except_near_ties(graphs, torch_outs)
 
 
 def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
