@@ -2,16 +2,19 @@
 decode_attention.py), chosen on the host without Triton, so the CUDA-graph ladder can plan
 with it on any machine.
 
-The count fills the GPU about twice over with programs (num_seqs x num_kv_heads x splits),
-and more when the step's contexts are long while the batch alone fills less than three
-waves of SMs: a long program then runs on after the others, and finer splits even the SMs'
-work out. Measured on an H200 (docs/PERFORMANCE.md, session 17), Qwen3-0.6B, us a layer:
+The count fills the GPU about twice over with programs (num_seqs x num_kv_heads x splits).
+When the step's contexts are long and the batch's own programs fill between a quarter of a
+wave and three waves of SMs, it aims at twice as many programs from a mean context of 2k
+and four times as many from 8k: the finer splits even out the SMs' work, which one long
+program per sequence does not. Measured on an H200 (docs/PERFORMANCE.md, session 17, the
+engine's longest-first order), Qwen3-0.6B, us a layer:
 
-    batch x mean context   1 split   2       4       8       16      fill only / with length
-    16 x 4k                114.7     79.4    72.5    72.3    76.0    2 / 4
-    40 x 4k                173.1     155.9   159.9   166.1   182.4   1 / 2
-    8 x 8k                 214.2     118.3   83.1    84.4    78.2    4 / 16
-    64 x 4k                249.0     258.2   259.3   274.7   306.2   1 / 1
+    batch x mean context   1 split   2       4       8       16      by batch / by length
+    16 x 3.6k              115.6     79.3    71.5    71.8    75.8    2 / 4
+    40 x 3.9k              173.2     153.6   157.5   163.7   180.5   1 / 2
+    8 x 8.3k               212.4     119.5   83.0    83.2    77.5    4 / 16
+    64 x 4.0k              245.4     254.0   254.7   267.1   301.4   1 / 1 (3.9 waves)
+    2 x 8.8k               202.4     106.5   59.6    35.9    28.3    16 / 16 (16 programs)
 
 A CUDA graph fixes the grid, so the runner captures one decode graph per count that
 `decode_split_variants` lists for its batch, and replays the one for the step's lengths.
@@ -26,9 +29,11 @@ import torch
 
 MIN_SPLIT_LEN = 256  # positions of the longest context allowed per split, at least
 MAX_SPLITS = 64
-# Mean contexts from which the fill target doubles (4k) and quadruples (8k and longer).
-LONG_CONTEXT = 4096
-LONG_WAVES = 3  # the length factor applies while num_seqs x num_kv_heads < 3 x SMs
+# Mean contexts from which the fill target doubles (2k) and quadruples (4 x 2k and longer),
+# while the batch's own programs (num_seqs x num_kv_heads) are at least a quarter of the SMs
+# and fewer than LONG_WAVES times them.
+LONG_CONTEXT = 2048
+LONG_WAVES = 3
 
 
 @functools.cache
@@ -55,13 +60,13 @@ def choose_num_splits(
             least MIN_SPLIT_LEN positions of it.
         sms: streaming multiprocessors of the device.
         context: the step's mean context length (0: unknown, planned as short). From
-            LONG_CONTEXT on, and while the batch's own programs fill fewer than LONG_WAVES
-            waves, the programs aimed at double (quadruple from 2 x LONG_CONTEXT).
+            LONG_CONTEXT on, while the batch's own programs fill a quarter of a wave to
+            LONG_WAVES waves, the programs aimed at double (quadruple from 4 x LONG_CONTEXT).
     """
     programs = max(num_seqs * num_kv_heads, 1)
     factor = 1
-    if programs < LONG_WAVES * sms:
-        factor = 4 if context >= 2 * LONG_CONTEXT else 2 if context >= LONG_CONTEXT else 1
+    if sms // 4 <= programs < LONG_WAVES * sms:
+        factor = 4 if context >= 4 * LONG_CONTEXT else 2 if context >= LONG_CONTEXT else 1
     wanted = -(-2 * sms * factor // programs)
     by_length = max(max_context // MIN_SPLIT_LEN, 1)
     splits = min(wanted, by_length, MAX_SPLITS)
@@ -73,7 +78,7 @@ def decode_split_variants(
 ) -> list[int]:
     """Every count `choose_num_splits` can give this launch over the contexts it may see,
     ascending: the decode graphs to capture for a batch of `num_seqs`."""
-    contexts = [c for c in (0, LONG_CONTEXT, 2 * LONG_CONTEXT) if c <= max_context]
+    contexts = [c for c in (0, LONG_CONTEXT, 4 * LONG_CONTEXT) if c <= max_context]
     return sorted(
         {choose_num_splits(num_seqs, num_kv_heads, max_context, sms, c) for c in contexts}
     )

@@ -14,13 +14,14 @@ def test_splits_fill_the_gpu_twice_and_stop_once_the_batch_fills_it():
     assert choose_num_splits(1, 8, 100, 132) == 1  # the table is too short to be worth it
 
 
-def test_long_contexts_split_finer_while_the_batch_fills_under_three_waves():
+def test_long_contexts_split_finer_while_the_batch_fills_a_quarter_to_three_waves():
     """The shapes measured in session 17 (docs/PERFORMANCE.md) pick their best count."""
-    assert choose_num_splits(16, 8, 40960, 132, context=4096) == 4
-    assert choose_num_splits(48, 8, 40960, 132, context=4096) == 2  # 384 programs < 396
-    assert choose_num_splits(8, 8, 40960, 132, context=8192) == 16
-    assert choose_num_splits(64, 8, 40960, 132, context=8192) == 1  # 512 programs: 3.9 waves
-    assert choose_num_splits(48, 8, 40960, 132, context=4095) == 1  # below LONG_CONTEXT
+    assert choose_num_splits(16, 8, 40960, 132, context=3636) == 4  # 2 by batch alone
+    assert choose_num_splits(48, 8, 40960, 132, context=3900) == 2  # 384 programs < 396
+    assert choose_num_splits(8, 8, 40960, 132, context=8285) == 16  # 4 by batch alone
+    assert choose_num_splits(64, 8, 40960, 132, context=4040) == 1  # 512 programs: 3.9 waves
+    assert choose_num_splits(2, 8, 40960, 132, context=8761) == 16  # 16 programs < 33
+    assert choose_num_splits(48, 8, 40960, 132, context=2047) == 1  # below LONG_CONTEXT
 
 
 @given(
