@@ -54,6 +54,11 @@ def main() -> None:
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="prompt lengths uniform in [p/2, 3p/2] (fixed per case) instead of all p",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     llm = LLM(args.model, load_format="dummy", max_model_len=16384, max_num_seqs=64)
@@ -69,7 +74,12 @@ def main() -> None:
     rows = []
     for batch, prompt_len in CASES[args.model]:
         row = {"batch": batch, "prompt": prompt_len, "output": args.output_len}
-        mean_context = prompt_len + args.output_len / 2
+        if args.spread:
+            lens = [rng.randint(prompt_len // 2, prompt_len * 3 // 2) for _ in range(batch)]
+        else:
+            lens = [prompt_len] * batch
+        row["prompt_lens"] = lens
+        mean_context = sum(lens) / batch + args.output_len / 2
         floor = (
             batch * mean_context * kv_bytes_per_token + weight_bytes
         ) / ceilings.copy_bytes_per_s
@@ -80,19 +90,20 @@ def main() -> None:
             RULES[0]: choose(runner.decode_splits, padded, int(mean_context)),
             RULES[1]: choose(runner.decode_splits, padded, 0),
         }
-        for _ in range(args.rounds):
-            for rule in RULES:
+        for i in range(args.rounds):
+            for rule in RULES if i % 2 == 0 else RULES[::-1]:  # each first in turn
                 if rule == RULES[0]:
                     DecodeSplits.choose = choose
                 else:
                     DecodeSplits.choose = lambda self, n, _context: choose(self, n, 0)
-                prompts = [[rng.randint(0, 10000) for _ in range(prompt_len)] for _ in range(batch)]
+                prompts = [[rng.randint(0, 10000) for _ in range(n)] for n in lens]
                 seconds = decode_step_seconds(llm, prompts, args.output_len)
                 row.setdefault(f"ms_{rule}", []).append(seconds * 1e3)
         DecodeSplits.choose = choose
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{args.model}: decode step at long contexts, {args.output_len} tokens, ms per step "
+    print(f"\n{args.model}: decode step at long contexts ({'spread' if args.spread else 'equal'} "
+          f"prompts), {args.output_len} tokens, ms per step "
           f"(best of {args.rounds}), floor = (KV + weights) / {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s")  # fmt: skip
     print(f"{'batch':>5} {'prompt':>6} {'floor':>7} | {'splits':>7} {'length':>8} {'of floor':>8} | "
           f"{'splits':>7} {'shape':>8} {'of floor':>8} | change")  # fmt: skip
