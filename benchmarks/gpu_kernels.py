@@ -32,8 +32,12 @@ from triton.testing import do_bench
 
 from octavo.attention.backend import build_metadata
 from octavo.attention.torch_backend import TorchAttentionBackend, write_kv_cache
-from octavo.kernels.decode_attention import decode_attention, default_decode_config
-from octavo.kernels.decode_splits import choose_num_splits, num_sms
+from octavo.kernels.decode_attention import (
+    choose_num_splits,
+    decode_attention,
+    default_decode_config,
+    num_sms,
+)
 from octavo.kernels.prefill_attention import default_prefill_config, prefill_attention
 from octavo.kernels.store_kv import store_kv
 

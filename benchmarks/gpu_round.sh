@@ -9,7 +9,6 @@
 #           | http06 | http8b (serving over HTTP against the engine in process: http_serve_probe.py)
 #           | compile (torch.compile of a layer's work besides attention: compile_probe.py)
 #           | cublaslt (every cuBLASLt algorithm on the decode projections: cublaslt_probe.py)
-#           | long06 | long8b (decode at 4k-8k contexts, split count by length or by shape)
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
@@ -61,9 +60,6 @@ for stage in $stages; do
     compile) timeout 560 python3 benchmarks/compile_probe.py ${COMPILE_ARGS:-} --json "$OUT/compile_probe.json" 2>&1 | tee "$OUT/compile_probe.log" | grep -v "^{" | tail -8 ;;
     cublaslt) timeout 540 python3 benchmarks/cublaslt_probe.py ${CUBLASLT_ARGS:-} --json "$OUT/cublaslt_probe.json" 2>&1 | tee "$OUT/cublaslt_probe.log" | tail -16 ;;
     splits) timeout 300 python3 benchmarks/split_probe.py --json "$OUT/split_probe${TAG:-}.json" 2>&1 | tee "$OUT/split_probe${TAG:-}.log" | tail -12 ;;
-    long06|long8b) m=$([ "$stage" = long06 ] && echo qwen3-0.6b || echo qwen3-8b)
-            timeout 400 python3 benchmarks/long_decode.py --model "$m" ${LONG_ARGS:-} \
-            --json "$OUT/long_decode_$m${TAG:-}.json" 2>&1 | tee "$OUT/long_decode_$m${TAG:-}.log" | tail -12 ;;
     latency) timeout 300 python3 benchmarks/latency.py --model qwen3-8b \
             --json "$OUT/latency_qwen3_8b.json" 2>&1 | tee "$OUT/latency.log" | tail -4 ;;
     mixed06) timeout 400 python3 benchmarks/mixed_graph_probe.py --model qwen3-0.6b --rates 16 64 \

@@ -3,9 +3,15 @@ number of KV splits (`overlap_probe.Probe`'s fused kernel, all layers in one gra
 
 At batch 1-32 the engine's decode steps are latency-bound, and up to ~128 partly so; the
 split count decides how many programs run and whether a second (reduce) kernel follows.
-`choose_num_splits` picks it from the batch, the block-table width (max_model_len 4096
-here, as the benchmarks run, or more for the long cases) and the step's mean context; the
-`shape` column is its pick without the context (the rule before session 17).
+`choose_num_splits` picks it from the batch and the block-table width (max_model_len 4096
+here, as the benchmarks run, or more for the long cases). The sequences run longest first,
+as the engine passes them; a last column runs one split without that order. `mean` is the
+drawn contexts' mean (they are uniform in [ctx/2, 3 ctx/2]).
+
+NOTE: the probe's block tables are a random permutation of the cache's blocks; the engine's
+block pool hands out runs of neighbouring blocks. In session 17 a count that the probe
+measured 6-11% faster (more splits at 2k-8k contexts and batches 8-48) gained only 1-4% end
+to end with such lengths, and lost 2-12% with equal lengths (docs/PERFORMANCE.md).
 
     PYTHONPATH=. python benchmarks/split_probe.py [--json out.json]
 """
@@ -16,7 +22,7 @@ import argparse
 import json
 
 from benchmarks.overlap_probe import Probe, probe_cases, time_graph
-from octavo.kernels.decode_splits import choose_num_splits, num_sms
+from octavo.kernels.decode_attention import choose_num_splits, num_sms
 
 CASES = [("qwen3-8b", 1, 768), ("qwen3-8b", 1, 8192), ("qwen3-0.6b", 1, 256),
          ("qwen3-0.6b", 1, 1024), ("qwen3-0.6b", 1, 2048), ("qwen3-0.6b", 1, 4096), ("qwen3-0.6b", 1, 8192),
@@ -38,11 +44,7 @@ MAX_MODEL_LEN = 4096  # or the longest context a case's sequences reach, if more
 def measure(p: Probe) -> dict:
     mean = int(p.seq_lens.float().mean())
     shape = (p.batch, p.s["kv_heads"], max(MAX_MODEL_LEN, p.context * 3 // 2), num_sms(p.x.device))
-    row = {
-        "mean_context": mean,
-        "engine_splits": choose_num_splits(*shape, context=mean),  # the engine's rule
-        "shape_splits": choose_num_splits(*shape),  # the rule before session 17: no lengths
-    }
+    row = {"mean_context": mean, "engine_splits": choose_num_splits(*shape)}
     for splits in SPLITS:
         p.num_splits = splits
         row[f"us_{splits}"] = time_graph(p.attn_only, 30) * 1e3 / p.s["layers"]
@@ -57,12 +59,12 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     rows = probe_cases(CASES, measure)
-    print(f"\n{'model':11} {'batch':>5} {'ctx':>5} {'mean':>5} {'engine':>6} {'shape':>5} | "
+    print(f"\n{'model':11} {'batch':>5} {'ctx':>5} {'mean':>5} {'engine':>6} | "
           + " ".join(f"{f'{s} split':>8}" for s in SPLITS) + " 1,unord   us per layer")  # fmt: skip
     for r in rows:
         cells = " ".join(f"{r[f'us_{s}']:8.1f}" for s in SPLITS) + f" {r['us_1_unordered']:8.1f}"
         print(f"{r['model']:11} {r['batch']:5} {r['context']:5} {r['mean_context']:5} "
-              f"{r['engine_splits']:6} {r['shape_splits']:5} | {cells}")  # fmt: skip
+              f"{r['engine_splits']:6} | {cells}")  # fmt: skip
     for rule in ("engine", "shape"):
         over = [
             r[f"us_{r[f'{rule}_splits']}"] / min(r[f"us_{s}"] for s in SPLITS) - 1 for r in rows

@@ -38,9 +38,6 @@ class AttentionMetadata:
     # Decode steps may carry [B] int32: the sequences by context length, longest first. The
     # Triton decode kernel starts them in that order (a scheduling hint, not a semantic).
     decode_order: torch.Tensor | None = None
-    # Decode steps may carry the number of KV splits for the Triton decode kernel, chosen
-    # from the step's lengths (kernels/decode_splits.py); None: from the shapes alone.
-    decode_splits: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -7,8 +7,9 @@
                            decode rows mixed into the batch go here too
 
 No step reads the device from the host: grid sizes come from host ints (`md.num_tokens`,
-`md.num_seqs`, `md.decode_splits`) and tensor shapes, so a CUDA graph captured over fixed-shape
-metadata buffers replays the same grid whatever the lengths are.
+`md.num_seqs`) and tensor shapes. The decode launch depends only on shapes (batch size and
+block-table width), so a CUDA graph captured over fixed-shape metadata buffers replays the same
+grid whatever the lengths are.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels (CUDA; also runs under TRITON_INTERPRET=1 on CPU).
 
     NOTE: for CUDA-graph decode, pad the batch and keep `block_tables` at a fixed width: the
-    number of KV splits is `md.decode_splits`, or chosen from the token count and
-    `block_tables.shape[1]` when that is None; a padding sequence with seq_len 0 produces
-    zeros. Its padding tokens still go through `store_kv`, so their `slot_mapping` entries
-    must name a slot no real sequence reads (e.g. a reserved block).
+    number of KV splits is chosen from the token count and `block_tables.shape[1]`, and a
+    padding sequence with seq_len 0 produces zeros. Its padding tokens still go through
+    `store_kv`, so their `slot_mapping` entries must name a slot no real sequence reads (e.g. a
+    reserved block).
     """
 
     name = "triton"
@@ -57,9 +58,8 @@ class TritonAttentionBackend(AttentionBackend):
         if md.is_all_decode:
             # One token per sequence: row b of q is sequence b.
             return decode_attention(
-                q, kv_cache, md.seq_lens, md.block_tables, scale,
-                num_splits=md.decode_splits, order=md.decode_order,
-            )  # fmt: skip
+                q, kv_cache, md.seq_lens, md.block_tables, scale, order=md.decode_order
+            )
         return prefill_attention(
             q,
             kv_cache,
@@ -88,5 +88,4 @@ class TritonAttentionBackend(AttentionBackend):
         return decode_attention_qkv(
             qkv, kv_cache, md.seq_lens, md.block_tables, md.slot_mapping[: qkv.shape[0]],
             cos_sin_cache, scale, num_heads, q_norm, k_norm, eps, order=md.decode_order,
-            num_splits=md.decode_splits,
         )  # fmt: skip

@@ -18,10 +18,9 @@ Decode is memory-bound: every step reads each sequence's whole K/V once, and doe
     seq_len = 1000, num_splits = 4, BLOCK_N = 64:  split_len = cdiv(cdiv(1000, 4), 64) * 64 = 256
     splits: [0, 256) [256, 512) [512, 768) [768, 1000)
 
-The caller passes num_splits (the engine: `choose_num_splits` of decode_splits.py, from the
-batch, the block-table width and the step's mean context; a CUDA graph is captured for each
-count it may pick). Left out, it comes from the batch and the block-table width alone. A
-sequence with seq_len 0 gets zeros.
+num_splits depends only on the batch size and the block-table width (the largest context the
+table can describe), never on this step's lengths, so a CUDA graph captured for a padded batch
+launches the same grid on every replay. A sequence with seq_len 0 gets zeros.
 
 3. Longest first. With many sequences there is one split each, and contexts differ (100 to
    2k positions in one batch); the GPU starts programs in grid order as others finish, so a
@@ -38,15 +37,18 @@ sequence with seq_len 0 gets zeros.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from octavo.kernels.decode_splits import choose_num_splits, num_sms
 from octavo.kernels.paged_kv_tile import LOG2E, attend_kv_chunk, check_attention_inputs
 from octavo.kernels.pdl import pdl_args
+
+MIN_SPLIT_LEN = 256  # context positions per split: below this the partial writes dominate
+MAX_SPLITS = 64
 
 
 @triton.jit
@@ -235,6 +237,33 @@ def _decode_reduce_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (132 on an H100 SXM; 132 off-GPU, for tests)."""
+    if device.type != "cuda":
+        return 132
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: int) -> int:
+    """Splits per sequence so that num_seqs * num_kv_heads * splits programs fill the GPU
+    about twice over, with each split at least MIN_SPLIT_LEN positions of the longest context
+    allowed. Depends on shapes only (CUDA-graph safe). A power of two, at most MAX_SPLITS.
+
+    NOTE: the best count also depends on the step's actual lengths, which a CUDA graph cannot
+    see: at batch 28-32 one split beats two by 6-9% at 1k contexts and loses 2-5% at 4k-8k,
+    where four beat both (docs/PERFORMANCE.md, session 16)."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = triton.cdiv(2 * sms, programs)
+    by_length = max(max_context // MIN_SPLIT_LEN, 1)
+    splits = min(wanted, by_length, MAX_SPLITS)
+    return 1 << (splits.bit_length() - 1)  # round down to a power of two
+
+
 def default_decode_config(head_dim: int) -> dict[str, int]:
     """Chunk length and launch knobs of the split kernel."""
     if head_dim <= 128:
@@ -266,7 +295,7 @@ def decode_attention(
         block_tables: [B, max_blocks] int32.
         scale: softmax scale.
         num_splits: KV splits per sequence; default `choose_num_splits` from B and the
-            block-table width (not the lengths), so it is fixed for fixed input shapes.
+            block-table width, so it is fixed for fixed input shapes.
         out: optional [B, H, D] buffer to write into.
         config: optional override of `default_decode_config` (benchmarks sweep it).
         order: optional [B] int32 permutation of the sequences, longest first: programs start

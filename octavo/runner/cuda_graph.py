@@ -8,9 +8,7 @@ step copies its inputs into the front of those buffers and pads the rest.
 Two ladders, each padded differently (runner/inputs.py):
 
     decode  B sequences of one token: B rows; padding rows are sequences of their own
-            (seq_len 1 in the scratch block), through the fused decode kernel. One graph
-            per KV-split count the rule may pick for B (kernels/decode_splits.py): the
-            count follows the step's mean context, and a graph fixes the grid.
+            (seq_len 1 in the scratch block), through the fused decode kernel.
     mixed   T tokens of prompts, chunks and decode rows: T rows, S = min(T, max_num_seqs)
             sequences; padding tokens belong to no sequence and write the scratch block,
             padding sequences have no tokens. Up to `max_mixed_tokens` tokens.
@@ -29,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from octavo.attention.backend import AttentionMetadata
-from octavo.kernels.decode_splits import DecodeSplits
 from octavo.runner.inputs import InputBuilder
 
 logger = logging.getLogger(__name__)
@@ -38,12 +35,11 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class GraphShape:
     """A captured step shape: `num_tokens` rows over `num_seqs` sequences; `decode` if each
-    sequence has one token (the decode ladder), with `splits` KV splits in its attention."""
+    sequence has one token (the decode ladder)."""
 
     num_tokens: int
     num_seqs: int
     decode: bool
-    splits: int | None = None  # decode shapes only
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -77,7 +73,6 @@ class CudaGraphRunner:
         inputs: the persistent input buffers.
         max_num_seqs: the largest decode batch to capture, and the most sequences of a step.
         max_mixed_tokens: the largest mixed step to capture, in tokens (0: none).
-        splits: the decode attention's split rule; a batch gets a graph per count it gives.
     """
 
     def __init__(
@@ -85,18 +80,12 @@ class CudaGraphRunner:
         model: torch.nn.Module,
         inputs: InputBuilder,
         max_num_seqs: int,
-        max_mixed_tokens: int,
-        splits: DecodeSplits,
+        max_mixed_tokens: int = 0,
     ) -> None:
         self.model = model
         self.inputs = inputs
         self.max_num_seqs = max_num_seqs
-        self.splits = splits
-        self.decode_shapes = [
-            GraphShape(b, b, True, s)
-            for b in capture_sizes(max_num_seqs)
-            for s in splits.variants(b)
-        ]
+        self.decode_shapes = [GraphShape(b, b, True) for b in capture_sizes(max_num_seqs)]
         self.mixed_shapes = [
             GraphShape(t, min(t, max_num_seqs), False)
             for t in mixed_capture_sizes(max_mixed_tokens)
@@ -125,7 +114,6 @@ class CudaGraphRunner:
             query_start_loc_cpu=list(range(seqs + 1)) if shape.decode else [0] * (seqs + 1),
             seq_lens_cpu=[max_seq_len] * seqs,
             decode_order=buffers.decode_order[:seqs] if shape.decode else None,
-            decode_splits=shape.splits,
         )
 
     def shapes(self) -> list[GraphShape]:
@@ -175,16 +163,13 @@ class CudaGraphRunner:
             time.perf_counter() - start,
         )  # fmt: skip
 
-    def shape_for(self, num_tokens: int, num_seqs: int, context: int = 0) -> GraphShape | None:
+    def shape_for(self, num_tokens: int, num_seqs: int) -> GraphShape | None:
         """The smallest captured shape a step of `num_tokens` over `num_seqs` sequences pads
-        up to, None if none fits (the step then runs eagerly). A decode step's graph is the
-        one with the split count for the padded batch and the step's mean `context`."""
+        up to, None if none fits (the step then runs eagerly)."""
         if num_seqs > self.max_num_seqs:
             return None
-        if num_tokens != num_seqs:
-            return next((s for s in self.mixed_shapes if s.num_tokens >= num_tokens), None)
-        batch = next(s.num_seqs for s in self.decode_shapes if s.num_seqs >= num_seqs)
-        return GraphShape(batch, batch, True, self.splits.choose(batch, context))
+        ladder = self.decode_shapes if num_tokens == num_seqs else self.mixed_shapes
+        return next((shape for shape in ladder if shape.num_tokens >= num_tokens), None)
 
     def replay(self, shape: GraphShape) -> torch.Tensor:
         """Replays the graph of a captured shape over the buffers. Returns [tokens, hidden]."""

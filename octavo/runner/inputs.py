@@ -126,7 +126,6 @@ class InputBuilder:
         graph: GraphShape | None,
         pending_rows: dict[str, int],
         last_sampled: torch.Tensor | None,
-        decode_splits: int | None = None,
     ) -> StepInputs:
         """Fills the buffers for `scheduled` and returns views of them.
 
@@ -136,7 +135,6 @@ class InputBuilder:
             pending_rows: request id -> its row in `last_sampled`, for requests whose last
                 new token is still on the device (`input_is_pending`).
             last_sampled: the previous step's sampled token ids, on the device.
-            decode_splits: a decode step's KV split count (the graph's, if replayed).
         """
         num_seqs = len(scheduled)
         rows = [self.rows.row(s.request_id, s.block_ids) for s in scheduled]
@@ -182,7 +180,6 @@ class InputBuilder:
             query_start_loc_cpu=cu[: num_seqs + 1].tolist(),
             seq_lens_cpu=seq_lens[:num_seqs].tolist(),
             decode_order=decode_order,
-            decode_splits=decode_splits if num_tokens == num_seqs else None,
         )
         assert md.block_tables.shape[0] == size
         input_ids_dev = self._upload(self.input_ids, input_ids)

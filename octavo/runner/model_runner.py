@@ -12,7 +12,6 @@ import torch
 from octavo.attention.backend import AttentionMetadata, build_metadata, get_attention_backend
 from octavo.attention.layer import bind_kv_caches
 from octavo.engine.scheduler import SchedulerOutput
-from octavo.kernels.decode_splits import DecodeSplits, num_sms
 from octavo.model.hf_config import get_head_dim
 from octavo.model.layers import Linear
 from octavo.model.loader import load_model
@@ -125,7 +124,6 @@ class ModelRunner:
         self.cuda_graph_max_tokens = cuda_graph_max_tokens
         self.graph_runner: CudaGraphRunner | None = None
         self.inputs: InputBuilder | None = None
-        self.decode_splits: DecodeSplits | None = None
         # The previous step's samples on the device: (request id -> row, [R] token ids).
         self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
 
@@ -164,16 +162,13 @@ class ModelRunner:
             self.device,
         )
         self._last_sampled = None
-        self.decode_splits = DecodeSplits(
-            num_kv_heads, max_blocks * self.block_size, num_sms(self.device)
-        )
         if self.use_cuda_graphs:
             max_mixed_tokens = min(self.cuda_graph_max_tokens, max_num_batched_tokens)
             tune_linears(
                 self.model, capture_sizes(max_num_seqs) + mixed_capture_sizes(max_mixed_tokens)
             )
             self.graph_runner = CudaGraphRunner(
-                self.model, self.inputs, max_num_seqs, max_mixed_tokens, self.decode_splits
+                self.model, self.inputs, max_num_seqs, max_mixed_tokens
             )
             self.graph_runner.capture()
         if warm_up and self.device.type == "cuda":
@@ -249,21 +244,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         return self.model(input_ids, positions, md)
 
-    def _plan(self, so: SchedulerOutput) -> tuple[GraphShape | None, int | None]:
-        """The CUDA graph to replay for this step (None: run eagerly), and a decode step's
-        KV split count, which follows its mean context (kernels/decode_splits.py; None for
-        other steps)."""
-        num_seqs = len(so.scheduled)
-        decode = 0 < num_seqs == so.num_batched_tokens
-        context = sum(s.num_computed_tokens for s in so.scheduled) // num_seqs + 1 if decode else 0
-        graph = None
-        if self.graph_runner is not None:
-            graph = self.graph_runner.shape_for(so.num_batched_tokens, num_seqs, context)
-        if not decode:
-            return graph, None
-        if graph is not None:
-            return graph, graph.splits
-        return None, self.decode_splits.choose(num_seqs, context)
+    def _graph_shape(self, so: SchedulerOutput) -> GraphShape | None:
+        """The CUDA graph to replay for this step, if one fits it."""
+        if self.graph_runner is None:
+            return None
+        return self.graph_runner.shape_for(so.num_batched_tokens, len(so.scheduled))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Runs one step and waits for its sampled tokens. See execute_async."""
@@ -280,9 +265,9 @@ class ModelRunner:
         """
         self._copy_blocks(so.block_copies)
         self.inputs.rows.release(so.finished_request_ids + so.preempted_request_ids)
-        graph, splits = self._plan(so)
+        graph = self._graph_shape(so)
         last_rows, last_sampled = self._last_sampled or ({}, None)
-        step = self.inputs.build(so.scheduled, graph, last_rows, last_sampled, splits)
+        step = self.inputs.build(so.scheduled, graph, last_rows, last_sampled)
         if graph is not None:
             hidden = self.graph_runner.replay(graph)
         else:

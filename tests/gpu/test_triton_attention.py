@@ -25,7 +25,11 @@ if not INTERPRET and not torch.cuda.is_available():
 from octavo.attention.backend import AttentionMetadata, build_metadata
 from octavo.attention.torch_backend import reference_attention, write_kv_cache
 from octavo.attention.triton_backend import TritonAttentionBackend
-from octavo.kernels.decode_attention import decode_attention
+from octavo.kernels.decode_attention import (
+    MAX_SPLITS,
+    choose_num_splits,
+    decode_attention,
+)
 from octavo.kernels.prefill_attention import prefill_attention
 from octavo.kernels.store_kv import store_kv
 
@@ -261,6 +265,18 @@ def test_decode_padding_sequence_gives_zeros(num_splits):
     decode_attention(q, cache, seq_lens, md.block_tables, 0.125, num_splits, out=out)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert rel_err(out[0], ref[0]) < TOLERANCE[torch.bfloat16]
+
+
+def test_num_splits_depend_on_shapes_only():
+    """The split count fills ~2 waves of 132 SMs, stays a power of two, and is 1 when the
+    batch alone fills the GPU; it takes no per-step data (so CUDA-graph grids are fixed)."""
+    assert choose_num_splits(256, 8, 1024, 132) == 1
+    assert choose_num_splits(1, 8, 8192, 132) == 32
+    assert choose_num_splits(1, 8, 100, 132) == 1  # too short to be worth splitting
+    for batch in (1, 3, 17, 64):
+        for context in (16, 1000, 40960):
+            splits = choose_num_splits(batch, 8, context, 132)
+            assert 1 <= splits <= MAX_SPLITS and splits & (splits - 1) == 0
 
 
 # ---------------------------------------------------------------- backend

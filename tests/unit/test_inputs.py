@@ -9,7 +9,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from octavo.engine.scheduler import ScheduledRequest
-from octavo.kernels.decode_splits import DecodeSplits
 from octavo.runner.cuda_graph import CudaGraphRunner, GraphShape, mixed_capture_sizes
 from octavo.runner.inputs import InputBuilder
 
@@ -30,9 +29,8 @@ def test_decode_step_with_graph_padding_orders_longest_first():
         scheduled("b", [9], 11, [1, 2, 4]),  # position 11, context 12
         scheduled("c", [4], 0, [6]),  # position 0, context 1
     ]
-    step = builder().build(steps, GraphShape(4, 4, True, 2), {}, None, decode_splits=2)
+    step = builder().build(steps, GraphShape(4, 4, True), {}, None)
     md = step.md
-    assert md.decode_splits == 2
     assert step.input_ids.tolist() == [7, 9, 4, 0]
     assert step.positions.tolist() == [5, 11, 0, 0]
     # slot = block_table[pos // 4] * 4 + pos % 4; the padding row writes the scratch block
@@ -45,9 +43,9 @@ def test_decode_step_with_graph_padding_orders_longest_first():
 
 def test_prefill_step_has_no_decode_order():
     steps = [scheduled("a", [7], 5, [3, 8]), scheduled("b", [1, 2, 3], 0, [5])]
-    step = builder().build(steps, None, {}, None, decode_splits=2)
+    step = builder().build(steps, None, {}, None)
     md = step.md
-    assert md.decode_order is None and md.decode_splits is None
+    assert md.decode_order is None
     assert step.positions.tolist() == [5, 0, 1, 2]
     assert md.query_start_loc.tolist() == [0, 1, 4]
     assert md.slot_mapping.tolist() == [8 * 4 + 1, 20, 21, 22]
@@ -114,17 +112,12 @@ def test_mixed_capture_sizes():
     max_num_seqs=st.integers(1, 64),
     max_mixed=st.integers(0, 600),
     num_tokens=st.integers(1, 700),
-    max_context=st.sampled_from([256, 4096, 40960]),
     data=st.data(),
 )
-def test_shape_for_pads_up_to_a_captured_shape(
-    max_num_seqs, max_mixed, num_tokens, max_context, data
-):
+def test_shape_for_pads_up_to_a_captured_shape(max_num_seqs, max_mixed, num_tokens, data):
     num_seqs = data.draw(st.integers(1, num_tokens))
-    context = data.draw(st.integers(1, max_context))
-    splits = DecodeSplits(num_kv_heads=8, max_context=max_context, sms=132)
-    graphs = CudaGraphRunner(None, None, max_num_seqs, max_mixed, splits)
-    shape = graphs.shape_for(num_tokens, num_seqs, context)
+    graphs = CudaGraphRunner(None, None, max_num_seqs, max_mixed)
+    shape = graphs.shape_for(num_tokens, num_seqs)
     decode = num_tokens == num_seqs
     if shape is None:
         largest = max_num_seqs if decode else max(mixed_capture_sizes(max_mixed), default=0)
@@ -138,5 +131,3 @@ def test_shape_for_pads_up_to_a_captured_shape(
         s.decode == decode and num_tokens <= s.num_tokens < shape.num_tokens
         for s in graphs.shapes()
     )
-    # a decode graph runs the split count of its padded batch at this step's context
-    assert shape.splits == (splits.choose(shape.num_seqs, context) if decode else None)
