@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks.overlap_probe import Probe, probe_cases, time_graph
+import torch
+
+from benchmarks.overlap_probe import BLOCK_SIZE, Probe, probe_cases, time_graph
 from octavo.kernels.decode_attention import choose_num_splits, num_sms
 
 CASES = [("qwen3-8b", 1, 768), ("qwen3-8b", 1, 8192), ("qwen3-0.6b", 1, 256),
@@ -41,7 +43,20 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64)
 MAX_MODEL_LEN = 4096  # or the longest context a case's sequences reach, if more
 
 
-def measure(p: Probe) -> dict:
+def lay_out_in_runs(p: Probe) -> None:
+    """Gives each sequence one run of neighbouring blocks, as a fresh block pool does (the
+    probe's default is a random permutation of the blocks)."""
+    batch, width = p.block_tables.shape
+    blocks = torch.arange(batch * width, dtype=torch.int32, device=p.block_tables.device) + 1
+    p.block_tables = blocks.view(batch, width)
+    last = (p.seq_lens - 1).long()
+    p.slots = p.block_tables.long().gather(1, (last // BLOCK_SIZE)[:, None])[:, 0]
+    p.slots = p.slots * BLOCK_SIZE + last % BLOCK_SIZE
+
+
+def measure(p: Probe, layout: str = "random") -> dict:
+    if layout == "runs":
+        lay_out_in_runs(p)
     mean = int(p.seq_lens.float().mean())
     shape = (p.batch, p.s["kv_heads"], max(MAX_MODEL_LEN, p.context * 3 // 2), num_sms(p.x.device))
     row = {"mean_context": mean, "engine_splits": choose_num_splits(*shape)}
@@ -57,8 +72,13 @@ def measure(p: Probe) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
+    ap.add_argument("--layout", choices=["random", "runs"], default="random")
+    ap.add_argument("--long", action="store_true", help="only the 0.6B's 2k-8k cases at 8-64")
     args = ap.parse_args()
-    rows = probe_cases(CASES, measure)
+    cases = CASES
+    if args.long:
+        cases = [c for c in CASES if c[0] == "qwen3-0.6b" and c[2] >= 2048 and 8 <= c[1] <= 64]
+    rows = probe_cases(cases, lambda p: measure(p, args.layout))
     print(f"\n{'model':11} {'batch':>5} {'ctx':>5} {'mean':>5} {'engine':>6} | "
           + " ".join(f"{f'{s} split':>8}" for s in SPLITS) + " 1,unord   us per layer")  # fmt: skip
     for r in rows:
