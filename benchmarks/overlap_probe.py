@@ -95,8 +95,10 @@ class Probe:
         perm = torch.randperm(batch * width, generator=g, device=dev).to(torch.int32) + 1
         self.block_tables = perm.view(batch, width).contiguous()
         self.seq_lens = lens.to(torch.int32)
-        # The engine's decode steps pass the sequences longest first (decode_attention.py).
-        self.order = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
+        # The engine's decode steps pass the sequences longest first (decode_attention.py);
+        # False launches them in row order. Orders by (first row, end row), made outside graphs.
+        self.ordered = True
+        self._orders: dict[tuple, torch.Tensor] = {}
         last = (lens - 1).long()
         self.slots = self.block_tables.long().gather(1, (last // BLOCK_SIZE)[:, None])[:, 0]
         self.slots = self.slots * BLOCK_SIZE + last % BLOCK_SIZE
@@ -117,9 +119,19 @@ class Probe:
         out = decode_attention_qkv(
             qkv, self.kv[l], self.seq_lens[rows], self.block_tables[rows], self.slots[rows],
             self.cos_sin, s["head_dim"] ** -0.5, s["heads"], p["qn"], p["kn"], EPS,
-            order=self.order if rows == slice(None) else None, num_splits=self.num_splits,
+            order=self.order(rows), num_splits=self.num_splits,
         )  # fmt: skip
         return out.view(qkv.shape[0], -1)
+
+    def order(self, rows: slice) -> torch.Tensor | None:
+        """The rows' sequences by context length, longest first (None when not `ordered`)."""
+        if not self.ordered:
+            return None
+        key = (rows.start, rows.stop)
+        if key not in self._orders:
+            lens = self.seq_lens[rows]
+            self._orders[key] = torch.argsort(lens, descending=True, stable=True).to(torch.int32)
+        return self._orders[key]
 
     def post(self, l: int, a, res):
         p = self.layers[l]
