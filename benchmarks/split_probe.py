@@ -84,8 +84,10 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"\n{'model':11} {'batch':>5} {'ctx':>5} {'mean':>5} {'engine':>6} | "
-          + " ".join(f"{f'{s} split':>8}" for s in SPLITS) + f" {'1,unord':>8}   us per layer")  # fmt: skip
+    head = " ".join(f"{f'{s} split':>8}" for s in SPLITS) + f" {'1,unord':>8}"
+    print(
+        f"\n{'model':11} {'batch':>5} {'ctx':>5} {'mean':>5} {'engine':>6} | {head}   us per layer"
+    )
     for r in rows:
         cells = " ".join(f"{r[f'us_{s}']:8.1f}" for s in SPLITS) + f" {r['us_1_unordered']:8.1f}"
         print(f"{r['model']:11} {r['batch']:5} {r['context']:5} {r['mean_context']:5} "
