@@ -10,7 +10,7 @@ drawn contexts' mean (they are uniform in [ctx/2, 3 ctx/2]).
 
 NOTE: the probe times attention alone, every layer's back to back in one graph. In session
 17 a split count it measured 6-11% faster (more splits at 2k-8k contexts and batches 8-48)
-gained only 1-4% of a step end to end with lengths spread as here, and lost 1.6-12% with
+changed a step by -6% to +1% end to end with lengths spread as here, and lost 1-11% with
 equal lengths (docs/PERFORMANCE.md). The block layout did not explain it: `--layout runs`
 (each sequence's blocks neighbours, as the engine's pool hands them out) agreed with the
 default random permutation within 3%. Confirm a count end to end before adopting it.

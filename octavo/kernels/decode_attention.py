@@ -256,8 +256,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: i
 
     NOTE: the best count also depends on the step's actual lengths, which a CUDA graph cannot
     see. At 8-48 sequences of 2k-8k, more splits ran 6-11% faster alone, but a graph per
-    count chosen from the mean context gained only 1-4% of a step end to end with spread
-    lengths and lost 1.6-12% with equal ones (docs/PERFORMANCE.md, session 17)."""
+    count chosen from the mean context changed a step by -6% to +1% end to end with spread
+    lengths, and lost 1-11% with equal ones (docs/PERFORMANCE.md, session 17)."""
     programs = max(num_seqs * num_kv_heads, 1)
     wanted = triton.cdiv(2 * sms, programs)
     by_length = max(max_context // MIN_SPLIT_LEN, 1)
