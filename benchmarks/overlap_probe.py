@@ -92,22 +92,26 @@ class Probe:
                         device=dev, dtype=dt)
             for _ in range(s["layers"])
         ]  # fmt: skip
-        perm = torch.randperm(batch * width, generator=g, device=dev).to(torch.int32) + 1
-        self.block_tables = perm.view(batch, width).contiguous()
         self.seq_lens = lens.to(torch.int32)
+        perm = torch.randperm(batch * width, generator=g, device=dev).to(torch.int32) + 1
+        self.set_block_tables(perm.view(batch, width).contiguous())
         # The engine's decode steps pass the sequences longest first (decode_attention.py);
         # False launches them in row order. Orders by (first row, end row), made outside graphs.
         self.ordered = True
         self._orders: dict[tuple, torch.Tensor] = {}
-        last = (lens - 1).long()
-        self.slots = self.block_tables.long().gather(1, (last // BLOCK_SIZE)[:, None])[:, 0]
-        self.slots = self.slots * BLOCK_SIZE + last % BLOCK_SIZE
         self.cos_sin = torch.rand(4 * context, s["head_dim"], generator=g, device=dev)
         self.x = w(batch, s["hidden"])
         self.kv_bytes = int(lens.sum()) * s["kv_heads"] * s["head_dim"] * 2 * 2 * s["layers"]
         self.side = torch.cuda.Stream()
         self.num_splits: int | None = None  # None: the kernel's own choice
         self.norms = True  # False: skip the RMSNorm kernels (what removing them would save)
+
+    def set_block_tables(self, block_tables: torch.Tensor) -> None:
+        """[batch, width] int32 block ids of each sequence; the new token's slots follow."""
+        self.block_tables = block_tables
+        last = (self.seq_lens - 1).long()
+        self.slots = block_tables.long().gather(1, (last // BLOCK_SIZE)[:, None])[:, 0]
+        self.slots = self.slots * BLOCK_SIZE + last % BLOCK_SIZE
 
     def pre(self, l: int, x, res):
         p = self.layers[l]

@@ -24,24 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 
-from octavo.engine.builder import resolve_model
-from octavo.entrypoints.bench_throughput import nanovllm_workload
-from octavo.model.hf_config import load_hf_config
+from benchmarks.serial_bounds import recorded_work
+from octavo.entrypoints.bench_floor import DeviceCeilings, SerialWork
 
 
 def schedule_seconds(
-    prompts: list[int],
-    outputs: list[int],
-    order: list[int],
-    floor: dict,
-    head_params: int,
-    cap: int,
-    budget: int,
+    work: SerialWork, ceilings: DeviceCeilings, order: list[int], cap: int, budget: int
 ) -> tuple[float, int]:
     """Modelled seconds and steps of the workload under one admission order and cap."""
-    bandwidth, flops_per_s = floor["copy_bytes_per_s"], floor["matmul_flops"]
-    weight_bytes, kv_per_token = floor["weight_bytes"], floor["kv_bytes_per_token"]
-    params = weight_bytes // 2  # bf16
+    prompts, outputs = work.prompt_lens, work.output_lens
+    bandwidth, flops_per_s = ceilings.copy_bytes_per_s, ceilings.matmul_flops
+    weight_bytes, kv_per_token = work.weight_bytes, work.kv_bytes_per_token
+    params, head_params = work.num_params, work.head_params
     waiting, prefilling, decoding = list(order), {}, {}  # id -> prompt left / tokens out
     seconds, steps = 0.0, 0
     while waiting or prefilling or decoding:
@@ -85,13 +79,11 @@ def main() -> None:
     with open(args.result) as f:
         result = json.load(f)
     floor = result["floor"]
-    cfg = load_hf_config(resolve_model(args.model))
-    head_params = cfg.vocab_size * cfg.hidden_size
-    w = nanovllm_workload()
-    prompts, outputs = [len(p) for p in w.prompts], w.max_tokens
+    work, ceilings = recorded_work(args.model, result)
+    ids = range(len(work.prompt_lens))
     orders = {
-        "first come": list(range(len(prompts))),
-        "longest output first": sorted(range(len(prompts)), key=lambda i: -outputs[i]),
+        "first come": list(ids),
+        "longest output first": sorted(ids, key=lambda i: -work.output_lens[i]),
     }
     measured = result["results"][0]["seconds"]
     print(f"{args.model}, {args.result}: floor {floor['seconds']:.2f} s; octavo measured "
@@ -100,9 +92,7 @@ def main() -> None:
     for cap in args.caps:
         cells = []
         for order in orders.values():
-            seconds, steps = schedule_seconds(
-                prompts, outputs, order, floor, head_params, cap, args.budget
-            )
+            seconds, steps = schedule_seconds(work, ceilings, order, cap, args.budget)
             cells.append(f"{seconds:6.2f} s, {floor['seconds'] / seconds:5.1%}, {steps:4} steps")
         print(f"{cap:>12} | " + " | ".join(f"{c:>28}" for c in cells))
 

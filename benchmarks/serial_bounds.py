@@ -21,15 +21,11 @@ from octavo.entrypoints.bench_throughput import nanovllm_workload
 from octavo.model.hf_config import load_hf_config
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model", help="a bundled config name, e.g. qwen3-8b")
-    parser.add_argument("result", help="a throughput JSON with a 'floor' entry")
-    args = parser.parse_args()
-    with open(args.result) as f:
-        result = json.load(f)
-    floor, seconds = result["floor"], result["results"][0]["seconds"]
-    cfg = load_hf_config(resolve_model(args.model))
+def recorded_work(model: str, result: dict) -> tuple[SerialWork, DeviceCeilings]:
+    """The nano-vllm workload's SerialWork for `model` and the ceilings that a recorded
+    `octavo bench throughput --json` result measured."""
+    floor = result["floor"]
+    cfg = load_hf_config(resolve_model(model))
     w = nanovllm_workload()
     work = SerialWork(
         prompt_lens=[len(p) for p in w.prompts],
@@ -39,7 +35,18 @@ def main() -> None:
         head_params=cfg.vocab_size * cfg.hidden_size,
         kv_bytes_per_token=floor["kv_bytes_per_token"],
     )
-    ceilings = DeviceCeilings(floor["copy_bytes_per_s"], floor["matmul_flops"])
+    return work, DeviceCeilings(floor["copy_bytes_per_s"], floor["matmul_flops"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model", help="a bundled config name, e.g. qwen3-8b")
+    parser.add_argument("result", help="a throughput JSON with a 'floor' entry")
+    args = parser.parse_args()
+    with open(args.result) as f:
+        result = json.load(f)
+    floor, seconds = result["floor"], result["results"][0]["seconds"]
+    work, ceilings = recorded_work(args.model, result)
     serial, fcfs = serial_floor(work, ceilings), fcfs_serial_estimate(work, ceilings)
     print(
         f"{args.model}: floor {floor['seconds']:.2f} s, serial floor {serial:.2f} s "

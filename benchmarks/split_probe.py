@@ -25,7 +25,7 @@ import json
 
 import torch
 
-from benchmarks.overlap_probe import BLOCK_SIZE, Probe, probe_cases, time_graph
+from benchmarks.overlap_probe import Probe, probe_cases, time_graph
 from octavo.kernels.decode_attention import choose_num_splits, num_sms
 
 CASES = [("qwen3-8b", 1, 768), ("qwen3-8b", 1, 8192), ("qwen3-0.6b", 1, 256),
@@ -50,10 +50,7 @@ def lay_out_in_runs(p: Probe) -> None:
     probe's default is a random permutation of the blocks)."""
     batch, width = p.block_tables.shape
     blocks = torch.arange(batch * width, dtype=torch.int32, device=p.block_tables.device) + 1
-    p.block_tables = blocks.view(batch, width)
-    last = (p.seq_lens - 1).long()
-    p.slots = p.block_tables.long().gather(1, (last // BLOCK_SIZE)[:, None])[:, 0]
-    p.slots = p.slots * BLOCK_SIZE + last % BLOCK_SIZE
+    p.set_block_tables(blocks.view(batch, width))
 
 
 def measure(p: Probe, layout: str = "random") -> dict:
