@@ -12,6 +12,8 @@ GREEDY_TEMPERATURE = 1e-5  # a temperature below this means greedy
 MAX_LOGPROBS = 20  # the most top log-probs a request may ask for per token
 MAX_N = 128  # the most completions one request may ask for
 _SEED_MIX = 0x9E3779B97F4A7C15
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class RequestOutputKind(enum.Enum):
@@ -79,11 +81,11 @@ class SamplingParams:
             self.seed = _as_int("seed", self.seed, "an integer or None")
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, _as_float(name, getattr(self, name), "in [-2, 2]", lo=-2, hi=2))
+        # The sampler applies it in float32: a value that rounds to 0 or inf there is refused.
+        allowed = f"a number in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (> 0, float32's range)"
         self.repetition_penalty = _as_float(
-            "repetition_penalty", self.repetition_penalty, "a number > 0", lo=0
+            "repetition_penalty", self.repetition_penalty, allowed, lo=FLOAT32_TINY, hi=FLOAT32_MAX
         )
-        value = self.repetition_penalty
-        _check(value > 0, "repetition_penalty", "a number > 0", value)
 
     def _validate_stopping(self) -> None:
         if self.max_tokens is not None:

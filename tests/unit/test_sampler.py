@@ -215,6 +215,19 @@ def test_penalties_match_the_direct_formula_per_row():
         assert tokens[i] == int(np.argmax(ref)), i
 
 
+def test_repetition_penalty_at_float32_limits_keeps_logits_finite():
+    # 1.2e-38 divides a positive logit past float32's range, 3.4e38 multiplies a negative one.
+    vocab = 8
+    params = [SP(repetition_penalty=r, temperature=0) for r in (1.2e-38, 3.4e38)]
+    logits = torch.tensor([[8.0, -1.0, 0.5, 0.0, 1.0, -3.0, 0.25, 4.0]] * 2)
+    md = build(params, [[0, 1, 3], [1, 3, 5, 7]], [[5], [0]], vocab=vocab)
+    got = apply_penalties(logits, md.penalties)
+    assert torch.isfinite(got).all(), got
+    assert got[0, 0] == torch.finfo(torch.float32).max  # 8 / 1.2e-38, held at the largest
+    assert got[1, 5] == -torch.finfo(torch.float32).max and got[1, 3] == 0  # -3 * 3.4e38
+    assert Sampler()(logits, md).sampled_token_ids.tolist() == [0, 4]
+
+
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     vocab, eos = 20, [3, 7, 25]  # 25 is outside the vocab and ignored
     logits = randn(6, vocab, seed=10, scale=0.5)

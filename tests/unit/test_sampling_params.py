@@ -27,7 +27,7 @@ BAD_VALUES = [
     ("logprobs", [21, 100, -1, 1.5, "5", True]),
     ("presence_penalty", [2.01, -2.5, "0", True, math.inf]),
     ("frequency_penalty", [2.5, -2.01, "0", False, math.nan]),
-    ("repetition_penalty", [0, 0.0, -1, "1", True, math.inf]),
+    ("repetition_penalty", [0, 0.0, -1, "1", True, math.inf, 1e-39, 1e39]),  # float32: 0, inf
 ]
 
 
