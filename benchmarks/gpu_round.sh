@@ -10,6 +10,7 @@
 #           | compile (torch.compile of a layer's work besides attention: compile_probe.py)
 #           | cublaslt (every cuBLASLt algorithm on the decode projections: cublaslt_probe.py)
 #           | l2prefetch (the decode GEMMs with their weights read into L2 first: l2_prefetch_probe.py)
+#           | priority (half batches, attention on a low-priority stream: priority_probe.py)
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
@@ -61,6 +62,7 @@ for stage in $stages; do
     compile) timeout 560 python3 benchmarks/compile_probe.py ${COMPILE_ARGS:-} --json "$OUT/compile_probe.json" 2>&1 | tee "$OUT/compile_probe.log" | grep -v "^{" | tail -8 ;;
     cublaslt) timeout 540 python3 benchmarks/cublaslt_probe.py ${CUBLASLT_ARGS:-} --json "$OUT/cublaslt_probe.json" 2>&1 | tee "$OUT/cublaslt_probe.log" | tail -16 ;;
     l2prefetch) timeout 500 python3 benchmarks/l2_prefetch_probe.py --json "$OUT/l2_prefetch.json" 2>&1 | tee "$OUT/l2_prefetch.log" | grep -v '^{' ;;
+    priority) timeout 500 python3 benchmarks/priority_probe.py --json "$OUT/priority_probe.json" 2>&1 | tee "$OUT/priority_probe.log" | grep -v '^{' ;;
     splits) timeout 300 python3 benchmarks/split_probe.py --json "$OUT/split_probe${TAG:-}.json" 2>&1 | tee "$OUT/split_probe${TAG:-}.log" | tail -12 ;;
     latency) timeout 300 python3 benchmarks/latency.py --model qwen3-8b \
             --json "$OUT/latency_qwen3_8b.json" 2>&1 | tee "$OUT/latency.log" | tail -4 ;;
