@@ -5,10 +5,8 @@ the other half's attention streamed the KV cache. Nothing overlapped: the halves
 took attention plus twice the GEMM time (docs/PERFORMANCE.md). One reading: the attention
 grid holds every SM, and the block scheduler hands a freed SM to attention's next program
 before the other stream's GEMM. CUDA dispatches the programs of a higher-priority stream
-first. PyTorch instantiates its graphs with cudaGraphInstantiateFlagUseNodePriority since
-pull request 167346 (November 2025). Whether a captured kernel keeps its stream's priority is
-not assumed: the `-eager` variants launch the same work without a graph, where the streams'
-priorities hold (they are timed where the device, not the host, sets the pace).
+first. Since torch 2.10, a captured graph keeps each kernel's stream priority
+(cudaGraphInstantiateFlagUseNodePriority).
 
 Here every attention kernel runs on one low-priority stream, in the order A0 B0 A1 B1 ...
 Each half's other kernels run on a high-priority stream of their own, with events between
@@ -19,7 +17,6 @@ them. Variants, each one CUDA graph over `overlap_probe.Probe`'s layers:
     prio        attention on the low-priority stream, the rest high (above)
     prio-flat   the same streams and events, all at the same priority (the control)
     attn, rest  attention alone and everything else alone, whole batch
-    prio-eager, flat-eager   prio and prio-flat launched eagerly (no graph)
 
     PYTHONPATH=. python benchmarks/priority_probe.py [--json out.json]
 """
@@ -68,23 +65,8 @@ class PriorityProbe(Probe):
             main.wait_stream(s)
 
 
-def time_eager(fn, replays: int) -> float:
-    """Mean ms per call of fn launched eagerly, after a warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
-
-
 def measure(p: PriorityProbe, rate: float, replays: int) -> dict:
     return {
-        "prio-eager": time_eager(lambda: p.halves_by_priority(True), replays),
-        "flat-eager": time_eager(lambda: p.halves_by_priority(False), replays),
         "kv_floor_ms": p.kv_bytes / rate * 1e3,
         "serial": time_graph(lambda: p.forward(slice(None)), replays),
         "pingpong": time_graph(lambda: p.two_streams(chained=True), replays),
@@ -105,8 +87,7 @@ def main() -> None:
     cases = [("qwen3-0.6b", b, c) for b, c in ((256, 1024), (128, 1024), (64, 1024), (256, 512))]
     cases += [("qwen3-8b", 256, 1024), ("qwen3-8b", 128, 1024)]
     rows = probe_cases(cases, lambda p: measure(p, rate, args.replays), PriorityProbe)
-    cols = ("kv_floor_ms", "serial", "pingpong", "prio", "prio-flat", "prio-eager",
-            "flat-eager", "attn", "rest")  # fmt: skip
+    cols = ("kv_floor_ms", "serial", "pingpong", "prio", "prio-flat", "attn", "rest")
     print(f"\n{'model':11} {'batch':>5} {'ctx':>5} " + " ".join(f"{c:>11}" for c in cols))
     for r in rows:
         print(f"{r['model']:11} {r['batch']:5} {r['context']:5} "
