@@ -5,8 +5,10 @@ the other half's attention streamed the KV cache. Nothing overlapped: the halves
 took attention plus twice the GEMM time (docs/PERFORMANCE.md). One reading: the attention
 grid holds every SM, and the block scheduler hands a freed SM to attention's next program
 before the other stream's GEMM. CUDA dispatches the programs of a higher-priority stream
-first. Since torch 2.10, a captured graph keeps each kernel's stream priority
-(cudaGraphInstantiateFlagUseNodePriority).
+first. PyTorch instantiates its graphs with cudaGraphInstantiateFlagUseNodePriority since
+pull request 167346 (November 2025). That a captured kernel keeps its stream's priority is
+inferred, not checked: `prio` differs from `prio-flat`, whose graph is the same but for the
+priorities (docs/PERFORMANCE.md, session 18).
 
 Here every attention kernel runs on one low-priority stream, in the order A0 B0 A1 B1 ...
 Each half's other kernels run on a high-priority stream of their own, with events between
