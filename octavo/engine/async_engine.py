@@ -321,7 +321,8 @@ class AsyncEngine:
                         break
                     if self.engine.has_unfinished_requests():
                         self._step()
-                    self._stats = self.engine.get_stats()
+                    else:
+                        self._stats = self.engine.get_stats()
         except BaseException as e:  # a bug in the loop itself: fail every waiter
             logger.exception("the engine loop died")
             self.error = e
@@ -360,6 +361,9 @@ class AsyncEngine:
     def _step(self) -> None:
         fail = functools.partial(self._post, self._fail)
         outputs = step_engine(self.engine, self._live, fail)
+        # The snapshot goes first: whoever holds a step's outputs sees that step's stats
+        # (a finished request's blocks already free), as with the engine process.
+        self._stats = self.engine.get_stats()
         if outputs:
             self._post(self._dispatch, outputs)
 

@@ -53,6 +53,38 @@ def test_build_steps_the_engine_on_the_thread_that_built_it():
     assert not async_engine.is_running
 
 
+def test_a_finished_output_leaves_the_engine_thread_after_its_steps_stats():
+    """Whoever holds a request's last output sees stats in which the request is gone and its
+    blocks are free (the engine process sends both in one message; the thread must update
+    its snapshot before it posts the outputs)."""
+    from octavo.engine.builder import build_engine
+
+    async_engine = AsyncEngine.build(build_engine)
+    free_before = async_engine.stats["kv_blocks_free"]
+    seen: list[dict] = []
+    post = async_engine._post
+
+    def spy(fn, *args):  # runs on the engine thread, as it posts
+        if fn == async_engine._dispatch and any(out.finished for out in args[0]):
+            seen.append(dict(async_engine.stats))
+        post(fn, *args)
+
+    async_engine._post = spy
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def serve_one() -> None:
+        async_engine.start()
+        try:
+            _ = [out async for out in async_engine.generate("Hello there", params, "r")]
+        finally:
+            await async_engine.shutdown()
+
+    asyncio.run(serve_one())
+    assert len(seen) == 1
+    assert seen[0]["num_requests_running"] == 0
+    assert seen[0]["kv_blocks_free"] == free_before
+
+
 def test_build_raises_the_factory_error_on_the_callers_thread():
     def make_engine():
         raise ValueError("no such model: 'nowhere'")
