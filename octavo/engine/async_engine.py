@@ -359,11 +359,13 @@ class AsyncEngine:
                 command.future.set_exception(e)
 
     def _step(self) -> None:
-        fail = functools.partial(self._post, self._fail)
-        outputs = step_engine(self.engine, self._live, fail)
-        # The snapshot goes first: whoever holds a step's outputs sees that step's stats
-        # (a finished request's blocks already free), as with the engine process.
+        failed: list[tuple[list[str], EngineStepError]] = []
+        outputs = step_engine(self.engine, self._live, lambda *failure: failed.append(failure))
+        # The snapshot goes first: whoever holds a step's outputs or failures sees that step's
+        # stats (a finished request's blocks already free), as with the engine process.
         self._stats = self.engine.get_stats()
+        for request_ids, error in failed:
+            self._post(self._fail, request_ids, error)
         if outputs:
             self._post(self._dispatch, outputs)
 

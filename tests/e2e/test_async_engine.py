@@ -53,36 +53,56 @@ def test_build_steps_the_engine_on_the_thread_that_built_it():
     assert not async_engine.is_running
 
 
-def test_a_finished_output_leaves_the_engine_thread_after_its_steps_stats():
-    """Whoever holds a request's last output sees stats in which the request is gone and its
-    blocks are free (the engine process sends both in one message; the thread must update
-    its snapshot before it posts the outputs)."""
+def test_outputs_and_failures_leave_the_engine_thread_after_their_steps_stats():
+    """Whoever holds a request's last output, or its failure, sees stats in which the request
+    is gone and its blocks are free (the engine process sends both in one message; the
+    thread must update its snapshot before it posts them)."""
+    from octavo.engine.async_engine import EngineStepError
     from octavo.engine.builder import build_engine
 
     async_engine = AsyncEngine.build(build_engine)
     free_before = async_engine.stats["kv_blocks_free"]
-    seen: list[dict] = []
+    seen: dict[str, list[dict]] = {"finished": [], "failed": []}
     post = async_engine._post
 
     def spy(fn, *args):  # runs on the engine thread, as it posts
         if fn == async_engine._dispatch and any(out.finished for out in args[0]):
-            seen.append(dict(async_engine.stats))
+            seen["finished"].append(dict(async_engine.stats))
+        elif fn == async_engine._fail:
+            seen["failed"].append(dict(async_engine.stats))
         post(fn, *args)
+
+    calls = []
+
+    def explode_on_second_step(runner):
+        step = runner.execute_async
+
+        def execute_async(*args, **kwargs):  # the request holds blocks when it fails
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("injected failure")
+            return step(*args, **kwargs)
+
+        runner.execute_async = execute_async
 
     async_engine._post = spy
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
-    async def serve_one() -> None:
+    async def serve_two() -> None:
         async_engine.start()
         try:
-            _ = [out async for out in async_engine.generate("Hello there", params, "r")]
+            _ = [out async for out in async_engine.generate("Hello there", params, "ok")]
+            await async_engine.call(lambda engine: explode_on_second_step(engine.runner))
+            with pytest.raises(EngineStepError, match="injected failure"):
+                _ = [out async for out in async_engine.generate("Hello again", params, "bad")]
         finally:
             await async_engine.shutdown()
 
-    asyncio.run(serve_one())
-    assert len(seen) == 1
-    assert seen[0]["num_requests_running"] == 0
-    assert seen[0]["kv_blocks_free"] == free_before
+    asyncio.run(serve_two())
+    assert [len(seen["finished"]), len(seen["failed"])] == [1, 1]
+    for stats in seen["finished"] + seen["failed"]:
+        assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+        assert stats["kv_blocks_free"] == free_before
 
 
 def test_build_raises_the_factory_error_on_the_callers_thread():
