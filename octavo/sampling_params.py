@@ -81,7 +81,7 @@ class SamplingParams:
             self.seed = _as_int("seed", self.seed, "an integer or None")
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, _as_float(name, getattr(self, name), "in [-2, 2]", lo=-2, hi=2))
-        # The sampler applies it in float32: a value that rounds to 0 or inf there is refused.
+        # The sampler applies it in float32: values outside float32's normal range are refused.
         allowed = f"a number in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (> 0, float32's range)"
         self.repetition_penalty = _as_float(
             "repetition_penalty", self.repetition_penalty, allowed, lo=FLOAT32_TINY, hi=FLOAT32_MAX
