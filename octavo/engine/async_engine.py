@@ -21,11 +21,11 @@ import logging
 import queue
 import threading
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from octavo.engine.engine import Engine
+from octavo.engine.engine import Engine, request_id_list
 from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.engine.request import Request
 from octavo.outputs import RequestOutput
@@ -286,11 +286,12 @@ class AsyncEngine:
     def _send(self, command: _Add | _Abort) -> None:
         self._commands.put(command)
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Asks the engine to abort the requests of running generate calls; other ids are
-        ignored. Each such call then yields a last output, finished with reason "abort".
-        Call it on the event loop."""
-        engine_ids = [self._engine_ids[r] for r in request_ids if r in self._engine_ids]
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Asks the engine to abort the requests of running generate calls (one id or
+        several, as `Engine.abort_request`); other ids are ignored. Each such call then
+        yields a last output, finished with reason "abort". Call it on the event loop."""
+        ids = request_id_list(request_ids)
+        engine_ids = [self._engine_ids[r] for r in ids if r in self._engine_ids]
         if engine_ids:
             self._send(_Abort(engine_ids))
 

@@ -30,6 +30,16 @@ from octavo.runner.model_runner import ModelRunner, PendingOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 
+def request_id_list(request_ids: object) -> list[str]:
+    """The ids of an abort: one str or an iterable of them; ValueError for anything else."""
+    ids = [request_ids] if isinstance(request_ids, str) else request_ids
+    if isinstance(ids, Iterable):
+        ids = list(ids)
+    if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
+        raise ValueError("request_ids must be a str or an iterable of str")
+    return ids
+
+
 @dataclass
 class EngineStats:
     num_steps: int = 0
@@ -118,13 +128,8 @@ class Engine:
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Aborts requests by the ids add_request returned (unknown ids are ignored), with
         all their sequences; their KV blocks are freed at once."""
-        ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        if isinstance(ids, Iterable):
-            ids = list(ids)
-        if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
-            raise ValueError("request_ids must be a str or an iterable of str")
         outputs = []
-        for group_id in ids:
+        for group_id in request_id_list(request_ids):
             members = self.outputs.members(group_id)
             aborted = self.scheduler.abort_requests([m.request_id for m in members])
             for request in aborted:

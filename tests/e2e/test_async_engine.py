@@ -177,6 +177,29 @@ def test_a_late_output_of_an_aborted_request_never_reaches_its_ids_next_user():
     asyncio.run(scenario())
 
 
+def test_abort_takes_one_id_or_several_as_the_engine_does():
+    async_engine = AsyncEngine(_fake_engine())
+    async_engine._thread = types.SimpleNamespace(is_alive=lambda: True)  # no real loop
+
+    async def scenario():
+        async_engine._loop = asyncio.get_running_loop()
+        generate = async_engine.generate([1], SamplingParams(max_tokens=2), "req7")
+        waiting = asyncio.ensure_future(anext(generate))
+        await asyncio.sleep(0)
+        assert async_engine._commands.get_nowait().request_id == "0#req7"
+        async_engine.abort("req7")  # one id, not its characters
+        assert async_engine._commands.get_nowait().request_ids == ["0#req7"]
+        async_engine.abort(iter(["unknown", "req7"]))
+        assert async_engine._commands.get_nowait().request_ids == ["0#req7"]
+        for bad in (5, [5], None, ["req7", b"req7"]):
+            with pytest.raises(ValueError, match="request_ids must be a str or an iterable"):
+                async_engine.abort(bad)
+        assert async_engine._commands.empty()
+        waiting.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_serve_in_thread_builds_its_engine_on_the_engine_thread(monkeypatch):
     import uvicorn
 
