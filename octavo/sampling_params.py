@@ -40,7 +40,8 @@ class SamplingParams:
     and normalized to None). `stop` becomes a list of strings and `stop_token_ids` a list of
     ints. Every invalid value raises ValueError naming the field and the allowed values.
 
-    NOTE: validation runs once, in `__post_init__`; fields assigned later are not re-checked.
+    Validation runs at construction and again when an engine takes the request
+    (`validate`), so a field assigned in between is checked too.
     """
 
     n: int = 1
@@ -63,6 +64,11 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks every field, normalizing as at construction; raises ValueError naming
+        the first bad one."""
         self._validate_sampling()
         self._validate_stopping()
         self._validate_outputs()

@@ -99,6 +99,7 @@ class Engine:
         prompt or parameters; the engine is untouched then."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: a field may have been assigned since construction
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
         if params.stop and self.tokenizer is None:

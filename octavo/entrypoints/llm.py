@@ -161,7 +161,7 @@ def _normalize_params(
         if not isinstance(p, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
         if id(p) not in final:
-            final[id(p)] = copy.copy(p)  # not re-validated: the caller's, as they are
+            final[id(p)] = copy.copy(p)  # the engine validates it again as it takes it
             final[id(p)].output_kind = RequestOutputKind.FINAL_ONLY
     return [final[id(p)] for p in params]
 

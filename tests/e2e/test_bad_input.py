@@ -35,6 +35,29 @@ def test_a_lone_surrogate_is_a_value_error(llm):
     _still_generates(llm)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("logprobs", 100_000), ("logprobs", -1), ("stop_token_ids", [None]), ("n", "2"),
+     ("n", 0), ("max_tokens", 0), ("temperature", float("nan"))],
+)  # fmt: skip
+def test_params_changed_after_construction_are_checked_when_added(llm, field, value):
+    """They crashed the step (and the requests batched with it) or passed silently."""
+    engine = llm.engine
+    running = engine.add_request("Hello", SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    bad = SamplingParams(max_tokens=4)
+    setattr(bad, field, value)
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        engine.add_request("Hi", bad)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [(o.request_id, len(o.outputs[0].token_ids)) for o in outputs if o.finished] == [
+        (running.request_id, 3)
+    ]
+    assert _all_free(engine)
+
+
 def test_wrong_kinds_of_params_and_prompts_are_value_errors(llm):
     for params in (BeamSearchParams(beam_width=2, max_tokens=4), 3, {"max_tokens": 4}):
         with pytest.raises(ValueError, match="sampling_params must be"):
