@@ -233,6 +233,11 @@ class Engine:
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            elif stop is not None and request.status is RequestStatus.FINISHED_LENGTH:
+                # The token that reached max_tokens also completed a stop string: the text was
+                # cut there, so report the stop, as vLLM does (the blocks are already free).
+                request.stop_reason = stop
+                request.status = RequestStatus.FINISHED_STOPPED
             if request.is_finished:
                 self._count_outcome(request)
             kind = request.sampling_params.output_kind

@@ -132,6 +132,24 @@ def test_stop_string_ends_the_text_there(llm, chat_prompt_ids):
     assert kept.text == text[: text.index(stop) + len(stop)]
 
 
+def test_a_stop_string_completed_by_the_last_allowed_token_finishes_as_stop(llm):
+    """max_tokens and the stop string end the request on the same token: the text is cut at
+    the stop string, so the reason is "stop" (vLLM's answer), not "length"."""
+    prompt = "The history of the Roman Empire"
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    decode = llm.get_tokenizer().decode
+    text, before_last = decode(ids), decode(ids[:-1])
+    assert text.startswith(before_last) and len(text) > len(before_last)
+    # The shortest tail of the text that starts inside the 7 tokens' text and is nowhere else.
+    stop = next(text[i:] for i in range(len(before_last) - 1, -1, -1) if text.find(text[i:]) == i)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop])
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ids
+    assert out.text == text[: -len(stop)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
 def test_finish_reasons(llm, chat_prompt_ids):
     prompts = prompts_of(chat_prompt_ids)[:1]
     short = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
