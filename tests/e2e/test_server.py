@@ -329,6 +329,13 @@ ERROR_CASES = {
         {"prompt": "hi", "stream_options": {"include_usage": True}},
     ),
     "unknown model": (404, "/v1/completions", {"prompt": "hi", "model": "gpt-17"}),
+    "unknown model with a lone surrogate": (
+        404,
+        "/v1/completions",
+        {"prompt": "hi", "model": "m\ud800"},
+    ),
+    "best_of 0": (400, "/v1/completions", {"prompt": "hi", "best_of": 0}),
+    "best_of below n": (400, "/v1/completions", {"prompt": "hi", "best_of": 1, "n": 3}),
     "unknown chat model": (
         404,
         "/v1/chat/completions",
@@ -340,11 +347,13 @@ ERROR_CASES = {
 @pytest.mark.parametrize("case", list(ERROR_CASES))
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, case):
     status, path, body = ERROR_CASES[case]
+    errors_before = metrics(server).get("octavo_requests_total{outcome=error}", 0)
     # json.dumps writes a lone surrogate as the escape "\ud800", as a client's JSON may.
     raw = json.dumps({"model": MODEL, **body}).encode()
     headers = AUTH | {"Content-Type": "application/json"}
     r = httpx.post(server.url + path, content=raw, headers=headers, timeout=60)
     _assert_error(r, status)
+    assert metrics(server)["octavo_requests_total{outcome=error}"] == errors_before + 1
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
 
 

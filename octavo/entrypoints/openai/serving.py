@@ -39,6 +39,9 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        # A lone surrogate from the request (a model name, say) cannot be encoded as UTF-8:
+        # write it as its escape so the error itself can be sent.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.body = ErrorResponse(

@@ -31,6 +31,9 @@ async def create_completion(
 ) -> Response:
     """Validates the request, runs its prompts, and answers with JSON or an SSE stream."""
     ctx.check_model(req.model)
+    if req.best_of is not None and req.best_of < max(req.n, 1):  # OpenAI's and vLLM's rule
+        message = f"best_of must be an integer >= 1 and >= n ({req.n}), got {req.best_of}"
+        raise OpenAIError(message, param="best_of")
     reject_unsupported(req, echo=req.echo, suffix=req.suffix, best_of=(req.best_of or 1) > 1)
     prompts = _prompt_ids(ctx, req.prompt)
     params = [
