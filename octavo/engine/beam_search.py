@@ -71,7 +71,8 @@ class BeamSearchParams:
       scored at max_tokens when length_penalty > 0 (the best it could ever reach).
     - `include_stop_str_in_output` keeps the EOS token's text in `text`.
 
-    Raises ValueError naming the field for any invalid value.
+    Raises ValueError naming the field for any invalid value, at construction and again when
+    a search starts (`validate`), so a field assigned in between is checked too.
     """
 
     beam_width: int
@@ -83,6 +84,10 @@ class BeamSearchParams:
     early_stopping: EarlyStopping = False
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks every field, normalizing as at construction."""
         self.beam_width = _as_int("beam_width", self.beam_width, 1, MAX_BEAM_WIDTH)
         self.max_tokens = _as_int("max_tokens", self.max_tokens, 1, None)
         for name in ("ignore_eos", "include_stop_str_in_output"):
@@ -280,6 +285,7 @@ def beam_search(
     if not isinstance(params, BeamSearchParams):
         kind = type(params).__name__
         raise ValueError(f"params must be BeamSearchParams, got {kind}")  # noqa: TRY004
+    params.validate()  # again: a field may have been assigned since construction
     if engine.has_unfinished_requests():
         raise RuntimeError("beam search needs an engine with no other requests")
     instances = _add_prompts(engine, prompts, params, id_prefix)

@@ -58,6 +58,19 @@ def test_params_changed_after_construction_are_checked_when_added(llm, field, va
     assert _all_free(engine)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("beam_width", 0), ("beam_width", 10**6), ("max_tokens", -1), ("length_penalty", "x")],
+)
+def test_beam_params_changed_after_construction_are_checked(llm, field, value):
+    """They gave no sequences, ran anyway, raised TypeError, or named another field."""
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        llm.beam_search(["Hi"], params)
+    _still_generates(llm)
+
+
 def test_wrong_kinds_of_params_and_prompts_are_value_errors(llm):
     for params in (BeamSearchParams(beam_width=2, max_tokens=4), 3, {"max_tokens": 4}):
         with pytest.raises(ValueError, match="sampling_params must be"):
