@@ -166,7 +166,7 @@ class IncrementalDetokenizer:
             return None
         old_length = len(self.output_text)
         self.output_text += text
-        if not self.stop or len(self.output_token_ids) < self.min_tokens:
+        if not self.stop or len(self.output_token_ids) <= self.min_tokens:  # as stop ids, vLLM
             return None
         return self._find_stop(old_length)
 

@@ -249,9 +249,12 @@ def test_min_tokens_delays_stop_checks(smollm2_tokenizer):
     tok = smollm2_tokenizer
     ids = encode(tok, STORY)
     first_mat = next(i for i in range(len(ids)) if "mat" in tok.decode(ids[: i + 1]))
-    detok, _, stop = stream(tok, ids, stop=["mat"], min_tokens=first_mat + 2)
-    assert stop == "mat"
-    assert detok.output_text == "The cat sat on the mat. Then the cat slept on the "
+    for min_tokens in (first_mat + 1, first_mat + 2):  # its token is one of the first ones
+        detok, _, stop = stream(tok, ids, stop=["mat"], min_tokens=min_tokens)
+        assert stop == "mat"
+        assert detok.output_text == "The cat sat on the mat. Then the cat slept on the "
+    detok, _, stop = stream(tok, ids, stop=["mat"], min_tokens=first_mat)  # the next one
+    assert detok.output_text == "The cat sat on the "
     detok, _, stop = stream(tok, ids, stop=["mat"], min_tokens=len(ids) + 1)
     assert stop is None and detok.output_text == STORY
 
