@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from octavo.engine.detokenizer import IncrementalDetokenizer
-from octavo.engine.request import Request
+from octavo.engine.request import Request, RequestStatus
 from octavo.outputs import CompletionOutput, Logprob, RequestOutput
 from octavo.runner.model_runner import TokenLogprobs
 from octavo.sampling_params import RequestOutputKind
@@ -78,6 +78,9 @@ class OutputProcessor:
             state.cumulative_logprob += entries[0][1]
         if state.detokenizer is None:
             return None
+        stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED  # EOS or a stop id
+        if stopped_by_token and not request.sampling_params.include_stop_str_in_output:
+            return None  # its text stays out of the output, as in vLLM (its id stays in)
         return state.detokenizer.update([request.output_token_ids[-1]])
 
     def _decode_one(self, token_id: int) -> str | None:

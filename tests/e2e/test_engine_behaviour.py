@@ -150,6 +150,28 @@ def test_a_stop_string_completed_by_the_last_allowed_token_finishes_as_stop(llm)
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
 
 
+def test_the_token_that_stops_a_request_stays_out_of_its_text(llm, chat_prompt_ids):
+    """EOS or a stop id: its id ends token_ids, its text is not in `text` (vLLM's rule)
+    unless include_stop_str_in_output."""
+    prompt = "The capital of France is"
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    decode = llm.get_tokenizer().decode
+    j = next(j for j in range(1, 6) if decode([ids[j]]).strip() and ids[j] not in ids[:j])
+    for keep in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[ids[j]],
+                                include_stop_str_in_output=keep)  # fmt: skip
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == ids[: j + 1]
+        assert (out.finish_reason, out.stop_reason) == ("stop", ids[j])
+        assert out.text == decode(ids[: j + 1 if keep else j])
+    chat = prompts_of(chat_prompt_ids)[:1]
+    params = SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False)
+    out = llm.generate(chat, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.scheduler.eos_token_ids
+    assert out.text == decode(out.token_ids[:-1], skip_special_tokens=False)  # no <|im_end|>
+
+
 def test_finish_reasons(llm, chat_prompt_ids):
     prompts = prompts_of(chat_prompt_ids)[:1]
     short = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
