@@ -218,6 +218,22 @@ def test_completion_logprobs_shape(client):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(client):
+    """vLLM's and OpenAI's legacy shape: the sampled token first, then the k most likely
+    others, so k + 1 entries when it is not among them; logprobs=0 gives it alone."""
+    for k in (0, 2):
+        out = client.completions.create(
+            model=MODEL, prompt=PROMPTS[5], max_tokens=24, temperature=5.0, seed=3, logprobs=k
+        )
+        lp = out.choices[0].logprobs
+        for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert next(iter(top.items())) == (token, chosen)
+            others = list(top.values())[1:]
+            assert len(others) == k - 1 or (len(others) == k and min(others, default=0) >= chosen)
+        if k:  # a hot temperature samples unlikely tokens: some fall outside the top k
+            assert any(len(top) == k + 1 for top in lp.top_logprobs)
+
+
 def test_chat_logprobs_shape(client):
     out = client.chat.completions.create(
         model=MODEL,

@@ -76,16 +76,19 @@ def _top(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 def completion_logprobs(
     token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int, text_offset: int
 ) -> CompletionLogprobs:
-    """The legacy shape: tokens, token_logprobs, top_logprobs (k per token), text_offset."""
+    """The legacy shape: tokens, token_logprobs, top_logprobs, text_offset. A token's
+    top_logprobs hold the sampled token first, then the k most likely others (k + 1 when it
+    is not among them; just the sampled token when k is 0), as vLLM and OpenAI's legacy
+    API give them."""
     result = CompletionLogprobs()
     for token_id, entries in zip(token_ids, logprobs, strict=False):
         chosen = entries.get(token_id)
         text = _token_text(token_id, chosen)
         result.tokens.append(text)
         result.token_logprobs.append(None if chosen is None else chosen.logprob)
-        result.top_logprobs.append(
-            {_token_text(t, lp): lp.logprob for t, lp in _top(entries, k)} if k else None
-        )
+        top = [] if chosen is None else [(token_id, chosen)]
+        top += [(t, lp) for t, lp in _top(entries, k) if t != token_id]
+        result.top_logprobs.append({_token_text(t, lp): lp.logprob for t, lp in top[: k + 1]})
         result.text_offset.append(text_offset)
         text_offset += len(text)
     return result
