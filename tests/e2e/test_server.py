@@ -184,6 +184,25 @@ def test_stop_string_cuts_the_text(client):
     )
     assert cut.choices[0].text == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].model_extra["stop_reason"] == stop  # vLLM's field
+
+
+def test_stop_reason_names_the_stop_id_streamed_or_whole(server, llm):
+    """vLLM's `stop_reason`: the stop token id (or string) that ended a choice."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = server.ctx.engine.call_sync(lambda _: llm.generate(PROMPTS[3], params, use_tqdm=False))
+    ids = ref[0].outputs[0].token_ids
+    stop_id = ids[next(j for j in range(1, 8) if ids[j] not in ids[:j])]
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0,
+            "stop_token_ids": [stop_id]}  # fmt: skip
+    url = server.url + "/v1/completions"
+    whole = httpx.post(url, json=body, headers=AUTH, timeout=60).json()["choices"][0]
+    assert (whole["finish_reason"], whole["stop_reason"]) == ("stop", stop_id)
+    with httpx.stream("POST", url, json=body | {"stream": True}, headers=AUTH, timeout=60) as r:
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data: {")]
+    last = events[-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop_id)
+    assert all(e["choices"][0]["stop_reason"] is None for e in events[:-1])
 
 
 def test_seeded_sampling_repeats(client):

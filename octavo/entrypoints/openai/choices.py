@@ -29,6 +29,7 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -51,7 +52,11 @@ class ChoiceTracker:
             if c.finish_reason is not None:
                 self._finished.add(index)
             if c.text or c.token_ids or c.finish_reason:
-                deltas.append(ChoiceDelta(index, c.text, c.token_ids, c.logprobs, c.finish_reason))
+                deltas.append(
+                    ChoiceDelta(
+                        index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason
+                    )
+                )
         return deltas
 
     def usage(self) -> UsageInfo:

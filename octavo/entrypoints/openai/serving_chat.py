@@ -80,6 +80,7 @@ async def create_chat_completion(
                 message=AssistantMessage(content=d.text),
                 logprobs=formatter.logprobs(d),
                 finish_reason=d.finish_reason,
+                stop_reason=d.stop_reason,
             )
             for d in deltas
         ],
@@ -134,6 +135,7 @@ class _Formatter:
             delta=DeltaMessage(role=role, content=delta.text),
             logprobs=self.logprobs(delta),
             finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
         )
 
     async def stream(

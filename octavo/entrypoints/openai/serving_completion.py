@@ -106,6 +106,7 @@ class _Formatter:
             text=delta.text,
             logprobs=logprobs,
             finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
         )
 
     async def stream(
