@@ -56,9 +56,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then
-        generates. A conversation is a list of {"role": ..., "content": ...}."""
+        generates. A conversation is a list of {"role": ..., "content": ...}.
+        `continue_final_message` (with add_generation_prompt=False) has the model continue
+        the last message instead of starting a new turn, as in vLLM."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template, and this model has none")
@@ -66,7 +69,11 @@ class LLM:
             raise ValueError("messages must be a non-empty list of conversations or messages")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [
-            {"prompt_token_ids": apply_chat_template(tokenizer, conv, add_generation_prompt)}
+            {
+                "prompt_token_ids": apply_chat_template(
+                    tokenizer, conv, add_generation_prompt, continue_final_message
+                )
+            }
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -177,6 +177,7 @@ def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase | None,
     messages: list[dict],
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Renders one conversation with the model's chat template and tokenizes it.
 
@@ -186,6 +187,9 @@ def apply_chat_template(
             the template.
         add_generation_prompt: end with the header of an assistant turn, so that the model
             writes the reply.
+        continue_final_message: leave the last message open (no end-of-turn token), so that
+            the model continues it, e.g. a partly written assistant reply. Not together with
+            add_generation_prompt.
 
     Returns:
         The prompt's token ids (the template writes the special tokens itself, so the
@@ -197,6 +201,11 @@ def apply_chat_template(
     """
     import jinja2
 
+    if add_generation_prompt and continue_final_message:
+        raise ValueError(
+            "continue_final_message and add_generation_prompt cannot both be true: the one "
+            "continues the last message, the other starts a new assistant turn"
+        )
     if tokenizer is None or not tokenizer.chat_template:
         raise ValueError(
             "this model has no chat template: use generate() with a plain prompt instead"
@@ -204,7 +213,10 @@ def apply_chat_template(
     _check_messages(messages)
     try:
         text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template rejected the conversation: {e}") from e

@@ -205,6 +205,43 @@ def test_stop_reason_names_the_stop_id_streamed_or_whole(server, llm):
     assert all(e["choices"][0]["stop_reason"] is None for e in events[:-1])
 
 
+def test_vllm_extra_fields_are_honoured(server, llm):
+    """include_stop_str_in_output, skip_special_tokens and continue_final_message were
+    accepted and ignored."""
+    chat_url, url = server.url + "/v1/chat/completions", server.url + "/v1/completions"
+
+    def post(url, body):
+        r = httpx.post(url, json={"model": MODEL, "temperature": 0} | body, headers=AUTH,
+                       timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    text = post(url, {"prompt": PROMPTS[3], "max_tokens": 12})["text"]
+    stop = text[4:7]
+    kept = post(url, {"prompt": PROMPTS[3], "max_tokens": 12, "stop": [stop],
+                      "include_stop_str_in_output": True})  # fmt: skip
+    assert kept["text"] == text[: text.index(stop) + len(stop)]
+    hello = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 64}
+    special = post(chat_url, hello | {"skip_special_tokens": False,
+                                      "include_stop_str_in_output": True})  # fmt: skip
+    plain = post(chat_url, hello | {"include_stop_str_in_output": True})
+    assert special["message"]["content"] == plain["message"]["content"] + "<|im_end|>"
+    conversation = [{"role": "user", "content": "Name a colour."},
+                    {"role": "assistant", "content": "The colour is a"}]  # fmt: skip
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    cont = post(chat_url, {"messages": conversation, "max_tokens": 8} | flags)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    ref = server.ctx.engine.call_sync(
+        lambda _: llm.chat(conversation, params, use_tqdm=False, **flags)
+    )[0].outputs[0]
+    fresh = post(chat_url, {"messages": conversation, "max_tokens": 8})
+    assert cont["message"]["content"] == ref.text != fresh["message"]["content"]
+    both = {"messages": conversation, "continue_final_message": True}
+    r = httpx.post(chat_url, json={"model": MODEL} | both, headers=AUTH, timeout=60)
+    _assert_error(r, 400)
+    assert r.json()["error"]["param"] == "continue_final_message"
+
+
 def test_seeded_sampling_repeats(client):
     def sample():
         return (

@@ -71,6 +71,9 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # declared so that it is refused, not ignored
+    # vLLM's extensions, honoured as vLLM does.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     @property
     def include_usage(self) -> bool:
@@ -108,6 +111,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # vLLM's
+    continue_final_message: bool = False  # vLLM's
 
 
 # ---- responses ----------------------------------------------------------------------------

@@ -200,6 +200,8 @@ def sampling_params(
         "max_tokens": max_tokens,
         "ignore_eos": req.ignore_eos,
         "logprobs": logprobs,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "skip_special_tokens": req.skip_special_tokens,
         # What is new in each step: a step's message from the engine process stays small,
         # whatever the lengths so far (choices.py turns deltas into chunks).
         "output_kind": RequestOutputKind.DELTA,

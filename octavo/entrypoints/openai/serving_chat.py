@@ -41,8 +41,16 @@ async def create_chat_completion(
     reject_unsupported(req, tools=req.tools, response_format=fmt != "text")
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
+    if req.add_generation_prompt and req.continue_final_message:
+        message = "`continue_final_message` needs `add_generation_prompt` set to false"
+        raise OpenAIError(message, param="continue_final_message")
     try:
-        prompt = apply_chat_template(ctx.tokenizer, [_message_dict(m) for m in req.messages])
+        prompt = apply_chat_template(
+            ctx.tokenizer,
+            [_message_dict(m) for m in req.messages],
+            req.add_generation_prompt,
+            req.continue_final_message,
+        )
     except ValueError as e:
         raise OpenAIError(str(e), param="messages") from e
     max_tokens = (
