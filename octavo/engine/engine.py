@@ -148,7 +148,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
-            return prompt, encode_text(self.tokenizer, prompt)
+            return prompt, encode_text(self.tokenizer, prompt, add_special_tokens=True)
         # NOTE: set(map(type, ...)) walks the list in C: prompts are 100k+ tokens at times.
         if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:
             return None, list(prompt)

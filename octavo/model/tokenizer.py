@@ -149,9 +149,14 @@ def eos_token_ids(
 
 
 def encode_text(
-    tokenizer: PreTrainedTokenizerBase, text: str, what: str = "the prompt"
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    what: str = "the prompt",
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """`text`'s token ids, without special tokens, as the engine tokenizes a prompt.
+    """`text`'s token ids. A plain prompt takes the special tokens the tokenizer adds (a
+    BOS, for Llama 3) with `add_special_tokens`, as vLLM and HF do; text a chat template
+    rendered already has them.
 
     Raises:
         ValueError: `text` is not valid Unicode: a lone surrogate such as "\\ud800", which
@@ -160,7 +165,7 @@ def encode_text(
     problem = _unicode_problem(text)
     if problem is not None:
         raise ValueError(f"{what}{problem}")
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _unicode_problem(text: str) -> str | None:

@@ -172,6 +172,35 @@ def test_the_token_that_stops_a_request_stays_out_of_its_text(llm, chat_prompt_i
     assert out.text == decode(out.token_ids[:-1], skip_special_tokens=False)  # no <|im_end|>
 
 
+def test_a_plain_prompt_gets_the_special_tokens_its_tokenizer_adds(llm, chat_prompt_ids):
+    """A tokenizer that adds a BOS (Llama 3's) gets it on a text prompt, from LLM.generate
+    and from /v1/completions, as in vLLM and HF; a chat template's rendering gets none."""
+    import copy
+    import types
+
+    from tokenizers.processors import TemplateProcessing
+
+    from octavo.entrypoints.openai.serving_completion import _prompt_ids
+
+    tokenizer = llm.get_tokenizer()
+    with_bos = copy.deepcopy(tokenizer)
+    bos = with_bos.convert_tokens_to_ids("<|im_start|>")
+    with_bos.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+    )
+    plain = tokenizer.encode("Hello there", add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm.engine.tokenizer = with_bos
+    try:
+        (out,) = llm.generate("Hello there", params, use_tqdm=False)
+        (chat,) = llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False)
+    finally:
+        llm.engine.tokenizer = tokenizer
+    assert out.prompt_token_ids == [bos, *plain]
+    assert chat.prompt_token_ids.count(bos) == chat_prompt_ids[0].count(bos)  # the template's
+    assert _prompt_ids(types.SimpleNamespace(tokenizer=with_bos), "Hello there") == [[bos, *plain]]
+
+
 def test_finish_reasons(llm, chat_prompt_ids):
     prompts = prompts_of(chat_prompt_ids)[:1]
     short = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)

@@ -75,7 +75,7 @@ def _prompt_ids(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
             if ctx.tokenizer is None:
                 raise OpenAIError("this model has no tokenizer: send token ids", param="prompt")
             try:
-                p = encode_text(ctx.tokenizer, p)
+                p = encode_text(ctx.tokenizer, p, add_special_tokens=True)
             except ValueError as e:
                 raise OpenAIError(str(e), param="prompt") from None
         if not p:
