@@ -11,7 +11,6 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this means greedy
 MAX_LOGPROBS = 20  # the most top log-probs a request may ask for per token
 MAX_N = 128  # the most completions one request may ask for
-_SEED_MIX = 0x9E3779B97F4A7C15
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -146,12 +145,13 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def for_sample(self, index: int) -> SamplingParams:
-        """The settings of completion `index` of an n > 1 request: n = 1 and, with a seed, a
-        seed of its own, so the n samples are reproducible and differ from each other."""
+        """The settings of completion `index` of an n > 1 request: n = 1 and, with a seed,
+        seed + index, as vLLM gives them. So the n samples are reproducible and differ from
+        each other, and sample i is what an n = 1 request with seed + i would draw."""
         child = copy.deepcopy(self)
         child.n = 1
         if self.seed is not None:
-            child.seed = (self.seed * _SEED_MIX + index + 1) % (1 << 63)
+            child.seed = self.seed + index
         return child
 
 

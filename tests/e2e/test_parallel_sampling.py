@@ -40,6 +40,19 @@ def test_n4_outputs_are_seeded_reproducible_and_different(llm, chat_prompt_ids):
     assert [c.token_ids for c in other_seed.outputs] != [c.token_ids for c in first.outputs]
 
 
+def test_sample_i_of_a_seeded_n_request_is_the_n1_request_with_seed_plus_i(llm, chat_prompt_ids):
+    """vLLM's rule: completion i of n draws with seed + i, so n = 3 with seed 5 gives what
+    three n = 1 requests with seeds 5, 6 and 7 give."""
+    prompt = {"prompt_token_ids": chat_prompt_ids[1]}
+    kwargs = {"temperature": 0.9, "max_tokens": 12, "ignore_eos": True}
+    (n3,) = llm.generate(prompt, SamplingParams(n=3, seed=5, **kwargs), use_tqdm=False)
+    singles = llm.generate(
+        [prompt] * 3, [SamplingParams(seed=s, **kwargs) for s in (5, 6, 7)], use_tqdm=False
+    )
+    assert [c.token_ids for c in n3.outputs] == [o.outputs[0].token_ids for o in singles]
+    assert len({tuple(c.token_ids) for c in n3.outputs}) > 1
+
+
 def test_n4_uses_three_prompt_copies_fewer_blocks(llm_no_prefix_cache, chat_prompt_ids):
     llm = llm_no_prefix_cache
     prompt_ids = chat_prompt_ids[2]

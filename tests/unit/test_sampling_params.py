@@ -52,13 +52,11 @@ def test_parallel_sampling_up_to_max_n_is_accepted(n):
     assert SamplingParams(n=n).n == n
 
 
-def test_for_sample_gives_each_completion_n_1_and_its_own_reproducible_seed():
+def test_for_sample_gives_completion_i_n_1_and_seed_plus_i_as_vllm():
     p = SamplingParams(n=4, seed=11, top_k=5)
     children = [p.for_sample(i) for i in range(4)]
     assert all(c.n == 1 and c.top_k == 5 for c in children) and p.n == 4
-    seeds = [c.seed for c in children]
-    assert len(set(seeds + [p.seed])) == 5 and all(0 <= s < 2**63 for s in seeds)
-    assert seeds == [p.for_sample(i).seed for i in range(4)]
+    assert [c.seed for c in children] == [11, 12, 13, 14]
     assert SamplingParams(n=3).for_sample(2).seed is None
 
 
