@@ -118,7 +118,11 @@ def test_chat_whole_and_streamed_match_llm_chat(server, client, llm):
     ref = server.ctx.engine.call_sync(lambda _: llm.chat(messages, params, use_tqdm=False))[0]
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == ref.outputs[0].text
-    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (chunks[0].choices[0].delta.role, chunks[0].choices[0].delta.content) == (
+        "assistant",
+        "",
+    )  # a role-only chunk opens the choice, as OpenAI's and vLLM's do
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
     assert chunks[-1].choices[0].finish_reason == ref.outputs[0].finish_reason
 
@@ -172,6 +176,35 @@ def test_stream_usage_and_ignore_eos(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert all(c.usage is None for c in chunks[:-1])
     assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def stream_events(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json=body, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_chunks_open_with_the_role_and_carry_usage_as_openai(server, include_usage):
+    """Chat: each of the n choices opens with a role-only chunk. Both endpoints: `usage` is
+    absent from chunks without include_usage; with it, null in every chunk but the last,
+    which holds the totals and no choices."""
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    common = {"model": MODEL, "max_tokens": 6, "temperature": 1, "seed": 3, "n": 2,
+              "ignore_eos": True, "stream": True} | options  # fmt: skip
+    messages = [{"role": "user", "content": "Name a color."}]
+    chat = stream_events(server, "/v1/chat/completions", common | {"messages": messages})
+    text = stream_events(server, "/v1/completions", common | {"prompt": PROMPTS[0]})
+    opening = [(e["choices"][0]["index"], e["choices"][0]["delta"]) for e in chat[:2]]
+    assert opening == [(0, {"role": "assistant", "content": ""}),
+                       (1, {"role": "assistant", "content": ""})]  # fmt: skip
+    assert all(e["choices"][0]["delta"]["role"] is None for e in chat[2:] if e["choices"])
+    for events in (chat, text):
+        if include_usage:
+            assert all("usage" in e and e["usage"] is None for e in events[:-1])
+            assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+        else:
+            assert not any("usage" in e for e in events)
 
 
 def test_stop_string_cuts_the_text(client):

@@ -240,9 +240,11 @@ def reject_unsupported(req: SamplingRequest, **settings: Any) -> None:
 
 
 def sse(payload: BaseModel | dict) -> str:
-    """One server-sent event; OpenAI streams end with `data: [DONE]`."""
+    """One server-sent event; OpenAI streams end with `data: [DONE]`. A chunk leaves out
+    `usage` unless it was set: OpenAI sends it only with include_usage."""
     if isinstance(payload, BaseModel):
-        return f"data: {payload.model_dump_json(exclude_unset=False)}\n\n"
+        unset = "usage" in type(payload).model_fields and "usage" not in payload.model_fields_set
+        return f"data: {payload.model_dump_json(exclude={'usage'} if unset else None)}\n\n"
     return f"data: {json.dumps(payload)}\n\n"
 
 

@@ -127,7 +127,6 @@ class _Formatter:
         self.model = model
         self.request_id = request_id
         self.num_logprobs = num_logprobs
-        self.started: set[int] = set()
 
     def logprobs(self, delta: ChoiceDelta):
         if delta.logprobs is None or self.num_logprobs is None:
@@ -135,12 +134,9 @@ class _Formatter:
         return chat_logprobs(delta.token_ids, delta.logprobs, self.num_logprobs)
 
     def chunk_choice(self, delta: ChoiceDelta) -> ChatChunkChoice:
-        # The first chunk of each choice carries the role, as OpenAI's do.
-        role = None if delta.index in self.started else "assistant"
-        self.started.add(delta.index)
         return ChatChunkChoice(
             index=delta.index,
-            delta=DeltaMessage(role=role, content=delta.text),
+            delta=DeltaMessage(content=delta.text),
             logprobs=self.logprobs(delta),
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
@@ -152,10 +148,27 @@ class _Formatter:
         tracker: ChoiceTracker,
         include_usage: bool,
     ) -> AsyncIterator[ChatCompletionChunk]:
+        """The chunks of a streamed reply. Each choice opens with a chunk holding only the
+        role, sent with the engine's first output (as OpenAI and vLLM send it); then its
+        text. With include_usage every chunk has `usage`: null, and a last one without
+        choices holds the totals."""
+        usage = {"usage": None} if include_usage else {}
+        opened = False
         async for prompt_index, out in outputs:
+            if not opened:
+                opened = True
+                for index in range(tracker.n):
+                    role = DeltaMessage(role="assistant", content="")
+                    choice = ChatChunkChoice(index=index, delta=role)
+                    yield ChatCompletionChunk(
+                        id=self.request_id, model=self.model, choices=[choice], **usage
+                    )
             for delta in tracker.update(prompt_index, out):
                 yield ChatCompletionChunk(
-                    id=self.request_id, model=self.model, choices=[self.chunk_choice(delta)]
+                    id=self.request_id,
+                    model=self.model,
+                    choices=[self.chunk_choice(delta)],
+                    **usage,
                 )
         if include_usage:
             yield ChatCompletionChunk(

@@ -112,10 +112,13 @@ class _Formatter:
     async def stream(
         self, outputs: AsyncIterator[tuple[int, RequestOutput]], tracker: ChoiceTracker
     ) -> AsyncIterator[CompletionResponse]:
+        """The chunks of a streamed completion. With include_usage every chunk has `usage`:
+        null, and a last one without choices holds the totals."""
+        usage = {"usage": None} if self.req.include_usage else {}
         async for prompt_index, out in outputs:
             for delta in tracker.update(prompt_index, out):
                 yield CompletionResponse(
-                    id=self.request_id, model=self.model, choices=[self.choice(delta)]
+                    id=self.request_id, model=self.model, choices=[self.choice(delta)], **usage
                 )
         if self.req.include_usage:
             yield CompletionResponse(
