@@ -3,8 +3,6 @@ token, with HF loading (and dequantizing) the same GGUF file itself."""
 
 from __future__ import annotations
 
-
-import pytest
 import torch
 
 from octavo import SamplingParams
