@@ -15,6 +15,7 @@ from octavo.model import tokenizer as tokenizer_module
 from octavo.model.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
 from octavo.model.tokenizer import (
     apply_chat_template,
+    encode_text,
     eos_token_ids,
     load_tokenizer,
 )
@@ -106,6 +107,46 @@ def test_a_converted_gguf_tokenizer_is_cached_on_disk(smollm2_path, monkeypatch,
         converted.eos_token_id, converted.all_special_ids
     )  # fmt: skip
     assert apply_chat_template(cached, USER) == apply_chat_template(converted, USER)
+
+
+def write_byte_level_gguf(path, add_bos_token: bool | None) -> None:
+    """A GGUF holding only a Llama 3 style tokenizer: the 256 byte tokens, "hi", a BOS and an
+    EOS, and `tokenizer.ggml.add_bos_token` when it is not None."""
+    from gguf import GGUFWriter
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    tokens = [byte_chars[b] for b in range(256)] + ["hi", "<|begin_of_text|>", "<|end_of_text|>"]
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 257 + [3, 3])  # normal, then control
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_merges(["h i"])
+    writer.add_bos_token_id(257)
+    writer.add_eos_token_id(258)
+    if add_bos_token is not None:
+        writer.add_add_bos_token(add_bos_token)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("add_bos_token", [True, False, None])
+def test_a_gguf_tokenizer_adds_bos_as_its_metadata_says(monkeypatch, tmp_path, add_bos_token):
+    """A Llama 3 GGUF sets tokenizer.ggml.add_bos_token: a plain prompt then starts with
+    BOS, as llama.cpp and vLLM give it, whether converted now or read from the disk cache."""
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tok.gguf"
+    write_byte_level_gguf(path, add_bos_token)
+    expected = [257, 256] if add_bos_token else [256]
+    for _ in ("converted", "cached"):
+        tok = tokenizer_module._load_cached.__wrapped__(os.path.realpath(path))
+        assert encode_text(tok, "hi", add_special_tokens=True) == expected
+        assert encode_text(tok, "hi") == [256]  # a rendered chat takes none
+    assert os.listdir(tmp_path / "cache" / "tokenizers")
 
 
 def test_the_tokenizer_cache_key_and_its_failures(smollm2_path, monkeypatch, tmp_path):
