@@ -18,6 +18,9 @@ class Logprob:
 
 # One dict per generated token: the sampled token and the top-k alternatives.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing predicts it), then a dict of the
+# prompt's token and the top-k alternatives at that position.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -47,6 +50,8 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs; a DELTA request gets them in its first output.
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, later: RequestOutput) -> RequestOutput:
         """Folds a later delta output (RequestOutputKind.DELTA) of the same request into this
@@ -66,6 +71,8 @@ class RequestOutput:
             old.cumulative_logprob = new.cumulative_logprob
             old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
         self.outputs.sort(key=lambda c: c.index)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
         return self

@@ -56,6 +56,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -111,9 +112,11 @@ class SamplingParams:
             _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
 
     def _validate_outputs(self) -> None:
-        if self.logprobs is not None:
-            allowed = f"an integer in [0, {MAX_LOGPROBS}] or None"
-            self.logprobs = _as_int("logprobs", self.logprobs, allowed, lo=0, hi=MAX_LOGPROBS)
+        allowed = f"an integer in [0, {MAX_LOGPROBS}] or None"
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                value = _as_int(name, getattr(self, name), allowed, lo=0, hi=MAX_LOGPROBS)
+                setattr(self, name, value)
         value = self.skip_special_tokens
         _check(isinstance(value, bool), "skip_special_tokens", "a bool", value)
         value = self.output_kind

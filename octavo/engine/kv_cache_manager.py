@@ -67,12 +67,16 @@ class KVCacheManager:
         lookup in `stats`. Does not take references: pass the blocks to `allocate_slots`.
 
         Returns:
-            (hit blocks in order, number of hit tokens); ([], 0) with prefix caching off.
+            (hit blocks in order, number of hit tokens); ([], 0) with prefix caching off,
+            and for a request that wants prompt log-probs, which needs every prompt
+            position's logits (as in vLLM; its blocks are still cached for others).
         """
         assert request.num_computed_tokens == 0, f"{request} is already admitted"
         if not self.enable_prefix_caching:
             return [], 0
         self._hash_full_blocks(request, request.num_tokens // self.block_size)
+        if request.sampling_params.prompt_logprobs is not None:
+            return [], 0
         # NOTE: the last token is always recomputed, even when the whole prompt is cached:
         # the model needs it as input to produce the next token's logits.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size

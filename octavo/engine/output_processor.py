@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.request import Request, RequestStatus
-from octavo.outputs import CompletionOutput, Logprob, RequestOutput
+from octavo.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from octavo.runner.model_runner import TokenLogprobs
 from octavo.sampling_params import RequestOutputKind
 
@@ -30,12 +30,17 @@ class _SequenceState:
 
 
 class OutputProcessor:
-    """Keeps each sequence's detokenizer and log-probs, and each group's members."""
+    """Keeps each sequence's detokenizer and log-probs, and each group's members and
+    prompt log-probs."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _SequenceState] = {}
         self._groups: dict[str, list[Request]] = {}
+        # group id -> prompt log-probs so far ([None] for the first token), and whether a
+        # DELTA output has carried them.
+        self._prompt_logprobs: dict[str, PromptLogprobs] = {}
+        self._prompt_logprobs_sent: set[str] = set()
 
     def add(self, request: Request) -> None:
         """Starts tracking a sequence: a new request, or a fork of one."""
@@ -48,6 +53,34 @@ class OutputProcessor:
             detok, [] if wants else None, 0.0 if wants else None
         )
         self._groups.setdefault(request.group_id, []).append(request)
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs.setdefault(request.group_id, [None])
+
+    def process_prompt_logprobs(
+        self, request: Request, first: int, entries: list[TokenLogprobs]
+    ) -> None:
+        """Records the log-probs of prompt tokens first + 1, first + 2, ... (from the logits
+        at positions first, first + 1, ...). Positions recomputed after a preemption, or
+        by a fork, are recorded once."""
+        found = self._prompt_logprobs.get(request.group_id)
+        if found is None:
+            return
+        for position, entry in enumerate(entries, start=first + 1):
+            if position == len(found):
+                found.append({t: Logprob(lp, rank, self._decode_one(t)) for t, lp, rank in entry})
+
+    def _group_prompt_logprobs(
+        self, group_id: str, kind: RequestOutputKind
+    ) -> PromptLogprobs | None:
+        """The group's prompt log-probs once all are in; a DELTA request's only once."""
+        found = self._prompt_logprobs.get(group_id)
+        if found is None or len(found) < self._groups[group_id][0].num_prompt_tokens:
+            return None
+        if kind is RequestOutputKind.DELTA:
+            if group_id in self._prompt_logprobs_sent:
+                return None
+            self._prompt_logprobs_sent.add(group_id)
+        return found
 
     def has_group(self, group_id: str) -> bool:
         return group_id in self._groups
@@ -102,11 +135,16 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=self._group_prompt_logprobs(
+                group_id, first.sampling_params.output_kind
+            ),
         )
         if finished:
             for m in members:
                 self._states.pop(m.request_id, None)
             del self._groups[group_id]
+            self._prompt_logprobs.pop(group_id, None)
+            self._prompt_logprobs_sent.discard(group_id)
         return output
 
     def _completion(self, request: Request) -> CompletionOutput:

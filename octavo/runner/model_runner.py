@@ -23,20 +23,43 @@ from octavo.runner.cuda_graph import (
 )
 from octavo.runner.gemm_tuning import tune_linears
 from octavo.runner.inputs import InputBuilder
-from octavo.runner.sampler import Sampler, SamplerOutput, SamplingMetadata, to_device
+from octavo.runner.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    gather_logprobs,
+    to_device,
+)
 from octavo.sampling_params import SamplingParams
 
 # (token id, log-prob, rank) for the sampled token first, then the top-k alternatives.
 TokenLogprobs = list[tuple[int, float, int]]
+# Prompt log-probs take the logits of this many positions at a time: a long prompt chunk's
+# then need at most ~250 MB more (a 150k vocabulary), not tens of GB.
+PROMPT_LOGPROBS_ROWS = 128
 
 
 @dataclass
 class ModelRunnerOutput:
     """Per request that sampled this step: its new tokens (one, or n at the first token of
-    an n > 1 request), and their log-probs if asked for."""
+    an n > 1 request), and their log-probs if asked for. Per request that asked for prompt
+    log-probs and computed prompt positions this step: (first position p, entries of
+    prompt tokens p + 1, p + 2, ...), the entries shaped as for sampled tokens."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass
+class PromptLogprobSpan:
+    """Positions `first .. first + count - 1` of a request's prompt, whose logits score its
+    prompt tokens `first + 1 ..`; `k` alternatives each."""
+
+    request_id: str
+    first: int
+    count: int
+    k: int
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -272,10 +295,11 @@ class ModelRunner:
             hidden = self.graph_runner.replay(graph)
         else:
             hidden = self._forward(step.input_ids, step.positions, step.md)  # [T, hidden]
+        prompt = self._prompt_logprobs(so, step.md, hidden)
         rows, logits_index = self._sampling_rows(so, step.md)
         self._last_sampled = None
         if not rows:
-            return PendingOutput([], None)
+            return PendingOutput([], None, prompt)
         if logits_index is None:  # one row per token, in order
             hidden = hidden[: len(rows)]
         else:
@@ -286,7 +310,38 @@ class ModelRunner:
             {request_id: row for row, (request_id, _, _) in enumerate(rows)},
             out.sampled_token_ids,
         )
-        return PendingOutput(rows, out)
+        return PendingOutput(rows, out, prompt)
+
+    def _prompt_logprobs(
+        self, so: SchedulerOutput, md: AttentionMetadata, hidden: torch.Tensor
+    ) -> tuple[list[PromptLogprobSpan], tuple[torch.Tensor, ...]] | None:
+        """Raw log-probs of the prompt tokens this step's chunks predict, for the requests
+        that asked for them (`prompt_logprobs`): position p's logits score prompt token
+        p + 1. Returns the spans and their (token ids, log-probs, ranks), or None."""
+        spans, index, targets = [], [], []
+        starts = md.query_start_loc_cpu
+        for i, s in enumerate(so.scheduled):
+            k = s.request.sampling_params.prompt_logprobs
+            if k is None:  # first: this loop runs every step, over every request
+                continue
+            prompt, first = s.request.prompt_token_ids, s.num_computed_tokens
+            count = min(s.num_new_tokens, len(prompt) - 1 - first)
+            if count <= 0:
+                continue
+            spans.append(PromptLogprobSpan(s.request_id, first, count, k))
+            index += range(starts[i], starts[i] + count)
+            targets += prompt[first + 1 : first + 1 + count]
+        if not spans:
+            return None
+        k = max(span.k for span in spans)
+        index_t = to_device(index, torch.int64, self.device)
+        targets_t = to_device(targets, torch.int64, self.device)
+        parts = []
+        for lo in range(0, len(index), PROMPT_LOGPROBS_ROWS):
+            rows = slice(lo, lo + PROMPT_LOGPROBS_ROWS)
+            raw = self.model.compute_logits(hidden[index_t[rows]]).float().log_softmax(-1)
+            parts.append(gather_logprobs(raw, targets_t[rows], k))
+        return spans, tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
     def _sampling_rows(
         self, so: SchedulerOutput, md: AttentionMetadata
@@ -351,16 +406,26 @@ class PendingOutput:
     """A step's sampled tokens (and log-probs) on their way to the host: the copies are
     queued behind the step's kernels, and `result()` waits for them."""
 
-    def __init__(self, rows: list[tuple[str, SamplingParams, int]], out: SamplerOutput | None):
+    def __init__(
+        self,
+        rows: list[tuple[str, SamplingParams, int]],
+        out: SamplerOutput | None,
+        prompt: tuple[list[PromptLogprobSpan], tuple[torch.Tensor, ...]] | None = None,
+    ):
         self.rows = rows
         self._host: list[torch.Tensor] = []
         self._event = None
-        if out is None:
+        self._spans, tensors = [], []
+        if out is not None:
+            tensors = [out.sampled_token_ids]
+            if out.logprobs is not None:
+                tensors += [out.logprob_token_ids, out.logprobs, out.sampled_token_ranks]
+        if prompt is not None:
+            self._spans = prompt[0]
+            tensors += prompt[1]
+        if not tensors:
             return
-        tensors = [out.sampled_token_ids]
-        if out.logprobs is not None:
-            tensors += [out.logprob_token_ids, out.logprobs, out.sampled_token_ranks]
-        on_cuda = out.sampled_token_ids.device.type == "cuda"
+        on_cuda = tensors[0].device.type == "cuda"
         for t in tensors:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_cuda)
             host.copy_(t, non_blocking=on_cuda)
@@ -374,14 +439,33 @@ class PendingOutput:
         if self._event is not None:
             self._event.synchronize()
         result = ModelRunnerOutput({})
+        host = self._host
+        if self._spans:
+            _collect_prompt_logprobs(self._spans, *host[-3:], result)
+            host = host[:-3]
         if not self.rows:
             return result
-        tokens = self._host[0].tolist()
+        tokens = host[0].tolist()
         for (request_id, _, _), token in zip(self.rows, tokens, strict=True):
             result.sampled_token_ids.setdefault(request_id, []).append(token)
-        if len(self._host) > 1:
-            _collect_logprobs(self.rows, *self._host[1:], result)
+        if len(host) > 1:
+            _collect_logprobs(self.rows, *host[1:], result)
         return result
+
+
+def _collect_prompt_logprobs(
+    spans: list[PromptLogprobSpan], token_ids, logprobs, ranks, result: ModelRunnerOutput
+) -> None:
+    token_ids, values, ranks = token_ids.tolist(), logprobs.tolist(), ranks.tolist()
+    row = 0
+    for span in spans:
+        entries = []
+        for r in range(row, row + span.count):
+            entry = [(token_ids[r][0], values[r][0], ranks[r])]
+            entry += [(token_ids[r][j], values[r][j], j) for j in range(1, span.k + 1)]
+            entries.append(entry)
+        result.prompt_logprobs[span.request_id] = (span.first, entries)
+        row += span.count
 
 
 def _collect_logprobs(

@@ -365,7 +365,9 @@ class Sampler:
                 sampled = torch.where(md.greedy_rows, logits.argmax(-1), sampled)
         out = SamplerOutput(sampled)
         if raw_logprobs is not None:
-            _gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs, out)
+            out.logprob_token_ids, out.logprobs, out.sampled_token_ranks = gather_logprobs(
+                raw_logprobs, sampled, md.max_num_logprobs
+            )
         return out
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -401,9 +403,14 @@ class Sampler:
         return probs.div_(noise).argmax(-1)
 
 
-def _gather_logprobs(raw: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
-    sampled_logprob = raw.gather(-1, sampled[:, None])  # [B, 1]
-    top_logprobs, top_ids = raw.topk(k, dim=-1)  # [B, K]
-    out.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=-1)  # [B, K + 1]
-    out.logprobs = torch.cat([sampled_logprob, top_logprobs], dim=-1)  # [B, K + 1]
-    out.sampled_token_ranks = (raw > sampled_logprob).sum(-1) + 1  # [B]
+def gather_logprobs(
+    raw: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From log-probs [B, V] and a chosen token per row [B]: the token ids [B, k + 1] and
+    log-probs [B, k + 1] of the chosen token then the top k, and the chosen token's rank
+    [B] (1 + the number of tokens more likely than it)."""
+    chosen_logprob = raw.gather(-1, chosen[:, None])  # [B, 1]
+    top_logprobs, top_ids = raw.topk(k, dim=-1)  # [B, k]
+    token_ids = torch.cat([chosen[:, None], top_ids], dim=-1)
+    logprobs = torch.cat([chosen_logprob, top_logprobs], dim=-1)
+    return token_ids, logprobs, (raw > chosen_logprob).sum(-1) + 1

@@ -171,3 +171,33 @@ def test_warm_up_samples_every_batch_size_and_leaves_the_random_stream(model_dir
     assert engine_rng.getstate() == stdlib_random.Random(7).getstate()
     del llm
     torch.cuda.empty_cache()
+
+
+def test_prompt_logprobs_match_hf_in_chunks_and_graphs(model_dir, prompts):
+    """prompt_logprobs on the GPU: prompts prefilled in 256-token chunks beside decode rows
+    (mixed steps replayed as CUDA graphs) score their tokens as HF does, within bf16
+    tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    from octavo import LLM, SamplingParams
+
+    llm = LLM(model_dir, attention_backend="triton", max_model_len=1024, max_num_batched_tokens=256)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    del llm
+    torch.cuda.empty_cache()
+    hf = {
+        dtype: AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+        for dtype in (torch.bfloat16, torch.float32)
+    }
+    ours_err = hf_bf16_err = 0.0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        ref = hf_logprobs(hf[torch.float32], prompt[:1], prompt[1:])
+        hf_bf16 = hf_logprobs(hf[torch.bfloat16], prompt[:1], prompt[1:])
+        ours = torch.tensor(
+            [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+        )
+        ours_err = max(ours_err, (ours - ref).abs().max().item())
+        hf_bf16_err = max(hf_bf16_err, (hf_bf16 - ref).abs().max().item())
+    assert ours_err <= 2 * hf_bf16_err + 0.02, (ours_err, hf_bf16_err)

@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from octavo.engine.kv_cache_manager import KVCacheManager
 from octavo.engine.request import Request, RequestStatus
+from octavo.sampling_params import SamplingParams
 
 BS = 4
 NUM_BLOCKS = 12
@@ -51,7 +52,7 @@ class CopyOnWriteMachine(RuleBasedStateMachine):
     @rule(prompt=st.sampled_from(PROMPTS), extra=st.integers(0, 3))
     def add(self, prompt: list[int], extra: int) -> None:
         tokens = prompt + [next(self.fresh_tokens) for _ in range(extra)]
-        self.waiting.append(Request(f"r{next(self.ids)}", tokens, sampling_params=None))
+        self.waiting.append(Request(f"r{next(self.ids)}", tokens, SamplingParams()))
 
     @precondition(lambda self: self.running or self.waiting)
     @rule(data=st.data(), count=st.integers(1, 6))
@@ -67,7 +68,7 @@ class CopyOnWriteMachine(RuleBasedStateMachine):
         `extend`, parent and children each get a different next token (beam search)."""
         parent = data.draw(st.sampled_from(self.running))
         for _ in range(num_children):
-            child = Request(f"r{next(self.ids)}", parent.prompt_token_ids, None)
+            child = Request(f"r{next(self.ids)}", parent.prompt_token_ids, SamplingParams())
             for token in parent.output_token_ids:
                 child.append_output_token(token)
             child.num_computed_tokens = parent.num_computed_tokens

@@ -13,10 +13,11 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from octavo.engine.block_pool import hash_block_tokens
 from octavo.engine.kv_cache_manager import KVCacheManager
 from octavo.engine.request import Request
+from octavo.sampling_params import SamplingParams
 
 
 def make_request(rid: str, token_ids: list[int]) -> Request:
-    return Request(rid, token_ids, sampling_params=None)
+    return Request(rid, token_ids, SamplingParams())
 
 
 def admit(kv: KVCacheManager, request: Request) -> tuple[list[int], int]:
@@ -95,6 +96,17 @@ def test_prefix_hit_shares_blocks_and_counts_tokens():
     assert kv.get_block_ids("b") == [0, 1, 3]
     assert [blk.ref_cnt for blk in kv.pool.blocks[:4]] == [2, 2, 1, 1]
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10 + 11, 8)
+
+
+def test_a_request_for_prompt_logprobs_computes_its_whole_prompt_and_caches_it():
+    """It needs every prompt position's logits, so it takes no hits (as in vLLM), but its
+    blocks are cached for the requests after it."""
+    kv = KVCacheManager(8, 4)
+    admit(kv, make_request("a", list(range(10))))
+    wants = Request("b", list(range(10)), SamplingParams(prompt_logprobs=0))
+    assert admit(kv, wants) == ([], 0)
+    assert len(wants.block_hashes) == 2
+    assert lookup(kv, make_request("c", list(range(10)))) == ([0, 1], 8)
 
 
 def test_fully_cached_prompt_still_computes_its_last_token():
