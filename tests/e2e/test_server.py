@@ -341,6 +341,67 @@ def test_chat_logprobs_shape(client):
         assert bytes(entry.bytes).decode() == entry.token
 
 
+def test_echo_gives_the_prompt_and_its_logprobs(server, llm):
+    """OpenAI's `echo`: the prompt's text in front of the completion, and with `logprobs`
+    the prompt's tokens scored (the first has none); max_tokens 0 gives the prompt alone,
+    as lm-eval's log-likelihood requests send it."""
+    prompt = PROMPTS[5]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)
+    (ref,) = reference(server, llm, prompt, params)
+    ids = ref.prompt_token_ids
+    scored = [entry[t].logprob for entry, t in zip(ref.prompt_logprobs[1:], ids[1:], strict=True)]
+    url = server.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    alone = httpx.post(url, json=body | {"max_tokens": 0}, headers=AUTH, timeout=60).json()
+    choice = alone["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and "".join(lp["tokens"]) == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(scored, abs=1e-4)
+    assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])
+    assert lp["text_offset"][-1] == len(prompt) - len(lp["tokens"][-1])
+
+    whole = httpx.post(url, json=body | {"max_tokens": 3}, headers=AUTH, timeout=60).json()
+    choice = whole["choices"][0]
+    assert choice["text"] == prompt + ref.outputs[0].text
+    assert len(choice["logprobs"]["tokens"]) == len(ids) + 3
+    assert choice["logprobs"]["token_logprobs"][1 : len(ids)] == pytest.approx(scored, abs=1e-4)
+
+    streamed = stream_events(server, "/v1/completions", body | {"max_tokens": 3, "stream": True})
+    texts = [e["choices"][0]["text"] for e in streamed]
+    assert texts[0].startswith(prompt) and "".join(texts) == prompt + ref.outputs[0].text
+
+
+def test_vllm_prompt_logprobs_field(server, llm):
+    """vLLM's `prompt_logprobs`: per prompt token, null then {token id: {logprob, rank,
+    decoded_token}}; on each completion choice, and on a chat response."""
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    (ref,) = reference(server, llm, PROMPTS[2], params)
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 2, "n": 2}  # fmt: skip
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        found = choice["prompt_logprobs"]
+        assert found[0] is None and len(found) == len(ref.prompt_token_ids)
+        for entry, want in zip(found[1:], ref.prompt_logprobs[1:], strict=True):
+            assert sorted(entry) == sorted(str(t) for t in want)
+            for t, lp in want.items():
+                got = entry[str(t)]
+                assert (got["rank"], got["decoded_token"]) == (lp.rank, lp.decoded_token)
+                assert got["logprob"] == pytest.approx(lp.logprob, abs=1e-4)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 2, "prompt_logprobs": 0}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60)
+    found = r.json()["prompt_logprobs"]
+    assert found[0] is None and all(len(entry) == 1 for entry in found[1:]), found
+    plain = httpx.post(server.url + "/v1/completions", json=body | {"prompt_logprobs": None},
+                       headers=AUTH, timeout=60).json()  # fmt: skip
+    assert all(c["prompt_logprobs"] is None for c in plain["choices"])
+
+
 def test_n_gives_n_choices(server):
     body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 4, "n": 2, "temperature": 1,
             "ignore_eos": True}
@@ -439,6 +500,11 @@ ERROR_CASES = {
         "/v1/completions",
         {"prompt": "hi", "model": "m\ud800"},
     ),
+    "prompt_logprobs streamed": (
+        400,
+        "/v1/completions",
+        {"prompt": "hi", "prompt_logprobs": 1, "stream": True},
+    ),
     "best_of 0": (400, "/v1/completions", {"prompt": "hi", "best_of": 0}),
     "best_of below n": (400, "/v1/completions", {"prompt": "hi", "best_of": 1, "n": 3}),
     "unknown chat model": (
@@ -478,14 +544,16 @@ def test_prompt_longer_than_the_context_is_a_400(server, client):
         ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens",
          "max_completion_tokens"),
         ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens", "max_tokens"),
+        ("/v1/chat/completions", {"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
         ("/v1/completions", {"prompt": "long", "max_tokens": None}, "prompt", "no room"),
         ("/v1/completions", {"prompt": "long", "max_tokens": 16}, "prompt", "no room"),
     ],
 )  # fmt: skip
 def test_errors_name_the_requests_own_field(server, path, body, param, words):
-    if "prompt" in body:
+    if body.get("prompt") == "long":
         body["prompt"] = _long_prompt(server.ctx.max_model_len)
-    else:
+    elif "prompt" not in body:
         body["messages"] = [{"role": "user", "content": "hi"}]
     r = httpx.post(server.url + path, json={"model": MODEL, **body}, headers=AUTH, timeout=60)
     _assert_error(r, 400)

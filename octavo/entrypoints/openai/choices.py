@@ -79,14 +79,27 @@ def _top(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int, text_offset: int
+    token_ids: list[int],
+    logprobs: list[dict[int, Logprob] | None],
+    k: int,
+    text_offset: int,
+    token_text=None,
 ) -> CompletionLogprobs:
     """The legacy shape: tokens, token_logprobs, top_logprobs, text_offset. A token's
     top_logprobs hold the sampled token first, then the k most likely others (k + 1 when it
     is not among them; just the sampled token when k is 0), as vLLM and OpenAI's legacy
-    API give them."""
+    API give them. An echoed prompt's first token has no entry (None): its log-prob and
+    top_logprobs are null, and its text is `token_text(token_id)`."""
     result = CompletionLogprobs()
     for token_id, entries in zip(token_ids, logprobs, strict=False):
+        if entries is None:
+            text = token_text(token_id)
+            result.tokens.append(text)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(text_offset)
+            text_offset += len(text)
+            continue
         chosen = entries.get(token_id)
         text = _token_text(token_id, chosen)
         result.tokens.append(text)
@@ -97,6 +110,14 @@ def completion_logprobs(
         result.text_offset.append(text_offset)
         text_offset += len(text)
     return result
+
+
+def prompt_logprobs_field(found: list[dict[int, Logprob] | None] | None) -> list | None:
+    """RequestOutput.prompt_logprobs in vLLM's JSON shape: per prompt token, null or
+    {token id: {logprob, rank, decoded_token}}."""
+    if found is None:
+        return None
+    return [None if entry is None else {t: vars(lp) for t, lp in entry.items()} for entry in found]
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int) -> ChatLogprobs:

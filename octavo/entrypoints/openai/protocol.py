@@ -74,6 +74,7 @@ class SamplingRequest(BaseModel):
     # vLLM's extensions, honoured as vLLM does.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -133,12 +134,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one entry of `prompt_logprobs`, keyed by token id."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One per prompt token: None for the first, then the prompt's token and the top-k.
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's, with its `prompt_logprobs` field
 
 
 class CompletionResponse(BaseModel):
@@ -184,6 +198,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's, with its `prompt_logprobs` field
 
 
 class DeltaMessage(BaseModel):

@@ -191,6 +191,7 @@ def sampling_params(
     max_tokens: int,
     logprobs: int | None,
     aliases: dict[str, str] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Builds SamplingParams from the request's fields; SamplingParams validates them, and its
     ValueError becomes a 400 that names the field: by the request's own name for it where
@@ -200,6 +201,7 @@ def sampling_params(
         "max_tokens": max_tokens,
         "ignore_eos": req.ignore_eos,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         # What is new in each step: a step's message from the engine process stays small,
@@ -235,6 +237,9 @@ def reject_unsupported(req: SamplingRequest, **settings: Any) -> None:
     for name, value in {"logit_bias": req.logit_bias, **settings}.items():
         if value:
             raise OpenAIError(f"`{name}` is not supported by this server", param=name)
+    if req.stream and req.prompt_logprobs is not None:
+        message = "`prompt_logprobs` needs `stream` set to false"
+        raise OpenAIError(message, param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("`stream_options` needs `stream` set to true", param="stream_options")
 

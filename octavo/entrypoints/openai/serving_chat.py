@@ -8,7 +8,12 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from octavo.entrypoints.openai.choices import ChoiceDelta, ChoiceTracker, chat_logprobs
+from octavo.entrypoints.openai.choices import (
+    ChoiceDelta,
+    ChoiceTracker,
+    chat_logprobs,
+    prompt_logprobs_field,
+)
 from octavo.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -63,7 +68,9 @@ async def create_chat_completion(
     max_tokens = ctx.check_context(
         prompt, max_tokens, aliases.get("max_tokens", "max_tokens"), prompt_param="messages"
     )
-    params = sampling_params(req, max_tokens, num_logprobs, aliases)
+    params = sampling_params(
+        req, max_tokens, num_logprobs, aliases, prompt_logprobs=req.prompt_logprobs
+    )
     request_id = random_id("chatcmpl")
     outputs = ctx.generate([prompt], [params], request_id)
     formatter = _Formatter(ctx.model_name, request_id, num_logprobs)
@@ -93,6 +100,7 @@ async def create_chat_completion(
             for d in deltas
         ],
         usage=tracker.usage(),
+        prompt_logprobs=prompt_logprobs_field(final[0].prompt_logprobs),
     )
     return JSONResponse(response.model_dump())
 

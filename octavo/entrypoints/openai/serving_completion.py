@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
-from octavo.entrypoints.openai.choices import ChoiceDelta, ChoiceTracker, completion_logprobs
+from octavo.entrypoints.openai.choices import (
+    ChoiceDelta,
+    ChoiceTracker,
+    completion_logprobs,
+    prompt_logprobs_field,
+)
 from octavo.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -23,7 +29,7 @@ from octavo.entrypoints.openai.serving import (
     unless_disconnected,
 )
 from octavo.model.tokenizer import encode_text
-from octavo.outputs import RequestOutput
+from octavo.outputs import PromptLogprobs, RequestOutput
 
 
 async def create_completion(
@@ -34,15 +40,28 @@ async def create_completion(
     if req.best_of is not None and req.best_of < max(req.n, 1):  # OpenAI's and vLLM's rule
         message = f"best_of must be an integer >= 1 and >= n ({req.n}), got {req.best_of}"
         raise OpenAIError(message, param="best_of")
-    reject_unsupported(req, echo=req.echo, suffix=req.suffix, best_of=(req.best_of or 1) > 1)
+    reject_unsupported(req, suffix=req.suffix, best_of=(req.best_of or 1) > 1)
     prompts = _prompt_ids(ctx, req.prompt)
+    echo = _echoes(ctx, req.prompt, prompts) if req.echo else None
+    # OpenAI's echo with max_tokens 0 answers with the prompt alone. As vLLM does, one token
+    # is generated (and left out): the request needs a step to compute the prompt's logits.
+    max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens
+    # An echoed prompt comes with log-probs when the completion does (vLLM's rule).
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and prompt_logprobs is None:
+        prompt_logprobs = req.logprobs
     params = [
-        sampling_params(req, ctx.check_context(ids, req.max_tokens), req.logprobs)
+        sampling_params(
+            req,
+            ctx.check_context(ids, max_tokens),
+            req.logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
         for ids in prompts
     ]
     request_id = random_id("cmpl")
     outputs = ctx.generate(prompts, params, request_id)
-    formatter = _Formatter(ctx.model_name, request_id, req)
+    formatter = _Formatter(ctx, request_id, req, echo)
     if req.stream:
         return await start_stream(ctx, raw, formatter.stream(outputs, ChoiceTracker(req.n)))
     finals: dict[int, RequestOutput] = {}
@@ -53,6 +72,8 @@ async def create_completion(
 
     await unless_disconnected(raw, collect())
     tracker = ChoiceTracker(req.n)
+    for i in sorted(finals):
+        formatter.note(i, finals[i])
     deltas = [d for i in sorted(finals) for d in tracker.update(i, finals[i])]
     response = CompletionResponse(
         id=request_id,
@@ -61,6 +82,32 @@ async def create_completion(
         usage=tracker.usage(),
     )
     return JSONResponse(response.model_dump())
+
+
+@dataclass
+class _Echo:
+    """A prompt to echo: its text and ids, and its log-probs once the engine sends them."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: PromptLogprobs | None = None
+
+
+def _echoes(ctx: ServingContext, prompt: str | list, prompts: list[list[int]]) -> list[_Echo]:
+    """What `echo` puts in front of each prompt's completions: a text prompt as sent, and
+    token ids decoded."""
+    if ctx.tokenizer is None:
+        raise OpenAIError("`echo` needs a tokenizer, and this model has none", param="echo")
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        texts = [None]  # one prompt of token ids
+    else:
+        texts = list(prompt)
+    return [
+        _Echo(text if isinstance(text, str) else ctx.tokenizer.decode(ids), ids)
+        for text, ids in zip(texts, prompts, strict=True)
+    ]
 
 
 def _prompt_ids(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
@@ -85,29 +132,62 @@ def _prompt_ids(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
 
 
 class _Formatter:
-    """Builds completion choices and chunks from deltas."""
+    """Builds completion choices and chunks from deltas; with `echo`, a choice's first one
+    starts with its prompt."""
 
-    def __init__(self, model: str, request_id: str, req: CompletionRequest) -> None:
-        self.model = model
+    def __init__(
+        self, ctx: ServingContext, request_id: str, req: CompletionRequest, echo: list[_Echo] | None
+    ) -> None:
+        self.model = ctx.model_name
+        self.tokenizer = ctx.tokenizer
         self.request_id = request_id
         self.req = req
+        self.echo = echo
+        self.echo_only = req.echo and req.max_tokens == 0
         self.text_offsets: dict[int, int] = {}
+        self.started: set[int] = set()  # choices that had a delta
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # by prompt index
+
+    def note(self, prompt_index: int, out: RequestOutput) -> None:
+        """Keeps a prompt's log-probs, which come with its first output."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = out.prompt_logprobs
+            if self.echo is not None:
+                self.echo[prompt_index].logprobs = out.prompt_logprobs
 
     def choice(self, delta: ChoiceDelta) -> CompletionChoice:
+        text, token_ids, entries = delta.text, delta.token_ids, delta.logprobs
+        if self.echo_only:  # the one generated token is left out
+            text, token_ids, entries = "", [], None if entries is None else []
+        first = delta.index not in self.started
+        self.started.add(delta.index)
+        prompt_index = delta.index // self.req.n
+        if first and self.echo is not None:
+            echo = self.echo[prompt_index]
+            text, token_ids = echo.text + text, echo.token_ids + token_ids
+            if entries is not None:
+                entries = (echo.logprobs or [None] * len(echo.token_ids)) + entries
         logprobs = None
-        if delta.logprobs is not None and self.req.logprobs is not None:
+        if entries is not None and self.req.logprobs is not None:
             offset = self.text_offsets.get(delta.index, 0)
             logprobs = completion_logprobs(
-                delta.token_ids, delta.logprobs, self.req.logprobs, offset
+                token_ids, entries, self.req.logprobs, offset, self._decode_one
             )
             self.text_offsets[delta.index] = offset + sum(len(t) for t in logprobs.tokens)
+        prompt_logprobs = None
+        if first and self.req.prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs_field(self.prompt_logprobs.get(prompt_index))
         return CompletionChoice(
             index=delta.index,
-            text=delta.text,
+            text=text,
             logprobs=logprobs,
             finish_reason=delta.finish_reason,
             stop_reason=delta.stop_reason,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     async def stream(
         self, outputs: AsyncIterator[tuple[int, RequestOutput]], tracker: ChoiceTracker
@@ -116,6 +196,7 @@ class _Formatter:
         null, and a last one without choices holds the totals."""
         usage = {"usage": None} if self.req.include_usage else {}
         async for prompt_index, out in outputs:
+            self.note(prompt_index, out)
             for delta in tracker.update(prompt_index, out):
                 yield CompletionResponse(
                     id=self.request_id, model=self.model, choices=[self.choice(delta)], **usage
