@@ -11,6 +11,7 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this means greedy
 MAX_LOGPROBS = 20  # the most top log-probs a request may ask for per token
 MAX_N = 128  # the most completions one request may ask for
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: -100 bans a token in effect
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -60,6 +61,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -92,6 +95,21 @@ class SamplingParams:
         self.repetition_penalty = _as_float(
             "repetition_penalty", self.repetition_penalty, allowed, lo=FLOAT32_TINY, hi=FLOAT32_MAX
         )
+        if self.logit_bias is not None:
+            allowed = f"a dict of token ids (integers >= 0) to numbers in [-{MAX_LOGIT_BIAS}, "
+            allowed += f"{MAX_LOGIT_BIAS}]"
+            _check(isinstance(self.logit_bias, dict), "logit_bias", allowed, self.logit_bias)
+            self.logit_bias = {
+                _as_int("logit_bias", t, allowed, lo=0): _as_float(
+                    "logit_bias", v, allowed, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS
+                )
+                for t, v in self.logit_bias.items()
+            }
+        if self.allowed_token_ids is not None:
+            allowed = "a non-empty list of token ids (integers >= 0), or None"
+            ids = _as_list("allowed_token_ids", self.allowed_token_ids, allowed, allow_str=False)
+            _check(bool(ids), "allowed_token_ids", allowed, self.allowed_token_ids)
+            self.allowed_token_ids = [_as_int("allowed_token_ids", t, allowed, lo=0) for t in ids]
 
     def _validate_stopping(self) -> None:
         if self.max_tokens is not None:
@@ -133,6 +151,18 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Whether the token is the argmax of the (penalized) logits."""
         return self.sampling_type is SamplingType.GREEDY
+
+    def token_ids_beyond(self, vocab_size: int) -> tuple[str, int] | None:
+        """(field, token id) of the first token id a field names that a vocabulary of
+        `vocab_size` lacks; None when all are in it."""
+        for name, ids in (
+            ("logit_bias", self.logit_bias or ()),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+        ):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                return name, bad
+        return None
 
     @property
     def has_penalties(self) -> bool:

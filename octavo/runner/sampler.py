@@ -3,6 +3,7 @@
 Order, as in vLLM v1:
 
     raw logits -> log_softmax (float32)                 only if a row wants logprobs
+               -> allowed_token_ids (the others = -inf), logit_bias (added)
                -> min_tokens bans (EOS, stop ids = -inf)
                -> penalties (repetition, frequency, presence)
                -> greedy rows: argmax
@@ -82,6 +83,8 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # [B] float32 in [0, 1]
     seeded_rows: tuple[tuple[int, int], ...] = ()  # (row, noise seed) of seeded random rows
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) -> -inf
+    disallowed: torch.Tensor | None = None  # [B, V] bool: outside a row's allowed_token_ids
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, bias
     penalties: PenaltyState | None = None
     max_num_logprobs: int | None = None  # the largest `logprobs` of any row
 
@@ -95,6 +98,8 @@ class SamplingMetadata:
         return (
             self.max_num_logprobs is None
             and self.banned is None
+            and self.disallowed is None
+            and self.logit_bias is None
             and self.penalties is None
             and not self.has_filters
         )
@@ -130,6 +135,9 @@ class SamplingMetadata:
             banned=_min_tokens_bans(params, num_output_tokens, eos_token_ids, vocab_size, device),
             max_num_logprobs=max(logprobs, default=None),
         )
+        shaped = [(row, p) for row, p in enumerate(params) if p.logit_bias or p.allowed_token_ids]
+        if shaped:
+            md._build_logit_shaping(shaped, device)
         if any(p.has_penalties for p in params):
             md.penalties = _build_penalties(
                 params, prompt_token_ids, output_token_ids, vocab_size, device
@@ -137,6 +145,22 @@ class SamplingMetadata:
         if not all(p.is_greedy for p in params):
             md._build_random(params, num_output_tokens, device)
         return md
+
+    def _build_logit_shaping(self, rows: list[tuple[int, SamplingParams]], device) -> None:
+        """allowed_token_ids as a mask of the tokens outside them; logit_bias as sparse adds."""
+        allowed = {row: p.allowed_token_ids for row, p in rows if p.allowed_token_ids}
+        if allowed:
+            mask = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=device)
+            mask[to_device(list(allowed), torch.int64, device)] = True
+            mask[_flat_index(allowed, device)] = False
+            self.disallowed = mask
+        bias = {row: p.logit_bias for row, p in rows if p.logit_bias}
+        if bias:
+            values = [v for b in bias.values() for v in b.values()]
+            self.logit_bias = (
+                *_flat_index({row: list(b) for row, b in bias.items()}, device),
+                to_device(values, torch.float32, device),
+            )
 
     def _build_random(
         self, params: list[SamplingParams], num_output_tokens: list[int], device
@@ -353,6 +377,11 @@ class Sampler:
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(-1)  # [B, V]
+        if md.disallowed is not None:
+            logits = logits.masked_fill(md.disallowed, float("-inf"))
+        if md.logit_bias is not None:
+            rows, ids, bias = md.logit_bias
+            logits = logits.index_put((rows, ids), bias, accumulate=True)
         if md.banned is not None:
             logits = logits.index_put(md.banned, torch.tensor(float("-inf")))
         if md.penalties is not None:

@@ -38,7 +38,9 @@ def test_a_lone_surrogate_is_a_value_error(llm):
 @pytest.mark.parametrize(
     ("field", "value"),
     [("logprobs", 100_000), ("logprobs", -1), ("stop_token_ids", [None]), ("n", "2"),
-     ("n", 0), ("max_tokens", 0), ("temperature", float("nan"))],
+     ("n", 0), ("max_tokens", 0), ("temperature", float("nan")), ("prompt_logprobs", 21),
+     ("logit_bias", {1: 1000.0}), ("logit_bias", {10**6: 1.0}), ("allowed_token_ids", [49152]),
+     ("allowed_token_ids", [])],
 )  # fmt: skip
 def test_params_changed_after_construction_are_checked_when_added(llm, field, value):
     """They crashed the step (and the requests batched with it) or passed silently."""

@@ -246,3 +246,22 @@ def test_stats_fields(llm):
     for key in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
                 "kv_blocks_total", "kv_blocks_free"):
         assert isinstance(stats[key], int)
+
+
+def test_logit_bias_and_allowed_token_ids_steer_only_their_request(llm, chat_prompt_ids):
+    """OpenAI's logit_bias and vLLM's allowed_token_ids: +100 on a token makes greedy pick
+    it every time; a random request keeps to its allowed tokens; a plain request batched
+    with them gives its tokens alone."""
+    prompts = prompts_of(chat_prompt_ids[:3])
+    allowed = [11, 198, 2000, 30000]
+    params = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={42: 100.0}),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=24, ignore_eos=True,
+                       allowed_token_ids=allowed),
+        GREEDY,
+    ]  # fmt: skip
+    forced, kept, plain = llm.generate(prompts, params, use_tqdm=False)
+    assert forced.outputs[0].token_ids == [42] * 6
+    assert set(kept.outputs[0].token_ids) <= set(allowed)
+    (alone,) = llm.generate(prompts[2:], GREEDY, use_tqdm=False)
+    assert plain.outputs[0].token_ids == alone.outputs[0].token_ids

@@ -402,6 +402,26 @@ def test_vllm_prompt_logprobs_field(server, llm):
     assert all(c["prompt_logprobs"] is None for c in plain["choices"])
 
 
+def test_logit_bias_and_allowed_token_ids(server, client, llm):
+    """OpenAI's logit_bias (clamped to [-100, 100], as vLLM does) and vLLM's
+    allowed_token_ids give what SamplingParams' fields give."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={42: 100.0})
+    (ref,) = reference(server, llm, PROMPTS[1], params)
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0, logit_bias={"42": 1000},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert out.choices[0].text == ref.outputs[0].text
+    messages = [{"role": "user", "content": "Say something."}]
+    params = SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=[11, 198, 2000])
+    ref = server.ctx.engine.call_sync(lambda _: llm.chat(messages, params, use_tqdm=False))[0]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0,
+        extra_body={"allowed_token_ids": [11, 198, 2000]},
+    )  # fmt: skip
+    assert out.choices[0].message.content == ref.outputs[0].text
+
+
 def test_n_gives_n_choices(server):
     body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 4, "n": 2, "temperature": 1,
             "ignore_eos": True}
@@ -488,7 +508,16 @@ ERROR_CASES = {
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "hi \udfff"}]},
     ),
-    "logit_bias": (400, "/v1/completions", {"prompt": "hi", "logit_bias": {"42": 5.0}}),
+    "logit_bias key not a token id": (
+        400,
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"the": 5.0}},
+    ),
+    "logit_bias beyond the vocabulary": (
+        400,
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"49152": 5.0}},
+    ),
     "stream_options without stream": (
         400,
         "/v1/completions",

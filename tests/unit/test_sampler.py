@@ -253,6 +253,42 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     assert not tokens & {3, 5, 7} and len(tokens) > 1
 
 
+def test_logit_bias_and_allowed_token_ids_shape_the_logits_per_row():
+    """Greedy rows take the argmax of logits + bias over the allowed tokens; random rows
+    draw from softmax(logits + bias) over them; other rows and the logprobs are untouched
+    (vLLM's raw logprobs)."""
+    vocab = 30
+    logits = randn(4, vocab, seed=12)
+    cases = [
+        SP(temperature=0, logit_bias={5: 100.0}),
+        SP(temperature=0, logit_bias={int(logits[1].argmax()): -100.0, 2: 3.5}),
+        SP(temperature=0, allowed_token_ids=[4, 9, 17], logit_bias={9: -2.0}),
+        SP(temperature=0, logprobs=2),
+    ]
+    out = Sampler()(logits, build(cases, vocab=vocab))
+    for row, p in enumerate(cases):
+        ref = logits[row].double().numpy().copy()
+        for t, b in (p.logit_bias or {}).items():
+            ref[t] += b
+        if p.allowed_token_ids:
+            ref[[i for i in range(vocab) if i not in p.allowed_token_ids]] = -np.inf
+        assert out.sampled_token_ids[row].item() == int(np.argmax(ref)), row
+    raw = logits[3].log_softmax(-1)
+    assert out.logprobs[3, 0].item() == pytest.approx(raw.max().item())
+
+    n, row = 3000, logits[0]
+    params = SP(temperature=1.0, allowed_token_ids=[1, 2, 3], logit_bias={3: 1.0, 20: 50.0})
+    tokens = Sampler(seed=3)(row.expand(n, vocab), build([params] * n, vocab=vocab))
+    tokens = tokens.sampled_token_ids.tolist()
+    assert set(tokens) <= {1, 2, 3}
+    x = row.double().numpy().copy()
+    x[3] += 1.0
+    probs = np.zeros(vocab)
+    probs[[1, 2, 3]] = softmax(x[[1, 2, 3]])
+    ok, chi2 = chi_square_ok(tokens, probs, n)
+    assert ok, chi2
+
+
 def seeded_tokens(target, steps, others=(), position=0, sampler_seed=0, warmup=0):
     """Tokens of `target` at outputs 0..steps-1 in a batch with `others` around it."""
     vocab = 100

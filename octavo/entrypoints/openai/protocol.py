@@ -70,11 +70,12 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None  # declared so that it is refused, not ignored
+    logit_bias: dict[str, float] | None = None  # token id (a str, in JSON) -> bias
     # vLLM's extensions, honoured as vLLM does.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
 
     @property
     def include_usage(self) -> bool:

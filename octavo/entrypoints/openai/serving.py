@@ -23,7 +23,7 @@ from octavo.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepE
 from octavo.entrypoints.openai.metrics import ServerMetrics
 from octavo.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
 from octavo.outputs import RequestOutput
-from octavo.sampling_params import RequestOutputKind, SamplingParams
+from octavo.sampling_params import MAX_LOGIT_BIAS, RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 
@@ -211,10 +211,13 @@ def sampling_params(
     for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
         "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "allowed_token_ids",
     ):  # fmt: skip
         value = getattr(req, name)
         if value is not None:
             fields[name] = value
+    if req.logit_bias:
+        fields["logit_bias"] = _logit_bias(req.logit_bias)
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:
@@ -225,6 +228,20 @@ def sampling_params(
         raise OpenAIError(message, param=param) from e
 
 
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids as JSON keys; each bias clamped to [-100, 100], as
+    vLLM does."""
+    result = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            message = f"logit_bias keys must be token ids (integers), got {key!r}"
+            raise OpenAIError(message, param="logit_bias") from None
+        result[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
+    return result
+
+
 def _field_named_in(message: str, fields: dict[str, Any]) -> str | None:
     words = message.replace("=", " ").replace(":", " ").split()
     return next((w for w in words if w in fields), None)
@@ -232,9 +249,9 @@ def _field_named_in(message: str, fields: dict[str, Any]) -> str | None:
 
 def reject_unsupported(req: SamplingRequest, **settings: Any) -> None:
     """400 for OpenAI fields we accept but do not implement, when set to a non-default
-    (`logit_bias` and the endpoint's own `settings`), and for `stream_options` without
-    `stream`, as OpenAI and vLLM answer."""
-    for name, value in {"logit_bias": req.logit_bias, **settings}.items():
+    (the endpoint's own `settings`), and for `stream_options` without `stream`, as OpenAI
+    and vLLM answer."""
+    for name, value in settings.items():
         if value:
             raise OpenAIError(f"`{name}` is not supported by this server", param=name)
     if req.stream and req.prompt_logprobs is not None:
