@@ -114,3 +114,34 @@ def test_sampler_on_cuda_mixes_greedy_seeded_and_filtered_rows():
         seeded_alone.append(run(params[1:2], logits[1:2], step)[0])
     assert seeded_in_batch == seeded_alone
     assert len(set(seeded_alone)) > 3
+
+
+@pytest.mark.skipif(INTERPRET, reason="the Sampler's CUDA path needs a GPU")
+def test_sampler_on_cuda_applies_logit_bias_and_allowed_token_ids():
+    """On CUDA, as on the CPU: logit_bias is added before the choice, and a row with
+    allowed_token_ids never leaves them, greedy or random."""
+    from octavo.runner.sampler import Sampler, SamplingMetadata
+    from octavo.sampling_params import SamplingParams as SP
+
+    vocab, cuda = 3000, torch.device("cuda")
+    torch.manual_seed(4)
+    logits = torch.randn(4, vocab, device=cuda).to(torch.bfloat16)
+    allowed = [7, 700, 2999]
+    params = [
+        SP(temperature=0, logit_bias={123: 100.0}),
+        SP(temperature=0, allowed_token_ids=allowed),
+        SP(seed=1, allowed_token_ids=allowed, logit_bias={7: 2.0}),
+        SP(temperature=0),
+    ]
+    seen = set()
+    for step in range(50):
+        md = SamplingMetadata.build(
+            params, [[] for _ in params], [[1] * step for _ in params], vocab, [], cuda
+        )
+        got = Sampler(seed=5)(logits, md).sampled_token_ids.tolist()
+        ref = logits.float()
+        assert got[0] == 123
+        assert got[1] == allowed[ref[1, allowed].argmax().item()]
+        assert got[3] == ref[3].argmax().item()
+        seen.add(got[2])
+    assert seen <= set(allowed) and len(seen) > 1
