@@ -228,10 +228,11 @@ class Engine:
             raise
         self.stats.num_steps += 1
         self.stats.num_tokens_computed += so.num_batched_tokens
-        for request_id, (first, entries) in result.prompt_logprobs.items():
-            request = self.scheduler.requests.get(request_id)
-            if request is not None:
-                self.outputs.process_prompt_logprobs(request, first, entries)
+        if result.prompt_logprobs:
+            for item in so.scheduled:  # the scheduled request itself: an id may be reused
+                found = result.prompt_logprobs.get(item.request_id)
+                if found is not None and not item.request.is_finished:
+                    self.outputs.process_prompt_logprobs(item.request, *found)
         updated = self.scheduler.update(so, result.sampled_token_ids)
         self.stats.num_generated_tokens += len(updated)
         groups: dict[str, RequestOutputKind] = {}

@@ -119,3 +119,21 @@ def test_without_prompt_logprobs_there_are_none(llm, chat_prompt_ids):
 def test_bad_prompt_logprobs_are_value_errors(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
+
+
+def test_an_aborted_requests_scores_never_reach_a_request_that_reuses_its_id(llm_factory):
+    """With async scheduling the aborted request's prefill is still in flight when a new
+    request takes its id: the new one gets its own prompt's log-probs only."""
+    engine = llm_factory(enforce_eager=True, async_scheduling=True).engine
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=0)
+    engine.add_request(list(range(100, 140)), params, "r")
+    engine.step()
+    engine.abort_request("r")
+    engine.add_request([500, 501, 502, 503, 504, 505], params, "r")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (final,) = [o for o in outputs if o.finished]
+    assert len(final.prompt_logprobs) == 6
+    assert [list(entry)[0] for entry in final.prompt_logprobs[1:]] == [501, 502, 503, 504, 505]
+    assert not engine.outputs._prompt_logprobs and not engine.outputs._groups
