@@ -68,14 +68,15 @@ class KVCacheManager:
 
         Returns:
             (hit blocks in order, number of hit tokens); ([], 0) with prefix caching off,
-            and for a request that wants prompt log-probs, which needs every prompt
-            position's logits (as in vLLM; its blocks are still cached for others).
+            and for a request that wants prompt log-probs and has no output yet, which needs
+            every prompt position's logits (as in vLLM; its blocks are still cached for
+            others). Once it has an output its prompt is scored, so a preempted one hits.
         """
         assert request.num_computed_tokens == 0, f"{request} is already admitted"
         if not self.enable_prefix_caching:
             return [], 0
         self._hash_full_blocks(request, request.num_tokens // self.block_size)
-        if request.sampling_params.prompt_logprobs is not None:
+        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
             return [], 0
         # NOTE: the last token is always recomputed, even when the whole prompt is cached:
         # the model needs it as input to produce the next token's logits.

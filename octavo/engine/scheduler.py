@@ -63,6 +63,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Requests finished since the previous step, so runner-side state can be dropped.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Whether a live request asked for prompt log-probs: else the runner looks for none.
+    scores_prompts: bool = False
 
     @property
     def num_batched_tokens(self) -> int:
@@ -90,6 +92,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        self._scoring_prompts: set[str] = set()  # requests that asked for prompt log-probs
 
     # ---- queue management -------------------------------------------------------------
 
@@ -98,6 +101,8 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            self._scoring_prompts.add(request.request_id)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Removes a request (finished or aborted) and frees its blocks at once."""
@@ -111,6 +116,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         self._finished_ids.append(request_id)
+        self._scoring_prompts.discard(request_id)
         return request
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
@@ -133,7 +139,8 @@ class Scheduler:
         if not preempted:
             scheduled += self._schedule_waiting(budget)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled, preempted, self.kv.take_pending_copies(), finished)
+        copies = self.kv.take_pending_copies()
+        return SchedulerOutput(scheduled, preempted, copies, finished, bool(self._scoring_prompts))
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], list[str], int]:
         scheduled: list[ScheduledRequest] = []

@@ -318,11 +318,13 @@ class ModelRunner:
         """Raw log-probs of the prompt tokens this step's chunks predict, for the requests
         that asked for them (`prompt_logprobs`): position p's logits score prompt token
         p + 1. Returns the spans and their (token ids, log-probs, ranks), or None."""
+        if not so.scores_prompts:
+            return None
         spans, index, targets = [], [], []
         starts = md.query_start_loc_cpu
         for i, s in enumerate(so.scheduled):
             k = s.request.sampling_params.prompt_logprobs
-            if k is None:  # first: this loop runs every step, over every request
+            if k is None or s.request.output_token_ids:  # an output: its prompt is scored
                 continue
             prompt, first = s.request.prompt_token_ids, s.num_computed_tokens
             count = min(s.num_new_tokens, len(prompt) - 1 - first)

@@ -99,14 +99,17 @@ def test_prefix_hit_shares_blocks_and_counts_tokens():
 
 
 def test_a_request_for_prompt_logprobs_computes_its_whole_prompt_and_caches_it():
-    """It needs every prompt position's logits, so it takes no hits (as in vLLM), but its
-    blocks are cached for the requests after it."""
+    """Until its prompt is scored it needs every prompt position's logits, so it takes no
+    hits (as in vLLM), but its blocks are cached for the requests after it."""
     kv = KVCacheManager(8, 4)
     admit(kv, make_request("a", list(range(10))))
     wants = Request("b", list(range(10)), SamplingParams(prompt_logprobs=0))
     assert admit(kv, wants) == ([], 0)
     assert len(wants.block_hashes) == 2
     assert lookup(kv, make_request("c", list(range(10)))) == ([0, 1], 8)
+    scored = Request("d", list(range(10)), SamplingParams(prompt_logprobs=0))
+    scored.append_output_token(7)  # preempted after its first token: its prompt is scored
+    assert lookup(kv, scored) == ([0, 1], 8)
 
 
 def test_fully_cached_prompt_still_computes_its_last_token():
