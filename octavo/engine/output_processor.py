@@ -41,6 +41,9 @@ class OutputProcessor:
         # DELTA output has carried them.
         self._prompt_logprobs: dict[str, PromptLogprobs] = {}
         self._prompt_logprobs_sent: set[str] = set()
+        # Each token's own text, for log-prob entries: decoded once per token id, as a
+        # prompt's top-k entries would otherwise decode ~80k times for 4k tokens.
+        self._token_texts: dict[int, str] = {}
 
     def add(self, request: Request) -> None:
         """Starts tracking a sequence: a new request, or a fork of one."""
@@ -65,9 +68,10 @@ class OutputProcessor:
         found = self._prompt_logprobs.get(request.group_id)
         if found is None:
             return
+        texts = self._decode_many({t for entry in entries for t, _, _ in entry})
         for position, entry in enumerate(entries, start=first + 1):
             if position == len(found):
-                found.append({t: Logprob(lp, rank, self._decode_one(t)) for t, lp, rank in entry})
+                found.append({t: Logprob(lp, rank, texts.get(t)) for t, lp, rank in entry})
 
     def _group_prompt_logprobs(
         self, group_id: str, kind: RequestOutputKind
@@ -117,7 +121,21 @@ class OutputProcessor:
         return state.detokenizer.update([request.output_token_ids[-1]])
 
     def _decode_one(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _decode_many(self, token_ids: set[int]) -> dict[int, str]:
+        """Decodes the tokens not decoded before, in one call; returns the texts by id
+        (empty without a tokenizer)."""
+        new = [t for t in token_ids if t not in self._token_texts]
+        if new and self.tokenizer is not None:
+            texts = self.tokenizer.batch_decode([[t] for t in new])
+            self._token_texts.update(zip(new, texts, strict=True))
+        return self._token_texts
 
     def make_output(self, group_id: str) -> RequestOutput:
         """The group's RequestOutput so far; forgets the group once it is finished."""
