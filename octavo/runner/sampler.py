@@ -40,10 +40,30 @@ def _splitmix64(x: int) -> int:
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list as a tensor on `device`. On CUDA the copy goes from pinned memory
     without waiting (torch.tensor(..., device="cuda") would wait for all queued work)."""
-    host = torch.tensor(values, dtype=dtype)
+    return upload(torch.tensor(values, dtype=dtype), device)
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied as `to_device` copies."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def _shaping_tensors(p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A request's allowed token ids, biased token ids and biases as host tensors. They may
+    span the vocabulary, so they are made once per SamplingParams object (validate() drops
+    them) rather than once per step."""
+    cached = p.__dict__.get("_shaping_tensors")
+    if cached is None:
+        bias = p.logit_bias or {}
+        cached = (
+            torch.tensor(p.allowed_token_ids or [], dtype=torch.int64),
+            torch.tensor(list(bias), dtype=torch.int64),
+            torch.tensor(list(bias.values()), dtype=torch.float32),
+        )
+        p.__dict__["_shaping_tensors"] = cached
+    return cached
 
 
 def noise_seed(seed: int, num_output_tokens: int) -> int:
@@ -83,7 +103,8 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # [B] float32 in [0, 1]
     seeded_rows: tuple[tuple[int, int], ...] = ()  # (row, noise seed) of seeded random rows
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) -> -inf
-    disallowed: torch.Tensor | None = None  # [B, V] bool: outside a row's allowed_token_ids
+    # (rows with allowed_token_ids [R], [R, V] bool: the tokens outside them)
+    disallowed: tuple[torch.Tensor, torch.Tensor] | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, bias
     penalties: PenaltyState | None = None
     max_num_logprobs: int | None = None  # the largest `logprobs` of any row
@@ -147,20 +168,21 @@ class SamplingMetadata:
         return md
 
     def _build_logit_shaping(self, rows: list[tuple[int, SamplingParams]], device) -> None:
-        """allowed_token_ids as a mask of the tokens outside them; logit_bias as sparse adds."""
-        allowed = {row: p.allowed_token_ids for row, p in rows if p.allowed_token_ids}
+        """allowed_token_ids as a mask of the tokens outside them, for the rows that have
+        them; logit_bias as sparse adds."""
+        tensors = [(row, _shaping_tensors(p)) for row, p in rows]
+        allowed = [(row, t[0]) for row, t in tensors if len(t[0])]
         if allowed:
-            mask = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=device)
-            mask[to_device(list(allowed), torch.int64, device)] = True
-            mask[_flat_index(allowed, device)] = False
-            self.disallowed = mask
-        bias = {row: p.logit_bias for row, p in rows if p.logit_bias}
-        if bias:
-            values = [v for b in bias.values() for v in b.values()]
-            self.logit_bias = (
-                *_flat_index({row: list(b) for row, b in bias.items()}, device),
-                to_device(values, torch.float32, device),
-            )
+            mask = torch.ones(len(allowed), self.vocab_size, dtype=torch.bool, device=device)
+            ids = upload(torch.cat([ids for _, ids in allowed]), device)
+            mask[_row_index(list(enumerate(t for _, t in allowed)), device), ids] = False
+            self.disallowed = (to_device([row for row, _ in allowed], torch.int64, device), mask)
+        biased = [(row, t[1], t[2]) for row, t in tensors if len(t[1])]
+        if biased:
+            ids = upload(torch.cat([ids for _, ids, _ in biased]), device)
+            values = upload(torch.cat([values for _, _, values in biased]), device)
+            rows_index = _row_index([(row, ids) for row, ids, _ in biased], device)
+            self.logit_bias = (rows_index, ids, values)
 
     def _build_random(
         self, params: list[SamplingParams], num_output_tokens: list[int], device
@@ -188,6 +210,12 @@ class SamplingMetadata:
             for row, p in enumerate(params)
             if not greedy[row] and p.seed is not None
         )
+
+
+def _row_index(rows: list[tuple[int, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """The row of each element of the rows' tensors, concatenated in order: [N] int64."""
+    counts = torch.tensor([len(t) for _, t in rows])
+    return upload(torch.tensor([row for row, _ in rows]).repeat_interleave(counts), device)
 
 
 def _flat_index(
@@ -378,7 +406,8 @@ class Sampler:
         if md.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(-1)  # [B, V]
         if md.disallowed is not None:
-            logits = logits.masked_fill(md.disallowed, float("-inf"))
+            rows, outside = md.disallowed
+            logits = logits.index_put((rows,), logits[rows].masked_fill(outside, float("-inf")))
         if md.logit_bias is not None:
             rows, ids, bias = md.logit_bias
             logits = logits.index_put((rows, ids), bias, accumulate=True)

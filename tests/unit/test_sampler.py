@@ -289,6 +289,21 @@ def test_logit_bias_and_allowed_token_ids_shape_the_logits_per_row():
     assert ok, chi2
 
 
+def test_logit_shaping_made_once_per_params_follows_a_revalidated_change():
+    """The sampler keeps a request's bias and allowed ids as tensors between steps; a field
+    changed and validated again (as the engine does when it takes a request) is seen."""
+    logits = randn(1, 30, seed=13)
+    params = SP(temperature=0, logit_bias={5: 100.0})
+    assert Sampler()(logits, build([params], vocab=30)).sampled_token_ids.item() == 5
+    params.logit_bias, params.allowed_token_ids = {6: 100.0}, [6, 7]
+    params.validate()
+    assert Sampler()(logits, build([params], vocab=30)).sampled_token_ids.item() == 6
+    params.logit_bias = None
+    params.validate()
+    expected = 6 if logits[0, 6] > logits[0, 7] else 7
+    assert Sampler()(logits, build([params], vocab=30)).sampled_token_ids.item() == expected
+
+
 def seeded_tokens(target, steps, others=(), position=0, sampler_seed=0, warmup=0):
     """Tokens of `target` at outputs 0..steps-1 in a batch with `others` around it."""
     vocab = 100
