@@ -11,7 +11,7 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this means greedy
 MAX_LOGPROBS = 20  # the most top log-probs a request may ask for per token
 MAX_N = 128  # the most completions one request may ask for
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: -100 bans a token in effect
+MAX_LOGIT_BIAS = 100.0  # the largest logit bias (OpenAI's range is [-100, 100])
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -97,13 +97,12 @@ class SamplingParams:
             "repetition_penalty", self.repetition_penalty, allowed, lo=FLOAT32_TINY, hi=FLOAT32_MAX
         )
         if self.logit_bias is not None:
-            allowed = f"a dict of token ids (integers >= 0) to numbers in [-{MAX_LOGIT_BIAS}, "
-            allowed += f"{MAX_LOGIT_BIAS}]"
+            # Any negative bias, -inf included, bans a token in effect; a positive one is
+            # capped so that a biased logit over a small temperature stays finite.
+            allowed = f"a dict of token ids (integers >= 0) to numbers <= {MAX_LOGIT_BIAS}"
             _check(isinstance(self.logit_bias, dict), "logit_bias", allowed, self.logit_bias)
             self.logit_bias = {
-                _as_int("logit_bias", t, allowed, lo=0): _as_float(
-                    "logit_bias", v, allowed, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS
-                )
+                _as_int("logit_bias", t, allowed, lo=0): _as_bias(v, allowed)
                 for t, v in self.logit_bias.items()
             }
         if self.allowed_token_ids is not None:
@@ -153,17 +152,26 @@ class SamplingParams:
         """Whether the token is the argmax of the (penalized) logits."""
         return self.sampling_type is SamplingType.GREEDY
 
-    def token_ids_beyond(self, vocab_size: int) -> tuple[str, int] | None:
-        """(field, token id) of the first token id a field names that a vocabulary of
-        `vocab_size` lacks; None when all are in it."""
+    def check_token_ids(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+        """What only a model can check: the token ids of logit_bias and allowed_token_ids
+        lie in its vocabulary, and min_tokens leaves an allowed token to sample. Raises
+        ValueError naming the field."""
         for name, ids in (
             ("logit_bias", self.logit_bias or ()),
             ("allowed_token_ids", self.allowed_token_ids or ()),
         ):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
-                return name, bad
-        return None
+                raise ValueError(
+                    f"{name} names token id {bad}, outside the vocabulary [0, {vocab_size})"
+                )
+        if self.allowed_token_ids and self.min_tokens:
+            stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+            if set(self.allowed_token_ids) <= stops:
+                raise ValueError(
+                    "allowed_token_ids holds only EOS or stop token ids, which min_tokens "
+                    "forbids until it is reached: no token could be sampled"
+                )
 
     @property
     def has_penalties(self) -> bool:
@@ -212,6 +220,12 @@ def _as_float(
     result = float(value)  # type: ignore[arg-type]
     _check((lo is None or result >= lo) and (hi is None or result <= hi), name, allowed, value)
     return result
+
+
+def _as_bias(value: object, allowed: str) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    _check(ok and value <= MAX_LOGIT_BIAS, "logit_bias", allowed, value)  # NaN fails too
+    return float(value)  # type: ignore[arg-type]
 
 
 def _as_list(name: str, value: object, allowed: str, allow_str: bool = True) -> list:

@@ -100,12 +100,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.validate()  # again: a field may have been assigned since construction
-        beyond = params.token_ids_beyond(self.vocab_size)
-        if beyond is not None:
-            raise ValueError(
-                f"{beyond[0]} names token id {beyond[1]}, outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
+        params.check_token_ids(self.vocab_size, self.eos_token_ids)
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
         if params.stop and self.tokenizer is None:

@@ -39,8 +39,8 @@ def test_a_lone_surrogate_is_a_value_error(llm):
     ("field", "value"),
     [("logprobs", 100_000), ("logprobs", -1), ("stop_token_ids", [None]), ("n", "2"),
      ("n", 0), ("max_tokens", 0), ("temperature", float("nan")), ("prompt_logprobs", 21),
-     ("logit_bias", {1: 1000.0}), ("logit_bias", {10**6: 1.0}), ("allowed_token_ids", [49152]),
-     ("allowed_token_ids", [])],
+     ("logit_bias", {1: 1000.0}), ("logit_bias", {1: float("nan")}), ("logit_bias", {10**6: 1.0}),
+     ("allowed_token_ids", [49152]), ("allowed_token_ids", [])],
 )  # fmt: skip
 def test_params_changed_after_construction_are_checked_when_added(llm, field, value):
     """They crashed the step (and the requests batched with it) or passed silently."""
@@ -182,3 +182,16 @@ def test_async_abort_ends_the_callers_stream_with_reason_abort(llm):
     assert last.finished and last.outputs[0].finish_reason == "abort"
     assert len(last.outputs[0].token_ids) < 200
     assert _all_free(llm.engine)
+
+
+def test_min_tokens_with_only_stop_tokens_allowed_is_a_value_error(llm):
+    """Every allowed token is EOS, which min_tokens bans: the row would have no token left
+    (it sampled token 0, outside the allowed ids)."""
+    eos = llm.engine.eos_token_ids[0]
+    params = SamplingParams(max_tokens=3, min_tokens=2, allowed_token_ids=[eos])
+    with pytest.raises(ValueError, match="^allowed_token_ids holds only EOS"):
+        llm.generate("Hi", params, use_tqdm=False)
+    params.ignore_eos = True  # then EOS is not banned, and may be sampled
+    (out,) = llm.generate("Hi", params, use_tqdm=False)
+    assert out.outputs[0].token_ids == [eos] * 3
+    _still_generates(llm)

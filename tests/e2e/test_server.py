@@ -513,6 +513,7 @@ ERROR_CASES = {
         "/v1/completions",
         {"prompt": "hi", "logit_bias": {"the": 5.0}},
     ),
+    "logit_bias NaN": (400, "/v1/completions", {"prompt": "hi", "logit_bias": {"5": float("nan")}}),
     "logit_bias beyond the vocabulary": (
         400,
         "/v1/completions",
@@ -529,6 +530,8 @@ ERROR_CASES = {
         "/v1/completions",
         {"prompt": "hi", "model": "m\ud800"},
     ),
+    "echo of a token id out of vocab": (400, "/v1/completions", {"prompt": [-1, 5], "echo": True}),
+    "echo of a huge token id": (400, "/v1/completions", {"prompt": [2**64], "echo": True}),
     "prompt_logprobs streamed": (
         400,
         "/v1/completions",

@@ -159,3 +159,13 @@ def test_clone_is_deep_and_equal():
     q.stop_token_ids.append(3)
     q.top_k = 4
     assert p.stop == ["a"] and p.stop_token_ids == [1, 2] and p.top_k == 3
+
+
+def test_logit_bias_takes_any_ban_and_caps_a_boost():
+    """vLLM users ban a token with -inf or -1e9; a boost above 100 is refused, as it could
+    overflow float32 once divided by a small temperature."""
+    p = SamplingParams(logit_bias={1: float("-inf"), 2: -1e9, 3: 100})
+    assert p.logit_bias == {1: float("-inf"), 2: -1e9, 3: 100.0}
+    for bad in ({4: 100.5}, {4: float("inf")}, {4: float("nan")}, {4: "1"}, {"4": 1.0}):
+        with pytest.raises(ValueError, match="^logit_bias"):
+            SamplingParams(logit_bias=bad)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import re
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -238,6 +239,8 @@ def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
         except ValueError:
             message = f"logit_bias keys must be token ids (integers), got {key!r}"
             raise OpenAIError(message, param="logit_bias") from None
+        if math.isnan(value):
+            raise OpenAIError(f"logit_bias for {key!r} is not a number", param="logit_bias")
         result[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
     return result
 

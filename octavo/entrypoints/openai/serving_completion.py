@@ -86,9 +86,10 @@ async def create_completion(
 
 @dataclass
 class _Echo:
-    """A prompt to echo: its text and ids, and its log-probs once the engine sends them."""
+    """A prompt to echo: its text (None for token ids, decoded when first echoed: by then
+    the engine has checked them) and ids, and its log-probs once the engine sends them."""
 
-    text: str
+    text: str | None
     token_ids: list[int]
     logprobs: PromptLogprobs | None = None
 
@@ -105,7 +106,7 @@ def _echoes(ctx: ServingContext, prompt: str | list, prompts: list[list[int]]) -
     else:
         texts = list(prompt)
     return [
-        _Echo(text if isinstance(text, str) else ctx.tokenizer.decode(ids), ids)
+        _Echo(text if isinstance(text, str) else None, ids)
         for text, ids in zip(texts, prompts, strict=True)
     ]
 
@@ -164,6 +165,8 @@ class _Formatter:
         prompt_index = delta.index // self.req.n
         if first and self.echo is not None:
             echo = self.echo[prompt_index]
+            if echo.text is None:
+                echo.text = self.tokenizer.decode(echo.token_ids)
             text, token_ids = echo.text + text, echo.token_ids + token_ids
             if entries is not None:
                 entries = (echo.logprobs or [None] * len(echo.token_ids)) + entries
