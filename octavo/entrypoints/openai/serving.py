@@ -58,13 +58,17 @@ def error_from_exception(e: BaseException) -> OpenAIError:
     """Maps what generation can raise to the error the client sees."""
     if isinstance(e, OpenAIError):
         return e
-    if isinstance(e, ValueError):
-        return OpenAIError(str(e))
+    if isinstance(e, ValueError):  # the engine's checks: their messages open with the field
+        first = str(e).split(" ", 1)[0]
+        return OpenAIError(str(e), param=first if first in _REQUEST_FIELDS else None)
     if isinstance(e, EngineDeadError):
         return OpenAIError(str(e), 503, "server_error")
     if isinstance(e, EngineStepError):
         return OpenAIError(str(e), 500, "server_error")
     return OpenAIError(f"internal error: {e!r}", 500, "server_error")
+
+
+_REQUEST_FIELDS = frozenset(SamplingRequest.model_fields) | {"prompt", "messages"}
 
 
 @dataclass
