@@ -72,7 +72,7 @@ class SamplingParams:
     def validate(self) -> None:
         """Checks every field, normalizing as at construction; raises ValueError naming
         the first bad one."""
-        self.__dict__.pop("_shaping_tensors", None)  # the sampler's, made from logit_bias
+        self.__dict__.pop("_shaping_tensors", None)  # the sampler's copy of two fields below
         self._validate_sampling()
         self._validate_stopping()
         self._validate_outputs()
