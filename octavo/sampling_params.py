@@ -64,6 +64,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -135,8 +136,10 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 value = _as_int(name, getattr(self, name), allowed, lo=0, hi=MAX_LOGPROBS)
                 setattr(self, name, value)
-        value = self.skip_special_tokens
-        _check(isinstance(value, bool), "skip_special_tokens", "a bool", value)
+        for name in ("skip_special_tokens", "detokenize"):
+            _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
+        if self.stop and not self.detokenize:
+            raise ValueError("detokenize must be True for stop strings, which match text")
         value = self.output_kind
         _check(isinstance(value, RequestOutputKind), "output_kind", "a RequestOutputKind", value)
 

@@ -49,7 +49,7 @@ class OutputProcessor:
         """Starts tracking a sequence: a new request, or a fork of one."""
         params = request.sampling_params
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
         wants = params.logprobs is not None
         self._states[request.request_id] = _SequenceState(
@@ -68,7 +68,9 @@ class OutputProcessor:
         found = self._prompt_logprobs.get(request.group_id)
         if found is None:
             return
-        texts = self._decode_many({t for entry in entries for t, _, _ in entry})
+        texts = {}
+        if request.sampling_params.detokenize:
+            texts = self._decode_many({t for entry in entries for t, _, _ in entry})
         for position, entry in enumerate(entries, start=first + 1):
             if position == len(found):
                 found.append({t: Logprob(lp, rank, texts.get(t)) for t, lp, rank in entry})
@@ -109,9 +111,8 @@ class OutputProcessor:
         state = self._states[request.request_id]
         if state.logprobs is not None and logprobs:
             entries = logprobs[request.index] if len(logprobs) > 1 else logprobs[0]
-            state.logprobs.append(
-                {t: Logprob(lp, rank, self._decode_one(t)) for t, lp, rank in entries}
-            )
+            decode = self._decode_one if request.sampling_params.detokenize else _no_text
+            state.logprobs.append({t: Logprob(lp, rank, decode(t)) for t, lp, rank in entries})
             state.cumulative_logprob += entries[0][1]
         if state.detokenizer is None:
             return None
@@ -200,3 +201,7 @@ class OutputProcessor:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
         )
+
+
+def _no_text(token_id: int) -> None:
+    """A log-prob entry's text (none) when the request asked for detokenize=False."""

@@ -265,3 +265,16 @@ def test_logit_bias_and_allowed_token_ids_steer_only_their_request(llm, chat_pro
     assert set(kept.outputs[0].token_ids) <= set(allowed)
     (alone,) = llm.generate(prompts[2:], GREEDY, use_tqdm=False)
     assert plain.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text(llm, chat_prompt_ids):
+    """vLLM's detokenize=False (RL loops read token ids only): no text, no token texts in
+    the log-probs, the same tokens."""
+    prompt = prompts_of(chat_prompt_ids[:1])
+    kwargs = {"temperature": 0, "max_tokens": 8, "logprobs": 1, "prompt_logprobs": 1}
+    (text,) = llm.generate(prompt, SamplingParams(**kwargs), use_tqdm=False)
+    (ids,) = llm.generate(prompt, SamplingParams(detokenize=False, **kwargs), use_tqdm=False)
+    assert ids.outputs[0].token_ids == text.outputs[0].token_ids
+    assert text.outputs[0].text and ids.outputs[0].text == ""
+    entries = [*ids.outputs[0].logprobs, *ids.prompt_logprobs[1:]]
+    assert all(lp.decoded_token is None for entry in entries for lp in entry.values())

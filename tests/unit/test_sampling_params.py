@@ -169,3 +169,11 @@ def test_logit_bias_takes_any_ban_and_caps_a_boost():
     for bad in ({4: 100.5}, {4: float("inf")}, {4: float("nan")}, {4: "1"}, {"4": 1.0}):
         with pytest.raises(ValueError, match="^logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+def test_stop_strings_need_detokenize():
+    with pytest.raises(ValueError, match="^detokenize must be True for stop strings"):
+        SamplingParams(stop=["\n"], detokenize=False)
+    assert SamplingParams(stop_token_ids=[2], detokenize=False).detokenize is False
+    with pytest.raises(ValueError, match="^detokenize must be a bool"):
+        SamplingParams(detokenize=1)
