@@ -65,6 +65,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -136,6 +137,11 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 value = _as_int(name, getattr(self, name), allowed, lo=0, hi=MAX_LOGPROBS)
                 setattr(self, name, value)
+        if self.truncate_prompt_tokens is not None:
+            allowed = "an integer >= 1, -1 for max_model_len, or None"
+            value = _as_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allowed, lo=-1)
+            _check(value != 0, "truncate_prompt_tokens", allowed, value)
+            self.truncate_prompt_tokens = value
         for name in ("skip_special_tokens", "detokenize"):
             _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
         if self.stop and not self.detokenize:
@@ -175,6 +181,14 @@ class SamplingParams:
                     "allowed_token_ids holds only EOS or stop token ids, which min_tokens "
                     "forbids until it is reached: no token could be sampled"
                 )
+
+    def truncate_prompt(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (max_model_len for -1), as vLLM
+        keeps them; the prompt itself when that is None or the prompt is no longer."""
+        keep = self.truncate_prompt_tokens
+        if keep == -1:
+            keep = max_model_len
+        return token_ids if keep is None or len(token_ids) <= keep else token_ids[-keep:]
 
     @property
     def has_penalties(self) -> bool:

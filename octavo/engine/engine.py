@@ -102,6 +102,7 @@ class Engine:
         params.validate()  # again: a field may have been assigned since construction
         params.check_token_ids(self.vocab_size, self.eos_token_ids)
         text, token_ids = self._tokenize(prompt)
+        token_ids = params.truncate_prompt(token_ids, self.scheduler_config.max_model_len)
         self._validate_prompt(token_ids)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")

@@ -278,3 +278,14 @@ def test_detokenize_false_gives_the_same_tokens_and_no_text(llm, chat_prompt_ids
     assert text.outputs[0].text and ids.outputs[0].text == ""
     entries = [*ids.outputs[0].logprobs, *ids.prompt_logprobs[1:]]
     assert all(lp.decoded_token is None for entry in entries for lp in entry.values())
+
+
+def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(llm, chat_prompt_ids):
+    ids = chat_prompt_ids[0]
+    params = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    cut_params = SamplingParams(truncate_prompt_tokens=9, **params)
+    (cut,) = llm.generate({"prompt_token_ids": ids}, cut_params, use_tqdm=False)
+    (tail,) = llm.generate({"prompt_token_ids": ids[-9:]}, SamplingParams(**params),
+                           use_tqdm=False)  # fmt: skip
+    assert cut.prompt_token_ids == ids[-9:]
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids

@@ -422,6 +422,23 @@ def test_logit_bias_and_allowed_token_ids(server, client, llm):
     assert out.choices[0].message.content == ref.outputs[0].text
 
 
+def test_truncate_prompt_tokens_lets_a_long_prompt_in(server):
+    """vLLM's truncate_prompt_tokens: the last k tokens of a prompt longer than the context,
+    before the context is checked; echo gives their text."""
+    long = _long_prompt(server.ctx.max_model_len + 10)
+    body = {"model": MODEL, "prompt": long, "max_tokens": 2, "truncate_prompt_tokens": 8,
+            "echo": True}  # fmt: skip
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 8
+    text = r.json()["choices"][0]["text"]
+    assert text.startswith(server.ctx.tokenizer.decode(long[-8:]))
+    r = httpx.post(server.url + "/v1/completions", json=body | {"truncate_prompt_tokens": 0},
+                   headers=AUTH, timeout=60)  # fmt: skip
+    _assert_error(r, 400)
+    assert r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_n_gives_n_choices(server):
     body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 4, "n": 2, "temperature": 1,
             "ignore_eos": True}

@@ -177,3 +177,14 @@ def test_stop_strings_need_detokenize():
     assert SamplingParams(stop_token_ids=[2], detokenize=False).detokenize is False
     with pytest.raises(ValueError, match="^detokenize must be a bool"):
         SamplingParams(detokenize=1)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones_as_vllm():
+    ids = list(range(10))
+    assert SamplingParams(truncate_prompt_tokens=3).truncate_prompt(ids, 100) == [7, 8, 9]
+    assert SamplingParams(truncate_prompt_tokens=30).truncate_prompt(ids, 100) == ids
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt(ids, 4) == [6, 7, 8, 9]
+    assert SamplingParams().truncate_prompt(ids, 4) == ids  # too long: the engine says so
+    for bad in (0, -2, 1.5, "3"):
+        with pytest.raises(ValueError, match="^truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)

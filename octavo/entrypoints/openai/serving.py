@@ -93,6 +93,17 @@ class ServingContext:
                 code="model_not_found",
             )
 
+    def truncate(self, req: SamplingRequest, prompt_ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens, applied before the context is checked; a bad value
+        is a 400 naming it."""
+        if req.truncate_prompt_tokens is None:
+            return prompt_ids
+        try:
+            params = SamplingParams(truncate_prompt_tokens=req.truncate_prompt_tokens)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="truncate_prompt_tokens") from None
+        return params.truncate_prompt(prompt_ids, self.max_model_len)
+
     def check_context(
         self,
         prompt_ids: list[int],
@@ -216,7 +227,7 @@ def sampling_params(
     for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
         "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
-        "allowed_token_ids",
+        "allowed_token_ids", "truncate_prompt_tokens",
     ):  # fmt: skip
         value = getattr(req, name)
         if value is not None:

@@ -58,6 +58,7 @@ async def create_chat_completion(
         )
     except ValueError as e:
         raise OpenAIError(str(e), param="messages") from e
+    prompt = ctx.truncate(req, prompt)
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
     )

@@ -41,8 +41,10 @@ async def create_completion(
         message = f"best_of must be an integer >= 1 and >= n ({req.n}), got {req.best_of}"
         raise OpenAIError(message, param="best_of")
     reject_unsupported(req, suffix=req.suffix, best_of=(req.best_of or 1) > 1)
-    prompts = _prompt_ids(ctx, req.prompt)
-    echo = _echoes(ctx, req.prompt, prompts) if req.echo else None
+    prompts = [ctx.truncate(req, ids) for ids in _prompt_ids(ctx, req.prompt)]
+    echo = None
+    if req.echo:  # a truncated text prompt is echoed as its ids decode
+        echo = _echoes(ctx, req.prompt if req.truncate_prompt_tokens is None else None, prompts)
     # OpenAI's echo with max_tokens 0 answers with the prompt alone. As vLLM does, one token
     # is generated (and left out): the request needs a step to compute the prompt's logits.
     max_tokens = 1 if req.echo and req.max_tokens == 0 else req.max_tokens
@@ -94,15 +96,17 @@ class _Echo:
     logprobs: PromptLogprobs | None = None
 
 
-def _echoes(ctx: ServingContext, prompt: str | list, prompts: list[list[int]]) -> list[_Echo]:
+def _echoes(
+    ctx: ServingContext, prompt: str | list | None, prompts: list[list[int]]
+) -> list[_Echo]:
     """What `echo` puts in front of each prompt's completions: a text prompt as sent, and
-    token ids decoded."""
+    token ids decoded (every prompt's, when `prompt` is None)."""
     if ctx.tokenizer is None:
         raise OpenAIError("`echo` needs a tokenizer, and this model has none", param="echo")
     if isinstance(prompt, str):
         texts = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        texts = [None]  # one prompt of token ids
+    elif prompt is None or (prompt and isinstance(prompt[0], int)):
+        texts = [None] * len(prompts)  # token ids
     else:
         texts = list(prompt)
     return [
