@@ -316,15 +316,16 @@ def _add_prompts(
     engine: Engine, prompts: Sequence[str | list[int]], params: BeamSearchParams, id_prefix: str
 ) -> list[BeamSearchInstance]:
     eos = frozenset(engine.eos_token_ids)
+    # NOTE: a wide search needs more top log-probs than users may ask for (MAX_LOGPROBS);
+    # the sampler takes any number.
+    candidates = num_candidates(params, eos)
     sampling = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None, logprobs=0)
-    # NOTE: set after validation on purpose: a wide search needs more top log-probs than
-    # users may ask for (MAX_LOGPROBS); the sampler takes any number.
-    sampling.logprobs = num_candidates(params, eos)
+    sampling.logprobs = candidates
     max_model_len = engine.scheduler_config.max_model_len
     instances: list[BeamSearchInstance] = []
     try:
         for i, prompt in enumerate(prompts):
-            root = engine.add_request(prompt, sampling, f"{id_prefix}-{i}")
+            root = engine.add_request(prompt, sampling, f"{id_prefix}-{i}", max_logprobs=candidates)
             instances.append(BeamSearchInstance(params, root, eos, max_model_len))
     except ValueError:
         engine.abort_request([inst.root.request_id for inst in instances])

@@ -15,6 +15,7 @@ its length limit was known in advance; that extra token is dropped.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from octavo.engine.scheduler import Scheduler, SchedulerOutput
 from octavo.model.tokenizer import encode_text
 from octavo.outputs import RequestOutput
 from octavo.runner.model_runner import ModelRunner, PendingOutput
-from octavo.sampling_params import RequestOutputKind, SamplingParams
+from octavo.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
 def request_id_list(request_ids: object) -> list[str]:
@@ -94,12 +95,18 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        *,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> Request:
         """Tokenizes and validates a prompt, then queues it. Raises ValueError for a bad
-        prompt or parameters; the engine is untouched then."""
+        prompt or parameters; the engine is untouched then. `max_logprobs`: the most top
+        log-probs the request may ask for (beam search asks for more than users may)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        params.validate()  # again: a field may have been assigned since construction
+        # The request's own copy, as in vLLM: the caller may change or reuse theirs. validate()
+        # (again: a field may have been assigned since construction) rebuilds its lists.
+        params = copy.copy(params)
+        params.validate(max_logprobs)
         params.check_token_ids(self.vocab_size, self.eos_token_ids)
         text, token_ids = self._tokenize(prompt)
         token_ids = params.truncate_prompt(token_ids, self.scheduler_config.max_model_len)

@@ -293,7 +293,8 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyState) -> torch.Tens
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
         # A penalty near float32's limits must not make a logit inf (inf - inf is NaN later).
         fmax = torch.finfo(torch.float32).max
-        penalized = penalized.clamp(-fmax, fmax)
+        # ... but a banned token (-inf) stays banned.
+        penalized = torch.where(logits.isinf(), logits, penalized.clamp(-fmax, fmax))
         logits = torch.where(penalties.seen, penalized, logits)
     counts = penalties.output_counts
     return logits - penalties.frequency * counts - penalties.presence * (counts > 0)

@@ -189,9 +189,35 @@ def test_min_tokens_with_only_stop_tokens_allowed_is_a_value_error(llm):
     (it sampled token 0, outside the allowed ids)."""
     eos = llm.engine.eos_token_ids[0]
     params = SamplingParams(max_tokens=3, min_tokens=2, allowed_token_ids=[eos])
-    with pytest.raises(ValueError, match="^allowed_token_ids holds only EOS"):
+    with pytest.raises(ValueError, match="^allowed_token_ids holds only .*min_tokens"):
         llm.generate("Hi", params, use_tqdm=False)
     params.ignore_eos = True  # then EOS is not banned, and may be sampled
     (out,) = llm.generate("Hi", params, use_tqdm=False)
     assert out.outputs[0].token_ids == [eos] * 3
     _still_generates(llm)
+
+
+def test_allowed_tokens_that_logit_bias_bans_are_a_value_error(llm):
+    params = SamplingParams(max_tokens=3, allowed_token_ids=[100, 101],
+                            logit_bias={100: float("-inf"), 101: -1e30})  # fmt: skip
+    with pytest.raises(ValueError, match="^allowed_token_ids holds only tokens that logit_bias"):
+        llm.generate("Hi", params, use_tqdm=False)
+    _still_generates(llm)
+
+
+def test_the_engine_keeps_its_own_copy_of_a_requests_params(llm):
+    """Changing or reusing the caller's SamplingParams after add_request changes nothing
+    for the request (it changed a running request's bias, or half of it)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={42: 100.0})
+    (ref,) = llm.generate("Hello", params, use_tqdm=False)
+    params.top_k = -1
+    engine.add_request("Hello", params, request_id="mine")
+    assert params.top_k == -1  # the caller's object is not normalized behind its back
+    engine.step()
+    params.logit_bias, params.max_tokens = None, 2
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (final,) = [o for o in outputs if o.finished]
+    assert final.outputs[0].token_ids == ref.outputs[0].token_ids == [42] * 6

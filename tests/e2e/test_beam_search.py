@@ -25,6 +25,7 @@ CONFIGS = [
     (4, 0.5, False, 16),
     (4, 2.0, "never", 12),
     (2, -0.5, "never", 10),
+    (12, 1.0, False, 6),  # 24 candidates a step: more top log-probs than users may ask for
 ]
 
 

@@ -289,6 +289,17 @@ def test_logit_bias_and_allowed_token_ids_shape_the_logits_per_row():
     assert ok, chi2
 
 
+def test_repetition_penalty_keeps_a_banned_token_banned():
+    """Its clamp to float32's range turned -inf (allowed_token_ids, a -inf bias) into a
+    finite logit, so a prompt token outside allowed_token_ids could be sampled."""
+    md = build([SP(temperature=0, repetition_penalty=1.2)], prompts=[[1, 2, 4]], vocab=30)
+    logits = randn(1, 30, seed=14)
+    logits[0, [2, 5]] = float("-inf")  # 2 is a prompt token, so it is penalized
+    penalized = apply_penalties(logits, md.penalties)
+    assert penalized[0, 2] == penalized[0, 5] == float("-inf")
+    assert torch.isfinite(penalized[0, [0, 1, 3, 4]]).all()
+
+
 def test_logit_shaping_made_once_per_params_follows_a_revalidated_change():
     """The sampler keeps a request's bias and allowed ids as tensors between steps; a field
     changed and validated again (as the engine does when it takes a request) is seen."""

@@ -164,8 +164,11 @@ def test_clone_is_deep_and_equal():
 def test_logit_bias_takes_any_ban_and_caps_a_boost():
     """vLLM users ban a token with -inf or -1e9; a boost above 100 is refused, as it could
     overflow float32 once divided by a small temperature."""
-    p = SamplingParams(logit_bias={1: float("-inf"), 2: -1e9, 3: 100})
-    assert p.logit_bias == {1: float("-inf"), 2: -1e9, 3: 100.0}
+    p = SamplingParams(logit_bias={1: float("-inf"), 2: -1e9, 3: 100, 4: -1e30, 5: -(10**400)})
+    inf = float("inf")
+    assert p.logit_bias == {1: -inf, 2: -1e9, 3: 100.0, 4: -inf, 5: -inf}  # bans are -inf
+    with pytest.raises(ValueError, match="^temperature"):
+        SamplingParams(temperature=10**400)  # an OverflowError before
     for bad in ({4: 100.5}, {4: float("inf")}, {4: float("nan")}, {4: "1"}, {"4": 1.0}):
         with pytest.raises(ValueError, match="^logit_bias"):
             SamplingParams(logit_bias=bad)
