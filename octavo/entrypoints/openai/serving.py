@@ -267,8 +267,9 @@ def _field_named_in(message: str, fields: dict[str, Any]) -> str | None:
 
 def reject_unsupported(req: SamplingRequest, **settings: Any) -> None:
     """400 for OpenAI fields we accept but do not implement, when set to a non-default
-    (the endpoint's own `settings`), and for `stream_options` without `stream`, as OpenAI
-    and vLLM answer."""
+    (the endpoint's own `settings`); for vLLM's `prompt_logprobs` with `stream`, which only
+    whole responses carry; and for `stream_options` without `stream`, as OpenAI and vLLM
+    answer."""
     for name, value in settings.items():
         if value:
             raise OpenAIError(f"`{name}` is not supported by this server", param=name)
