@@ -187,13 +187,12 @@ class SamplingParams:
                     "ids that min_tokens forbids until it is reached: no token could be sampled"
                 )
 
-    def truncate_prompt(self, token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt's last `truncate_prompt_tokens` tokens (max_model_len for -1), as vLLM
-        keeps them; the prompt itself when that is None or the prompt is no longer."""
+    def prompt_tokens_kept(self, max_model_len: int) -> int | None:
+        """How many prompt tokens truncate_prompt_tokens keeps, the last ones (max_model_len
+        for -1); None to keep them all. A text prompt keeps its special tokens (see
+        `encode_text`)."""
         keep = self.truncate_prompt_tokens
-        if keep == -1:
-            keep = max_model_len
-        return token_ids if keep is None or len(token_ids) <= keep else token_ids[-keep:]
+        return max_model_len if keep == -1 else keep
 
     @property
     def has_penalties(self) -> bool:

@@ -108,8 +108,9 @@ class Engine:
         params = copy.copy(params)
         params.validate(max_logprobs)
         params.check_token_ids(self.vocab_size, self.eos_token_ids)
-        text, token_ids = self._tokenize(prompt)
-        token_ids = params.truncate_prompt(token_ids, self.scheduler_config.max_model_len)
+        text, token_ids = self._tokenize(
+            prompt, params.prompt_tokens_kept(self.scheduler_config.max_model_len)
+        )
         self._validate_prompt(token_ids)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
@@ -153,14 +154,19 @@ class Engine:
         is finished by the next step() or dropped)."""
         return self.scheduler.has_unfinished_requests()
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(
+        self, prompt: str | list[int], keep_last: int | None = None
+    ) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for ids) and ids, at most `keep_last` of them."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
-            return prompt, encode_text(self.tokenizer, prompt, add_special_tokens=True)
+            ids = encode_text(self.tokenizer, prompt, add_special_tokens=True, keep_last=keep_last)
+            return prompt, ids
         # NOTE: set(map(type, ...)) walks the list in C: prompts are 100k+ tokens at times.
         if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:
-            return None, list(prompt)
+            cut = keep_last is not None and len(prompt) > keep_last
+            return None, list(prompt[-keep_last:] if cut else prompt)
         raise ValueError("a prompt must be a str or a list of int token ids")
 
     def _validate_prompt(self, token_ids: list[int]) -> None:

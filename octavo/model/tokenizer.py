@@ -153,10 +153,13 @@ def encode_text(
     text: str,
     what: str = "the prompt",
     add_special_tokens: bool = False,
+    keep_last: int | None = None,
 ) -> list[int]:
     """`text`'s token ids. A plain prompt takes the special tokens the tokenizer adds (a
     BOS, for Llama 3) with `add_special_tokens`, as vLLM and HF do; text a chat template
-    rendered already has them.
+    rendered already has them. With `keep_last` (vLLM's truncate_prompt_tokens), at most
+    that many: the text's last tokens, still inside the special tokens, as a tokenizer
+    truncating on the left gives them.
 
     Raises:
         ValueError: `text` is not valid Unicode: a lone surrogate such as "\\ud800", which
@@ -165,7 +168,16 @@ def encode_text(
     problem = _unicode_problem(text)
     if problem is not None:
         raise ValueError(f"{what}{problem}")
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if keep_last is None or len(ids) <= keep_last:
+        return ids
+    plain = tokenizer.encode(text, add_special_tokens=False) if add_special_tokens else ids
+    extra = len(ids) - len(plain)  # special tokens around the text
+    start = next((p for p in range(extra + 1) if ids[p : p + len(plain)] == plain), None)
+    if start is None or keep_last <= extra:
+        return ids[-keep_last:]
+    kept = plain[len(plain) - (keep_last - extra) :]
+    return ids[:start] + kept + ids[start + len(plain) :]
 
 
 def _unicode_problem(text: str) -> str | None:

@@ -135,5 +135,5 @@ def test_an_aborted_requests_scores_never_reach_a_request_that_reuses_its_id(llm
         outputs += engine.step()
     (final,) = [o for o in outputs if o.finished]
     assert len(final.prompt_logprobs) == 6
-    assert [list(entry)[0] for entry in final.prompt_logprobs[1:]] == [501, 502, 503, 504, 505]
+    assert [next(iter(entry)) for entry in final.prompt_logprobs[1:]] == [501, 502, 503, 504, 505]
     assert not engine.outputs._prompt_logprobs and not engine.outputs._groups

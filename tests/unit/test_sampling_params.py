@@ -183,11 +183,9 @@ def test_stop_strings_need_detokenize():
 
 
 def test_truncate_prompt_tokens_keeps_the_last_ones_as_vllm():
-    ids = list(range(10))
-    assert SamplingParams(truncate_prompt_tokens=3).truncate_prompt(ids, 100) == [7, 8, 9]
-    assert SamplingParams(truncate_prompt_tokens=30).truncate_prompt(ids, 100) == ids
-    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt(ids, 4) == [6, 7, 8, 9]
-    assert SamplingParams().truncate_prompt(ids, 4) == ids  # too long: the engine says so
+    assert SamplingParams(truncate_prompt_tokens=3).prompt_tokens_kept(100) == 3
+    assert SamplingParams(truncate_prompt_tokens=-1).prompt_tokens_kept(4) == 4
+    assert SamplingParams().prompt_tokens_kept(4) is None  # too long: the engine says so
     for bad in (0, -2, 1.5, "3"):
         with pytest.raises(ValueError, match="^truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)

@@ -134,6 +134,20 @@ def write_byte_level_gguf(path, add_bos_token: bool | None) -> None:
     writer.close()
 
 
+def test_keep_last_cuts_a_text_on_the_left_inside_its_special_tokens(monkeypatch, tmp_path):
+    """vLLM's truncate_prompt_tokens on text: a tokenizer truncating on the left keeps the
+    BOS it adds and the text's last tokens."""
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", "")
+    path = tmp_path / "tok.gguf"
+    write_byte_level_gguf(path, add_bos_token=True)
+    tok = tokenizer_module._load_cached.__wrapped__(os.path.realpath(path))
+    text = "abhi"  # a, b, then "hi" merged
+    assert encode_text(tok, text, add_special_tokens=True) == [257, 97, 98, 256]
+    assert encode_text(tok, text, add_special_tokens=True, keep_last=3) == [257, 98, 256]
+    assert encode_text(tok, text, add_special_tokens=True, keep_last=9) == [257, 97, 98, 256]
+    assert encode_text(tok, text, keep_last=2) == [98, 256]
+
+
 @pytest.mark.parametrize("add_bos_token", [True, False, None])
 def test_a_gguf_tokenizer_adds_bos_as_its_metadata_says(monkeypatch, tmp_path, add_bos_token):
     """A Llama 3 GGUF sets tokenizer.ggml.add_bos_token: a plain prompt then starts with

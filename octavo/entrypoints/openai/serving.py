@@ -93,16 +93,16 @@ class ServingContext:
                 code="model_not_found",
             )
 
-    def truncate(self, req: SamplingRequest, prompt_ids: list[int]) -> list[int]:
-        """vLLM's truncate_prompt_tokens, applied before the context is checked; a bad value
-        is a 400 naming it."""
+    def prompt_tokens_kept(self, req: SamplingRequest) -> int | None:
+        """How many prompt tokens vLLM's truncate_prompt_tokens keeps (None: all), so that
+        prompts are cut before the context is checked; a bad value is a 400 naming it."""
         if req.truncate_prompt_tokens is None:
-            return prompt_ids
+            return None
         try:
             params = SamplingParams(truncate_prompt_tokens=req.truncate_prompt_tokens)
         except ValueError as e:
             raise OpenAIError(str(e), param="truncate_prompt_tokens") from None
-        return params.truncate_prompt(prompt_ids, self.max_model_len)
+        return params.prompt_tokens_kept(self.max_model_len)
 
     def check_context(
         self,

@@ -58,7 +58,9 @@ async def create_chat_completion(
         )
     except ValueError as e:
         raise OpenAIError(str(e), param="messages") from e
-    prompt = ctx.truncate(req, prompt)
+    keep = ctx.prompt_tokens_kept(req)
+    if keep is not None and len(prompt) > keep:  # the rendering adds no special tokens
+        prompt = prompt[-keep:]
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
     )

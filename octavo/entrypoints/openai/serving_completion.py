@@ -41,7 +41,7 @@ async def create_completion(
         message = f"best_of must be an integer >= 1 and >= n ({req.n}), got {req.best_of}"
         raise OpenAIError(message, param="best_of")
     reject_unsupported(req, suffix=req.suffix, best_of=(req.best_of or 1) > 1)
-    prompts = [ctx.truncate(req, ids) for ids in _prompt_ids(ctx, req.prompt)]
+    prompts = _prompt_ids(ctx, req.prompt, ctx.prompt_tokens_kept(req))
     echo = None
     if req.echo:  # a truncated text prompt is echoed as its ids decode
         echo = _echoes(ctx, req.prompt if req.truncate_prompt_tokens is None else None, prompts)
@@ -115,8 +115,9 @@ def _echoes(
     ]
 
 
-def _prompt_ids(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
-    """One list of token ids per prompt; text is tokenized as `Engine.add_request` does."""
+def _prompt_ids(ctx: ServingContext, prompt: str | list, keep_last: int | None) -> list[list[int]]:
+    """One list of token ids per prompt, at most `keep_last` each; text is tokenized as
+    `Engine.add_request` does."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
@@ -127,12 +128,12 @@ def _prompt_ids(ctx: ServingContext, prompt: str | list) -> list[list[int]]:
             if ctx.tokenizer is None:
                 raise OpenAIError("this model has no tokenizer: send token ids", param="prompt")
             try:
-                p = encode_text(ctx.tokenizer, p, add_special_tokens=True)
+                p = encode_text(ctx.tokenizer, p, add_special_tokens=True, keep_last=keep_last)
             except ValueError as e:
                 raise OpenAIError(str(e), param="prompt") from None
         if not p:
             raise OpenAIError("a prompt must have at least one token", param="prompt")
-        result.append(list(p))
+        result.append(list(p if keep_last is None else p[-keep_last:]))
     return result
 
 
