@@ -115,7 +115,9 @@ def _echoes(
     ]
 
 
-def _prompt_ids(ctx: ServingContext, prompt: str | list, keep_last: int | None) -> list[list[int]]:
+def _prompt_ids(
+    ctx: ServingContext, prompt: str | list, keep_last: int | None = None
+) -> list[list[int]]:
     """One list of token ids per prompt, at most `keep_last` each; text is tokenized as
     `Engine.add_request` does."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
