@@ -461,11 +461,9 @@ def _collect_prompt_logprobs(
     token_ids, values, ranks = token_ids.tolist(), logprobs.tolist(), ranks.tolist()
     row = 0
     for span in spans:
-        entries = []
-        for r in range(row, row + span.count):
-            entry = [(token_ids[r][0], values[r][0], ranks[r])]
-            entry += [(token_ids[r][j], values[r][j], j) for j in range(1, span.k + 1)]
-            entries.append(entry)
+        entries = [
+            _entry(token_ids[r], values[r], ranks[r], span.k) for r in range(row, row + span.count)
+        ]
         result.prompt_logprobs[span.request_id] = (span.first, entries)
         row += span.count
 
@@ -480,6 +478,13 @@ def _collect_logprobs(
         k = params.logprobs
         if k is None:
             continue
-        entries = [(token_ids[row][0], values[row][0], ranks[row])]
-        entries += [(token_ids[row][j], values[row][j], j) for j in range(1, k + 1)]
-        result.logprobs.setdefault(request_id, []).append(entries)
+        entry = _entry(token_ids[row], values[row], ranks[row], k)
+        result.logprobs.setdefault(request_id, []).append(entry)
+
+
+def _entry(token_ids: list[int], values: list[float], rank: int, k: int) -> TokenLogprobs:
+    """One row of gather_logprobs' output as TokenLogprobs: the chosen token with its rank,
+    then the top k with theirs (1..k)."""
+    return [(token_ids[0], values[0], rank)] + [
+        (token_ids[j], values[j], j) for j in range(1, k + 1)
+    ]

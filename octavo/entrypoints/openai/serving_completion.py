@@ -89,11 +89,10 @@ async def create_completion(
 @dataclass
 class _Echo:
     """A prompt to echo: its text (None for token ids, decoded when first echoed: by then
-    the engine has checked them) and ids, and its log-probs once the engine sends them."""
+    the engine has checked them) and ids."""
 
     text: str | None
     token_ids: list[int]
-    logprobs: PromptLogprobs | None = None
 
 
 def _echoes(
@@ -160,8 +159,6 @@ class _Formatter:
         """Keeps a prompt's log-probs, which come with its first output."""
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = out.prompt_logprobs
-            if self.echo is not None:
-                self.echo[prompt_index].logprobs = out.prompt_logprobs
 
     def choice(self, delta: ChoiceDelta) -> CompletionChoice:
         text, token_ids, entries = delta.text, delta.token_ids, delta.logprobs
@@ -176,7 +173,8 @@ class _Formatter:
                 echo.text = self.tokenizer.decode(echo.token_ids)
             text, token_ids = echo.text + text, echo.token_ids + token_ids
             if entries is not None:
-                entries = (echo.logprobs or [None] * len(echo.token_ids)) + entries
+                scored = self.prompt_logprobs.get(prompt_index)
+                entries = (scored or [None] * len(echo.token_ids)) + entries
         logprobs = None
         if entries is not None and self.req.logprobs is not None:
             offset = self.text_offsets.get(delta.index, 0)
