@@ -6,6 +6,7 @@ import copy
 import enum
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this means greedy
@@ -64,6 +65,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: str | list[str] | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
@@ -77,6 +79,7 @@ class SamplingParams:
         the first bad one. `max_logprobs` is the most top log-probs allowed (beam search
         asks the engine for more than users may)."""
         self.__dict__.pop("_shaping_tensors", None)  # the sampler's copy of two fields below
+        self.__dict__.pop("_bad_words_token_ids", None)  # the engine's encoding of bad_words
         self._validate_sampling()
         self._validate_stopping()
         self._validate_outputs(max_logprobs)
@@ -114,6 +117,10 @@ class SamplingParams:
             ids = _as_list("allowed_token_ids", self.allowed_token_ids, allowed, allow_str=False)
             _check(bool(ids), "allowed_token_ids", allowed, self.allowed_token_ids)
             self.allowed_token_ids = [_as_int("allowed_token_ids", t, allowed, lo=0) for t in ids]
+        allowed = "a string with a non-space character, or a list of them"
+        self.bad_words = _as_list("bad_words", self.bad_words, allowed)
+        for word in self.bad_words:
+            _check(isinstance(word, str) and word.strip() != "", "bad_words", allowed, word)
 
     def _validate_stopping(self) -> None:
         if self.max_tokens is not None:
@@ -186,6 +193,51 @@ class SamplingParams:
                     "allowed_token_ids holds only tokens that logit_bias bans, or EOS and stop "
                     "ids that min_tokens forbids until it is reached: no token could be sampled"
                 )
+
+    def encode_bad_words(self, encode: Callable[[str], list[int]], vocab_size: int) -> None:
+        """Encodes bad_words as vLLM does, for the sampler (`bad_words_token_ids`).
+
+        Each word, leading spaces dropped, is one entry. With one space in front, it is a
+        second entry where that encodes to a different first token and as many tokens (the
+        word inside a text rather than at its start). `encode` gives a text's ids without
+        special tokens. ValueError for an id outside [0, vocab_size)."""
+        entries: list[list[int]] = []
+        for word in self.bad_words:
+            ids = list(encode(word.lstrip()))
+            if not ids:
+                raise ValueError(f"bad_words holds {word!r}, which encodes to no tokens")
+            entries.append(ids)
+            spaced = list(encode(" " + word.lstrip()))
+            if spaced and spaced[0] != ids[0] and len(spaced) == len(ids):
+                entries.append(spaced)
+        bad = next((t for ids in entries for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"bad_words encode to token id {bad}, outside the vocabulary [0, {vocab_size})"
+            )
+        self.__dict__["_bad_words_token_ids"] = entries
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """bad_words as token id sequences (see encode_bad_words); [] without bad words.
+        ValueError if they were set but not encoded: only an engine has the tokenizer."""
+        if not self.bad_words:
+            return []
+        entries = self.__dict__.get("_bad_words_token_ids")
+        if entries is None:
+            raise ValueError("bad_words must be encoded first (SamplingParams.encode_bad_words)")
+        return entries
+
+    @property
+    def needs_output_token_ids(self) -> bool:
+        """Whether the sampler reads the request's earlier tokens on the host: penalties
+        count them, and a bad word of several tokens matches its start against them."""
+        if self.has_penalties:
+            return True
+        entries = self.__dict__.get("_bad_words_token_ids")
+        if entries is None:  # not encoded yet: any word may have several tokens
+            return bool(self.bad_words)
+        return any(len(ids) > 1 for ids in entries)
 
     def prompt_tokens_kept(self, max_model_len: int) -> int | None:
         """How many prompt tokens truncate_prompt_tokens keeps, the last ones (max_model_len

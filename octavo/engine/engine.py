@@ -16,6 +16,7 @@ its length limit was known in advance; that extra token is dropped.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -112,8 +113,12 @@ class Engine:
             prompt, params.prompt_tokens_kept(self.scheduler_config.max_model_len)
         )
         self._validate_prompt(token_ids)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model has none")
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            field = "stop strings" if params.stop else "bad_words"
+            raise ValueError(f"{field} need a tokenizer, and this model has none")
+        if params.bad_words:
+            encode = functools.partial(encode_text, self.tokenizer, what="bad_words")
+            params.encode_bad_words(encode, self.vocab_size)
         request_id = str(next(self._ids)) if request_id is None else request_id
         self._check_new_id(request_id, params.n)
         request = Request(request_id, token_ids, params, prompt=text)

@@ -231,10 +231,10 @@ class Scheduler:
 
     def needs_pending_tokens(self) -> bool:
         """True if some running request cannot be scheduled before its pending token is on
-        the host: the first token of an n > 1 request forks it, and penalties count output
-        tokens on the host. The engine then finishes the step in flight first."""
+        the host: the first token of an n > 1 request forks it, and penalties and bad words
+        read output tokens on the host. The engine then finishes the step in flight first."""
         return any(
-            r.num_pending_tokens and (r.awaits_fork or r.sampling_params.has_penalties)
+            r.num_pending_tokens and (r.awaits_fork or r.sampling_params.needs_output_token_ids)
             for r in self.running
         )
 

@@ -376,11 +376,11 @@ class ModelRunner:
         self, so: SchedulerOutput, rows: list[tuple[str, SamplingParams, int]]
     ) -> SamplingMetadata:
         params = [r[1] for r in rows]
-        if any(p.has_penalties for p in params):
+        if any(p.needs_output_token_ids for p in params):
             requests = {s.request_id: s.request for s in so.scheduled}
             prompts = [requests[r[0]].prompt_token_ids for r in rows]
             outputs = [requests[r[0]].output_token_ids for r in rows]
-        else:  # only penalties read the token ids
+        else:  # only penalties and bad words read the token ids
             prompts = outputs = [[]] * len(rows)
         return SamplingMetadata.build(
             params,

@@ -138,12 +138,14 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """Builds the step's metadata; row i samples for params[i], whose sequence is
         prompt_token_ids[i] + output_token_ids[i]. EOS and stop ids are banned while a row
-        has fewer than min_tokens outputs (EOS not when it ignores EOS).
+        has fewer than min_tokens outputs (EOS not when it ignores EOS), and so is a bad
+        word's last token where the output ends with the rest of it.
 
         `num_output_tokens[i]` is how many tokens row i's sequence has generated before
         this one (default: len(output_token_ids[i])); with async scheduling it counts a
-        token still on its way from the previous step. Penalties read output_token_ids, so
-        they need every earlier token on the host.
+        token still on its way from the previous step. Penalties and bad words of several
+        tokens read output_token_ids, so they need every earlier token on the host
+        (`SamplingParams.needs_output_token_ids`).
         """
         if not len(params) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError("params, prompt_token_ids and output_token_ids differ in length")
@@ -153,7 +155,9 @@ class SamplingMetadata:
         md = cls(
             num_rows=len(params),
             vocab_size=vocab_size,
-            banned=_min_tokens_bans(params, num_output_tokens, eos_token_ids, vocab_size, device),
+            banned=_bans(
+                params, output_token_ids, num_output_tokens, eos_token_ids, vocab_size, device
+            ),
             max_num_logprobs=max(logprobs, default=None),
         )
         shaped = [(row, p) for row, p in enumerate(params) if p.logit_bias or p.allowed_token_ids]
@@ -252,21 +256,33 @@ def _build_penalties(
     return state
 
 
-def _min_tokens_bans(
+def _bans(
     params: list[SamplingParams],
+    output_token_ids: list[list[int]],
     num_output_tokens: list[int],
     eos_token_ids: list[int],
     vocab_size: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    banned: dict[int, list[int]] = {}
+    """(row, token id) of every token a row may not sample now, or None:
+    - EOS and stop ids while the row has fewer than min_tokens outputs (EOS not when it
+      ignores EOS);
+    - the last token of each bad word whose other tokens the row's output ends with (as
+      vLLM, the output only: a bad word does not match across the prompt's end)."""
+    banned: dict[int, set[int]] = {}
     for row, (p, num_output) in enumerate(zip(params, num_output_tokens, strict=True)):
         if num_output < p.min_tokens:
             ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            banned[row] = sorted(t for t in ids if t < vocab_size)  # others are never sampled
-    if not any(banned.values()):
-        return None
-    return _flat_index(banned, device)
+            banned[row] = {t for t in ids if t < vocab_size}  # the others are never sampled
+        if not p.bad_words:
+            continue
+        output = output_token_ids[row]
+        for word in p.bad_words_token_ids:
+            start = len(word) - 1
+            if start == 0 or (len(output) >= start and output[-start:] == word[:-1]):
+                banned.setdefault(row, set()).add(word[-1])
+    banned = {row: sorted(ids) for row, ids in banned.items() if ids}
+    return _flat_index(banned, device) if banned else None
 
 
 @dataclass

@@ -289,3 +289,40 @@ def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(llm, chat_prompt_id
                            use_tqdm=False)  # fmt: skip
     assert cut.prompt_token_ids == ids[-9:]
     assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+
+
+def contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bad_words_keep_their_tokens_out_of_only_their_request(
+    llm_factory, chat_prompt_ids, async_scheduling
+):
+    """vLLM's bad_words on "What is the capital of France?" (greedy: "The capital of France
+    is Paris."): "Paris" never comes out, at a text's start or inside it; "capital of" never
+    completes, though " capital" may. A plain request batched with them gives its tokens
+    alone. With async scheduling too, where a word of several tokens needs the previous
+    step's token on the host."""
+    llm = llm_factory(enforce_eager=True, async_scheduling=True) if async_scheduling else \
+        llm_factory()  # fmt: skip
+    tok = llm.get_tokenizer()
+    paris = [tok.encode(w, add_special_tokens=False) for w in ("Paris", " Paris")]
+    capital_of = tok.encode(" capital of", add_special_tokens=False)
+    assert all(len(ids) == 1 for ids in paris) and len(capital_of) == 2
+    prompts = prompts_of([chat_prompt_ids[0], chat_prompt_ids[0], chat_prompt_ids[3]])
+    (plain,) = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    (other,) = llm.generate(prompts[2:], GREEDY, use_tqdm=False)
+    assert paris[1][0] in plain.outputs[0].token_ids  # the bans below have work to do
+    assert contains(plain.outputs[0].token_ids, capital_of)
+    greedy = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}  # GREEDY's
+    params = [SamplingParams(bad_words=["Paris"], **greedy),
+              SamplingParams(bad_words=["capital of"], **greedy), GREEDY]  # fmt: skip
+    no_paris, no_capital_of, alone = llm.generate(prompts, params, use_tqdm=False)
+    assert not {paris[0][0], paris[1][0]} & set(no_paris.outputs[0].token_ids)
+    assert "Paris" not in no_paris.outputs[0].text
+    ids = no_capital_of.outputs[0].token_ids
+    assert capital_of[0] in ids and not contains(ids, capital_of)
+    assert alone.outputs[0].token_ids == other.outputs[0].token_ids
+    with pytest.raises(ValueError, match="bad_words"):
+        llm.generate(prompts[:1], SamplingParams(bad_words=["\ud800"]), use_tqdm=False)

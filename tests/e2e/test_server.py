@@ -422,6 +422,24 @@ def test_logit_bias_and_allowed_token_ids(server, client, llm):
     assert out.choices[0].message.content == ref.outputs[0].text
 
 
+def test_bad_words(server, client, llm):
+    """vLLM's bad_words: what SamplingParams' field gives, for chat and completions; a
+    word with nothing but spaces is a 400 that names the field."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=8, bad_words=["Paris"])
+    ref = server.ctx.engine.call_sync(lambda _: llm.chat(messages, params, use_tqdm=False))[0]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0,
+        extra_body={"bad_words": ["Paris"]},
+    )  # fmt: skip
+    assert out.choices[0].message.content == ref.outputs[0].text
+    assert "Paris" not in ref.outputs[0].text
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 2, "bad_words": [" "]}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    _assert_error(r, 400)
+    assert r.json()["error"]["param"] == "bad_words"
+
+
 def test_truncate_prompt_tokens_lets_a_long_prompt_in(server):
     """vLLM's truncate_prompt_tokens: the last k tokens of a prompt longer than the context,
     before the context is checked; echo gives their text."""

@@ -253,6 +253,35 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     assert not tokens & {3, 5, 7} and len(tokens) > 1
 
 
+def test_bad_words_ban_a_words_last_token_where_the_output_ends_with_the_rest():
+    """vLLM's rule: a one-token bad word is always banned; a longer one only where the
+    row's output (not its prompt) ends with all but its last token."""
+    vocab = 20
+    logits = randn(5, vocab, seed=11, scale=0.5)
+    logits[:, [4, 6, 9]] = torch.tensor([12.0, 11.0, 10.0])
+    logits[[1, 2], 6] = logits[4, 9] = 13.0  # each row's likeliest token is the one at stake
+    codes = {"a": [4], " a": [4], "b c": [5, 6], " b c": [5, 6], "d e f": [7, 8, 9],
+             " d e f": [7, 8, 9]}  # fmt: skip
+    cases = [  # (bad words, prompt, output, banned ids)
+        (["a"], [], [], {4}),
+        (["b c"], [], [1, 5], {6}),
+        (["b c"], [5], [], set()),  # the prompt's end does not count
+        (["d e f", "a"], [], [7, 8], {9, 4}),
+        (["d e f"], [], [8, 7], set()),
+    ]
+    params = []
+    for words, _, _, _ in cases:
+        p = SP(temperature=0, bad_words=words)
+        p.encode_bad_words(codes.__getitem__, vocab)
+        params.append(p)
+    md = build(params, [c[1] for c in cases], [c[2] for c in cases], vocab=vocab)
+    greedy = Sampler()(logits, md).sampled_token_ids.tolist()
+    for row, (_, _, _, banned) in enumerate(cases):
+        ref = [v if i not in banned else -np.inf for i, v in enumerate(logits[row].tolist())]
+        assert greedy[row] == int(np.argmax(ref)), row
+    assert greedy[1] != 6 and (greedy[2], greedy[4]) == (6, 9)  # no match, no ban
+
+
 def test_logit_bias_and_allowed_token_ids_shape_the_logits_per_row():
     """Greedy rows take the argmax of logits + bias over the allowed tokens; random rows
     draw from softmax(logits + bias) over them; other rows and the logprobs are untouched

@@ -21,6 +21,7 @@ BAD_VALUES = [
     ("min_tokens", [-1, 1.5, "2", True, None]),
     ("stop", ["", [""], ["a", ""], [1], 3, {"a"}]),
     ("stop_token_ids", [[-1], [1.5], [True], ["2"], 5, "abc"]),
+    ("bad_words", ["", "  ", [""], ["a", " \t"], [1], 3, {"a"}]),
     ("include_stop_str_in_output", [1, "yes", None]),
     ("ignore_eos", [0, "no"]),
     ("skip_special_tokens", [1, None]),
@@ -189,3 +190,29 @@ def test_truncate_prompt_tokens_keeps_the_last_ones_as_vllm():
     for bad in (0, -2, 1.5, "3"):
         with pytest.raises(ValueError, match="^truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_bad_words_encode_as_vllm_with_a_spaced_variant_where_it_differs():
+    """Each word without its leading spaces; then " word" where that gives another first
+    token and as many tokens (a word inside a text), as vLLM's update_from_tokenizer."""
+    codes = {"cat": [1], " cat": [2], "big dog": [3, 4], " big dog": [5, 4],
+             "x y": [6, 7], " x y": [8, 9, 7], "Hi": [10], " Hi": [10]}  # fmt: skip
+    p = SamplingParams(bad_words=["  cat", "big dog", "x y", "Hi"])
+    with pytest.raises(ValueError, match="bad_words must be encoded"):
+        p.bad_words_token_ids  # noqa: B018
+    assert p.needs_output_token_ids  # not encoded yet: a word may have several tokens
+    p.encode_bad_words(codes.__getitem__, vocab_size=11)
+    assert p.bad_words_token_ids == [[1], [2], [3, 4], [5, 4], [6, 7], [10]]
+    assert p.needs_output_token_ids
+    single = SamplingParams(bad_words="cat")
+    single.encode_bad_words(codes.__getitem__, vocab_size=11)
+    assert single.bad_words == ["cat"] and single.bad_words_token_ids == [[1], [2]]
+    assert not single.needs_output_token_ids  # one token: banned whatever came before
+    with pytest.raises(ValueError, match=r"bad_words encode to token id 10, outside"):
+        SamplingParams(bad_words=["Hi"]).encode_bad_words(codes.__getitem__, vocab_size=10)
+    with pytest.raises(ValueError, match="bad_words holds 'cat', which encodes to no tokens"):
+        SamplingParams(bad_words=["cat"]).encode_bad_words(lambda text: [], vocab_size=10)
+    p.validate()  # the words may have changed: the encoding goes with the old ones
+    with pytest.raises(ValueError, match="bad_words must be encoded"):
+        p.bad_words_token_ids  # noqa: B018
+    assert SamplingParams().bad_words_token_ids == []

@@ -76,6 +76,7 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
 
     @property

@@ -227,7 +227,7 @@ def sampling_params(
     for name in (
         "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
         "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
-        "allowed_token_ids", "truncate_prompt_tokens",
+        "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
     ):  # fmt: skip
         value = getattr(req, name)
         if value is not None:
