@@ -195,6 +195,7 @@ def apply_chat_template(
     messages: list[dict],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Renders one conversation with the model's chat template and tokenizes it.
 
@@ -207,10 +208,12 @@ def apply_chat_template(
         continue_final_message: leave the last message open (no end-of-turn token), so that
             the model continues it, e.g. a partly written assistant reply. Not together with
             add_generation_prompt.
+        add_special_tokens: the tokenizer's special tokens (a BOS, say) on top of those the
+            template writes, as vLLM's /tokenize offers; off for generation.
 
     Returns:
-        The prompt's token ids (the template writes the special tokens itself, so the
-        tokenizer adds none).
+        The prompt's token ids (the template writes the special tokens itself, so by
+        default the tokenizer adds none).
 
     Raises:
         ValueError: no tokenizer or no chat template, malformed messages, or a template
@@ -237,7 +240,8 @@ def apply_chat_template(
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template rejected the conversation: {e}") from e
-    return encode_text(tokenizer, text, "the rendered conversation")  # other keys, say
+    what = "the rendered conversation"  # its problem comes from other keys, say
+    return encode_text(tokenizer, text, what, add_special_tokens=add_special_tokens)
 
 
 def _check_messages(messages: object) -> None:

@@ -17,8 +17,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixture import ServerThread, wait_for
 
+import octavo
 from octavo import SamplingParams
 from octavo.entrypoints.openai.api_server import build_app
+from octavo.model.tokenizer import apply_chat_template
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -438,6 +440,44 @@ def test_bad_words(server, client, llm):
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     _assert_error(r, 400)
     assert r.json()["error"]["param"] == "bad_words"
+
+
+def test_tokenize_and_detokenize_as_vllm(server):
+    """vLLM's /tokenize gives the ids that a completion or a chat completion runs on (their
+    usage counts as many), /detokenize gives the ids' text; bad input is a 400 naming the
+    field. /version answers too."""
+    tok, url = server.ctx.tokenizer, server.url
+    body = {"model": MODEL, "prompt": PROMPTS[1], "return_token_strs": True}
+    found = httpx.post(url + "/tokenize", json=body, timeout=60).json()
+    assert found["tokens"] == tok.encode(PROMPTS[1], add_special_tokens=True)
+    assert found["token_strs"] == tok.convert_ids_to_tokens(found["tokens"])
+    assert found["count"] == len(found["tokens"])
+    assert found["max_model_len"] == server.ctx.max_model_len
+    completion = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 1}
+    r = httpx.post(url + "/v1/completions", json=completion, headers=AUTH, timeout=60)
+    assert r.json()["usage"]["prompt_tokens"] == found["count"]
+    messages = [{"role": "user", "content": "Hi there"}]
+    found = httpx.post(url + "/tokenize", json={"messages": messages}, timeout=60).json()
+    assert found["tokens"] == apply_chat_template(tok, messages) and found["token_strs"] is None
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 1}
+    r = httpx.post(url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60)
+    assert r.json()["usage"]["prompt_tokens"] == found["count"]
+    r = httpx.post(url + "/detokenize", json={"tokens": found["tokens"]}, timeout=60)
+    assert r.json() == {"prompt": tok.decode(found["tokens"])}
+    for path, bad, param in [
+        ("/detokenize", {"tokens": [5, -1]}, "tokens"),
+        ("/detokenize", {"tokens": [len(tok)]}, "tokens"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+        ("/tokenize", {"messages": messages, "continue_final_message": True},
+         "continue_final_message"),
+    ]:  # fmt: skip
+        r = httpx.post(url + path, content=json.dumps(bad), timeout=60,  # \ud800 escaped
+                       headers={"Content-Type": "application/json"})  # fmt: skip
+        _assert_error(r, 400)
+        assert r.json()["error"]["param"] == param, (path, bad, r.text)
+    r = httpx.post(url + "/tokenize", json={"model": "other", "prompt": "x"}, timeout=60)
+    _assert_error(r, 404)
+    assert httpx.get(url + "/version", timeout=60).json()["version"] == octavo.__version__
 
 
 def test_truncate_prompt_tokens_lets_a_long_prompt_in(server):

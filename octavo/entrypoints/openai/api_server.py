@@ -1,7 +1,8 @@
 """`octavo serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one Engine.
 
     POST /v1/completions, POST /v1/chat/completions   (JSON or SSE with `stream: true`)
-    GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus)
+    POST /tokenize, /detokenize                       (vLLM's)
+    GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus), /version
 
 Every error is answered in OpenAI's format, `{"error": {"message", "type", "param", "code"}}`,
 with its HTTP status (400 bad input, 401 bad key, 404 unknown model, 500/503 engine failure);
@@ -22,14 +23,20 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import octavo
 from octavo.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from octavo.engine.engine import Engine
 from octavo.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from octavo.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from octavo.entrypoints.openai.serving import (
     ClientDisconnected,
@@ -39,6 +46,7 @@ from octavo.entrypoints.openai.serving import (
 )
 from octavo.entrypoints.openai.serving_chat import create_chat_completion
 from octavo.entrypoints.openai.serving_completion import create_completion
+from octavo.entrypoints.openai.serving_tokenization import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +87,20 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: HTTPRequest) -> Response:
         return await create_chat_completion(ctx, req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize_route(
+        req: TokenizeCompletionRequest | TokenizeChatRequest,
+    ) -> TokenizeResponse:
+        return tokenize(ctx, req)
+
+    @app.post("/detokenize")
+    async def detokenize_route(req: DetokenizeRequest) -> DetokenizeResponse:
+        return detokenize(ctx, req)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": octavo.__version__}
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

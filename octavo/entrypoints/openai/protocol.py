@@ -119,6 +119,39 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # vLLM's
 
 
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a prompt (vLLM's): the ids a completion would run on."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with a conversation (vLLM's): the ids a chat completion would run on."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # on top of those the chat template writes
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids to text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---- responses ----------------------------------------------------------------------------
 
 
@@ -237,3 +270,14 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -52,7 +52,7 @@ async def create_chat_completion(
     try:
         prompt = apply_chat_template(
             ctx.tokenizer,
-            [_message_dict(m) for m in req.messages],
+            [message_dict(m) for m in req.messages],
             req.add_generation_prompt,
             req.continue_final_message,
         )
@@ -108,7 +108,7 @@ async def create_chat_completion(
     return JSONResponse(response.model_dump())
 
 
-def _message_dict(message: ChatMessage) -> dict:
+def message_dict(message: ChatMessage) -> dict:
     """OpenAI's message -> what the chat template reads: role and content as a str."""
     content = message.content
     if content is None:

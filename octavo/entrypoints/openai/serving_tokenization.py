@@ -1,0 +1,66 @@
+"""POST /tokenize and /detokenize, as vLLM's server has them: a prompt or a conversation to
+the token ids the engine would run on, and token ids back to text.
+
+    {"prompt": "Hello"}                          -> {"count": 1, "max_model_len": 8192,
+    {"messages": [{"role": "user", ...}]}            "tokens": [19556], "token_strs": null}
+    {"tokens": [19556]}  (to /detokenize)        -> {"prompt": "Hello"}
+"""
+
+from __future__ import annotations
+
+from octavo.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from octavo.entrypoints.openai.serving import OpenAIError, ServingContext
+from octavo.entrypoints.openai.serving_chat import message_dict
+from octavo.model.tokenizer import apply_chat_template, encode_text
+
+
+def tokenize(
+    ctx: ServingContext, req: TokenizeCompletionRequest | TokenizeChatRequest
+) -> TokenizeResponse:
+    """The ids of a prompt (with the tokenizer's special tokens unless told otherwise, as a
+    completion gets them) or of a conversation rendered by the chat template."""
+    ctx.check_model(req.model)
+    tokenizer = _tokenizer(ctx)
+    chat = isinstance(req, TokenizeChatRequest)
+    if chat and req.add_generation_prompt and req.continue_final_message:
+        message = "`continue_final_message` needs `add_generation_prompt` set to false"
+        raise OpenAIError(message, param="continue_final_message")
+    try:
+        if chat:
+            ids = apply_chat_template(
+                tokenizer, [message_dict(m) for m in req.messages], req.add_generation_prompt,
+                req.continue_final_message, add_special_tokens=req.add_special_tokens,
+            )  # fmt: skip
+        else:
+            ids = encode_text(tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="messages" if chat else "prompt") from e
+    return TokenizeResponse(
+        count=len(ids),
+        max_model_len=ctx.max_model_len,
+        tokens=ids,
+        token_strs=tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
+    )
+
+
+def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeResponse:
+    """The text of token ids, special tokens included, as vLLM gives it."""
+    ctx.check_model(req.model)
+    tokenizer = _tokenizer(ctx)
+    bad = next((t for t in req.tokens if not 0 <= t < len(tokenizer)), None)
+    if bad is not None:
+        message = f"token id {bad} is outside the tokenizer's vocabulary [0, {len(tokenizer)})"
+        raise OpenAIError(message, param="tokens")
+    return DetokenizeResponse(prompt=tokenizer.decode(req.tokens))
+
+
+def _tokenizer(ctx: ServingContext):
+    if ctx.tokenizer is None:
+        raise OpenAIError("this model has no tokenizer (it takes prompts as token ids)")
+    return ctx.tokenizer
