@@ -2,7 +2,7 @@
 
 from octavo.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from octavo.outputs import CompletionOutput, Logprob, RequestOutput
-from octavo.sampling_params import RequestOutputKind, SamplingParams
+from octavo.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -14,6 +14,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"
 

@@ -35,6 +35,61 @@ class SamplingType(enum.Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: the text the request generates must match exactly one of
+
+    json          a JSON schema (a dict or its JSON text)
+    json_object   True: any JSON object
+    regex         a regular expression (Rust's regex syntax)
+    choice        one of a list of strings
+    grammar       a grammar, in Lark or GBNF (llama.cpp's) syntax
+
+    `disable_any_whitespace` keeps JSON free of whitespace between tokens beyond what the
+    schema needs (by default a model may put spaces and newlines there, as in vLLM). The
+    engine compiles the constraint with llguidance when it takes the request.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """ValueError unless exactly one constraint is given, with a value of its type."""
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            found = ", ".join(given) or "none"
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(_CONSTRAINTS)}; got {found}"
+            )
+        kinds = {"json": (str, dict), "regex": str, "grammar": str, "json_object": bool}
+        name = given[0]
+        if name == "choice":
+            ok = isinstance(self.choice, (list, tuple)) and bool(self.choice)
+            ok = ok and all(isinstance(c, str) for c in self.choice)
+            _check(ok, "structured_outputs.choice", "a non-empty list of strings", self.choice)
+            self.choice = list(self.choice)
+        else:
+            value = getattr(self, name)
+            _check(isinstance(value, kinds[name]), f"structured_outputs.{name}",
+                   " or ".join(k.__name__ for k in _as_tuple(kinds[name])), value)  # fmt: skip
+        _check(isinstance(self.disable_any_whitespace, bool),
+               "structured_outputs.disable_any_whitespace", "a bool", self.disable_any_whitespace)  # fmt: skip
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+@dataclass
 class SamplingParams:
     """Sampling and stopping settings of one request, with vLLM's fields and defaults.
 
@@ -66,6 +121,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: str | list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
     truncate_prompt_tokens: int | None = None
@@ -117,6 +173,11 @@ class SamplingParams:
             ids = _as_list("allowed_token_ids", self.allowed_token_ids, allowed, allow_str=False)
             _check(bool(ids), "allowed_token_ids", allowed, self.allowed_token_ids)
             self.allowed_token_ids = [_as_int("allowed_token_ids", t, allowed, lo=0) for t in ids]
+        if self.structured_outputs is not None:
+            spec = self.structured_outputs
+            allowed = "a StructuredOutputsParams or None"
+            _check(isinstance(spec, StructuredOutputsParams), "structured_outputs", allowed, spec)
+            spec.validate()
         allowed = "a string with a non-space character, or a list of them"
         self.bad_words = _as_list("bad_words", self.bad_words, allowed)
         for word in self.bad_words:
@@ -172,8 +233,8 @@ class SamplingParams:
 
     def check_token_ids(self, vocab_size: int, eos_token_ids: list[int]) -> None:
         """What only a model can check: the token ids of logit_bias and allowed_token_ids
-        lie in its vocabulary, and min_tokens leaves an allowed token to sample. Raises
-        ValueError naming the field."""
+        lie in its vocabulary, and logit_bias, bad_words (once encoded) and min_tokens leave
+        an allowed token to sample. Raises ValueError naming the field."""
         for name, ids in (
             ("logit_bias", self.logit_bias or ()),
             ("allowed_token_ids", self.allowed_token_ids or ()),
@@ -185,13 +246,16 @@ class SamplingParams:
                 )
         if self.allowed_token_ids:
             banned = {t for t, bias in (self.logit_bias or {}).items() if bias == -math.inf}
+            encoded = self.__dict__.get("_bad_words_token_ids") or ()
+            banned |= {ids[0] for ids in encoded if len(ids) == 1}  # banned everywhere
             if self.min_tokens:
                 banned |= set(self.stop_token_ids)
                 banned |= set() if self.ignore_eos else set(eos_token_ids)
             if set(self.allowed_token_ids) <= banned:
                 raise ValueError(
-                    "allowed_token_ids holds only tokens that logit_bias bans, or EOS and stop "
-                    "ids that min_tokens forbids until it is reached: no token could be sampled"
+                    "allowed_token_ids holds only tokens that logit_bias or bad_words ban, or EOS "
+                    "and stop ids that min_tokens forbids until it is reached: no token could be "
+                    "sampled"
                 )
 
     def encode_bad_words(self, encode: Callable[[str], list[int]], vocab_size: int) -> None:
@@ -231,8 +295,9 @@ class SamplingParams:
     @property
     def needs_output_token_ids(self) -> bool:
         """Whether the sampler reads the request's earlier tokens on the host: penalties
-        count them, and a bad word of several tokens matches its start against them."""
-        if self.has_penalties:
+        count them, a bad word of several tokens matches its start against them, and a
+        structured output's grammar must have taken them before it masks the next one."""
+        if self.has_penalties or self.structured_outputs is not None:
             return True
         entries = self.__dict__.get("_bad_words_token_ids")
         if entries is None:  # not encoded yet: any word may have several tokens

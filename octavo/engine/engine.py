@@ -26,6 +26,7 @@ from octavo.engine.kv_cache_manager import KVCacheManager
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.request import Request, RequestStatus
 from octavo.engine.scheduler import Scheduler, SchedulerOutput
+from octavo.engine.structured_output import Grammar, GrammarCompiler
 from octavo.model.tokenizer import encode_text
 from octavo.outputs import RequestOutput
 from octavo.runner.model_runner import ModelRunner, PendingOutput
@@ -88,6 +89,7 @@ class Engine:
         self.async_scheduling = async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # built with the first constraint
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -108,7 +110,6 @@ class Engine:
         # (again: a field may have been assigned since construction) rebuilds its lists.
         params = copy.copy(params)
         params.validate(max_logprobs)
-        params.check_token_ids(self.vocab_size, self.eos_token_ids)
         text, token_ids = self._tokenize(
             prompt, params.prompt_tokens_kept(self.scheduler_config.max_model_len)
         )
@@ -119,12 +120,25 @@ class Engine:
         if params.bad_words:
             encode = functools.partial(encode_text, self.tokenizer, what="bad_words")
             params.encode_bad_words(encode, self.vocab_size)
+        params.check_token_ids(self.vocab_size, self.eos_token_ids)
+        grammar = self._compile_grammar(params)
         request_id = str(next(self._ids)) if request_id is None else request_id
         self._check_new_id(request_id, params.n)
         request = Request(request_id, token_ids, params, prompt=text)
+        request.grammar = grammar
         self.outputs.add(request)
         self.scheduler.add_request(request)
         return request
+
+    def _compile_grammar(self, params: SamplingParams) -> Grammar | None:
+        """The request's structured-output constraint, compiled; None without one."""
+        if params.structured_outputs is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer, and this model has none")
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars.compile(params.structured_outputs)
 
     def _check_new_id(self, request_id: object, n: int) -> None:
         """ValueError unless `request_id` is a str that no request, group or sample in the

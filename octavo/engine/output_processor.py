@@ -116,7 +116,10 @@ class OutputProcessor:
             state.cumulative_logprob += entries[0][1]
         if state.detokenizer is None:
             return None
-        stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED  # EOS or a stop id
+        # EOS or a stop id; not a token that completed a structured output's grammar
+        stopped_by_token = request.status is RequestStatus.FINISHED_STOPPED and not (
+            request.grammar is not None and request.grammar.is_complete
+        )
         if stopped_by_token and not request.sampling_params.include_stop_str_in_output:
             return None  # its text stays out of the output, as in vLLM (its id stays in)
         return state.detokenizer.update([request.output_token_ids[-1]])

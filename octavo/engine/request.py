@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from octavo.engine.structured_output import Grammar
     from octavo.sampling_params import SamplingParams
 
 
@@ -72,6 +73,9 @@ class Request:
         self.index = 0
         # Hashes of the full blocks of all_token_ids, filled by the KV cache manager.
         self.block_hashes: list[int] = []
+        # Structured outputs: where the output stands in its constraint (it has taken every
+        # output token so far); None without one.
+        self.grammar: Grammar | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

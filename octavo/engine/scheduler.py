@@ -265,9 +265,20 @@ class Scheduler:
                 member.append_output_token(token)
                 updated.append(member)
                 status = self.check_stop(member)
+                if status is None and member.grammar is not None:
+                    status = self._advance_grammar(member, token)
                 if status is not None:
                     self.finish_request(member.request_id, status)
         return updated
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int) -> RequestStatus | None:
+        """Feeds a structured output's grammar its new token: the request stops once the
+        grammar is complete (only EOS could follow), and is aborted if the grammar refuses
+        the token (the sampler's mask allowed only tokens it takes, so that is a bug)."""
+        if not request.grammar.accept(token):
+            return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if request.grammar.is_complete else None
 
     def _fork(self, parent: Request, tokens: list[int]) -> list[Request]:
         """Splits an n > 1 request into n sequences sharing the prompt's KV blocks; the
@@ -300,6 +311,8 @@ class Scheduler:
         )
         for token in parent.output_token_ids:
             child.append_output_token(token)
+        if parent.grammar is not None:  # it has taken those tokens already
+            child.grammar = parent.grammar.fork()
         child.group_id = parent.group_id
         child.num_cached_tokens = parent.num_cached_tokens
         self.requests[child_id] = child

@@ -376,11 +376,14 @@ class ModelRunner:
         self, so: SchedulerOutput, rows: list[tuple[str, SamplingParams, int]]
     ) -> SamplingMetadata:
         params = [r[1] for r in rows]
+        grammars = None
         if any(p.needs_output_token_ids for p in params):
             requests = {s.request_id: s.request for s in so.scheduled}
             prompts = [requests[r[0]].prompt_token_ids for r in rows]
             outputs = [requests[r[0]].output_token_ids for r in rows]
-        else:  # only penalties and bad words read the token ids
+            if any(p.structured_outputs is not None for p in params):
+                grammars = [requests[r[0]].grammar for r in rows]
+        else:  # only penalties, bad words and grammars read the token ids
             prompts = outputs = [[]] * len(rows)
         return SamplingMetadata.build(
             params,
@@ -390,6 +393,7 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             device=self.device,
             num_output_tokens=[r[2] for r in rows],
+            grammars=grammars,
         )
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

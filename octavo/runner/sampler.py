@@ -3,7 +3,8 @@
 Order, as in vLLM v1:
 
     raw logits -> log_softmax (float32)                 only if a row wants logprobs
-               -> allowed_token_ids (the others = -inf), logit_bias (added)
+               -> allowed_token_ids and structured outputs' grammars (the others = -inf),
+                  logit_bias (added)
                -> min_tokens bans (EOS, stop ids = -inf)
                -> penalties (repetition, frequency, presence)
                -> greedy rows: argmax
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from octavo.engine.structured_output import Grammar, bitmask_width, outside_of_bitmask
 from octavo.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -105,6 +107,8 @@ class SamplingMetadata:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) -> -inf
     # (rows with allowed_token_ids [R], [R, V] bool: the tokens outside them)
     disallowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows with a structured output's grammar [R], [R, V] bool: the tokens it bans now)
+    grammar_bans: tuple[torch.Tensor, torch.Tensor] | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, bias
     penalties: PenaltyState | None = None
     max_num_logprobs: int | None = None  # the largest `logprobs` of any row
@@ -120,6 +124,7 @@ class SamplingMetadata:
             self.max_num_logprobs is None
             and self.banned is None
             and self.disallowed is None
+            and self.grammar_bans is None
             and self.logit_bias is None
             and self.penalties is None
             and not self.has_filters
@@ -135,6 +140,7 @@ class SamplingMetadata:
         eos_token_ids: list[int],
         device: torch.device,
         num_output_tokens: list[int] | None = None,
+        grammars: list[Grammar | None] | None = None,
     ) -> SamplingMetadata:
         """Builds the step's metadata; row i samples for params[i], whose sequence is
         prompt_token_ids[i] + output_token_ids[i]. EOS and stop ids are banned while a row
@@ -145,7 +151,8 @@ class SamplingMetadata:
         this one (default: len(output_token_ids[i])); with async scheduling it counts a
         token still on its way from the previous step. Penalties and bad words of several
         tokens read output_token_ids, so they need every earlier token on the host
-        (`SamplingParams.needs_output_token_ids`).
+        (`SamplingParams.needs_output_token_ids`). `grammars[i]` is row i's structured
+        output grammar (None without one), which has taken every earlier token.
         """
         if not len(params) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError("params, prompt_token_ids and output_token_ids differ in length")
@@ -163,6 +170,8 @@ class SamplingMetadata:
         shaped = [(row, p) for row, p in enumerate(params) if p.logit_bias or p.allowed_token_ids]
         if shaped:
             md._build_logit_shaping(shaped, device)
+        if grammars is not None and any(g is not None for g in grammars):
+            md._build_grammar_bans(grammars, device)
         if any(p.has_penalties for p in params):
             md.penalties = _build_penalties(
                 params, prompt_token_ids, output_token_ids, vocab_size, device
@@ -187,6 +196,16 @@ class SamplingMetadata:
             values = upload(torch.cat([values for _, _, values in biased]), device)
             rows_index = _row_index([(row, ids) for row, ids, _ in biased], device)
             self.logit_bias = (rows_index, ids, values)
+
+    def _build_grammar_bans(self, grammars: list[Grammar | None], device) -> None:
+        """Each grammar's allowed next tokens as a bitmask (filled on the host by
+        llguidance), uploaded and unpacked into the tokens it bans."""
+        rows = [row for row, g in enumerate(grammars) if g is not None]
+        bitmask = torch.empty(len(rows), bitmask_width(self.vocab_size), dtype=torch.int32)
+        for i, row in enumerate(rows):
+            grammars[row].fill_bitmask(bitmask[i])
+        outside = outside_of_bitmask(upload(bitmask, device), self.vocab_size)
+        self.grammar_bans = (to_device(rows, torch.int64, device), outside)
 
     def _build_random(
         self, params: list[SamplingParams], num_output_tokens: list[int], device
@@ -422,9 +441,11 @@ class Sampler:
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(-1)  # [B, V]
-        if md.disallowed is not None:
-            rows, outside = md.disallowed
-            logits = logits.index_put((rows,), logits[rows].masked_fill(outside, float("-inf")))
+        for bans in (md.disallowed, md.grammar_bans):
+            if bans is not None:
+                rows, outside = bans
+                masked = logits[rows].masked_fill(outside, float("-inf"))
+                logits = logits.index_put((rows,), masked)
         if md.logit_bias is not None:
             rows, ids, bias = md.logit_bias
             logits = logits.index_put((rows, ids), bias, accumulate=True)

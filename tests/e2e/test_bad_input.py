@@ -205,6 +205,20 @@ def test_allowed_tokens_that_logit_bias_bans_are_a_value_error(llm):
     _still_generates(llm)
 
 
+def test_allowed_tokens_that_bad_words_ban_are_a_value_error(llm):
+    """A one-token bad word is banned everywhere: allowed_token_ids of nothing else leave no
+    token to sample (the sampler would emit token 0, outside them)."""
+    tok = llm.get_tokenizer()
+    the = [tok.encode(w, add_special_tokens=False)[0] for w in ("the", " the")]
+    params = SamplingParams(max_tokens=3, allowed_token_ids=the, bad_words=["the"])
+    with pytest.raises(ValueError, match="^allowed_token_ids holds only .*bad_words"):
+        llm.generate("Hi", params, use_tqdm=False)
+    params.allowed_token_ids = [*the, 11]
+    (out,) = llm.generate("Hi", params, use_tqdm=False)
+    assert out.outputs[0].token_ids == [11] * 3
+    _still_generates(llm)
+
+
 def test_the_engine_keeps_its_own_copy_of_a_requests_params(llm):
     """Changing or reusing the caller's SamplingParams after add_request changes nothing
     for the request (it changed a running request's bias, or half of it)."""

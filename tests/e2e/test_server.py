@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import openai
@@ -442,6 +443,35 @@ def test_bad_words(server, client, llm):
     assert r.json()["error"]["param"] == "bad_words"
 
 
+def test_structured_outputs_through_response_format_and_vllms_fields(server, client):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs
+    and guided_* fields hold the text to their constraint, whole or streamed."""
+    person = {"type": "object", "properties": {"name": {"type": "string"},
+              "age": {"type": "integer"}}, "required": ["name", "age"],
+              "additionalProperties": False}  # fmt: skip
+    messages = [{"role": "user", "content": "Give me a person as JSON."}]
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}},
+    )  # fmt: skip
+    assert set(json.loads(out.choices[0].message.content)) == {"name", "age"}
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                         temperature=0, response_format={"type": "json_object"})  # fmt: skip
+    assert out.choices[0].message.content.startswith("{")
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                    extra_body={"structured_outputs": {"choice": ["odd", "even"]}})  # fmt: skip
+    assert out.choices[0].text in ("odd", "even") and out.choices[0].finish_reason == "stop"
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0,
+                                    extra_body={"guided_regex": "[0-9]{2,4}"})  # fmt: skip
+    assert re.fullmatch("[0-9]{2,4}", out.choices[0].text)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+        extra_body={"guided_choice": ["Ada", "Grace"]},
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text in ("Ada", "Grace")
+
+
 def test_tokenize_and_detokenize_as_vllm(server):
     """vLLM's /tokenize gives the ids that a completion or a chat completion runs on (their
     usage counts as many), /detokenize gives the ids' text; bad input is a 400 naming the
@@ -658,6 +688,20 @@ def test_prompt_longer_than_the_context_is_a_400(server, client):
         ("/v1/completions", {"prompt": [5, 10**9]}, "prompt", "vocabulary"),
         ("/v1/completions", {"prompt": "long", "max_tokens": None}, "prompt", "no room"),
         ("/v1/completions", {"prompt": "long", "max_tokens": 16}, "prompt", "no room"),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format",
+         "json_schema, got 'xml'"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}},
+         "response_format", "json_schema.schema"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"},
+         "guided_regex": "a"}, "guided_regex", "one structured output"),
+        ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "("}},
+         "structured_outputs", "does not compile"),
+        ("/v1/completions", {"prompt": "hi", "structured_outputs": {"choice": []}},
+         "structured_outputs", "non-empty list"),
+        ("/v1/completions", {"prompt": "hi", "structured_outputs": {"xml": "a"}},
+         "structured_outputs", "xml"),
+        ("/v1/completions", {"prompt": "hi", "guided_json": "{bad"}, "structured_outputs",
+         "not valid JSON"),
     ],
 )  # fmt: skip
 def test_errors_name_the_requests_own_field(server, path, body, param, words):

@@ -11,6 +11,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from octavo.engine.structured_output import bitmask_width, outside_of_bitmask
 from octavo.runner.sampler import (
     Sampler,
     SamplingMetadata,
@@ -280,6 +281,46 @@ def test_bad_words_ban_a_words_last_token_where_the_output_ends_with_the_rest():
         ref = [v if i not in banned else -np.inf for i, v in enumerate(logits[row].tolist())]
         assert greedy[row] == int(np.argmax(ref)), row
     assert greedy[1] != 6 and (greedy[2], greedy[4]) == (6, 9)  # no match, no ban
+
+
+class FixedGrammar:
+    """A stand-in for a structured output's Grammar that allows a fixed set of tokens."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed = allowed
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        words = [0] * row.numel()
+        for t in self.allowed:
+            words[t // 32] |= 1 << (t % 32)
+        row.copy_(torch.tensor(np.array(words, dtype=np.uint32).view(np.int32)))
+
+
+@given(st.integers(1, 100), st.integers(0, 2**32 - 1))
+def test_outside_of_bitmask_unpacks_one_bit_per_token(vocab, seed):
+    words = np.random.default_rng(seed).integers(0, 2**32, (3, bitmask_width(vocab)))
+    bitmask = torch.tensor(words.astype(np.uint32).view(np.int32))
+    bits = np.unpackbits(words.astype("<u4").view(np.uint8), axis=1, bitorder="little")
+    expected = torch.tensor(bits[:, :vocab] == 0)
+    assert torch.equal(outside_of_bitmask(bitmask, vocab), expected)
+
+
+def test_grammar_bans_keep_each_row_to_its_grammars_tokens():
+    """A row with a structured output samples only what its grammar allows (token 31 and 32
+    sit on either side of a bitmask word); other rows are untouched."""
+    vocab = 70
+    logits = randn(3, vocab, seed=12)
+    logits[:, 5] = 20.0  # everyone's favourite, which no grammar allows
+    grammars = [FixedGrammar({31, 32, 69}), None, FixedGrammar({2})]
+    params = [SP(temperature=0), SP(temperature=0), SP(temperature=0)]
+    md = SamplingMetadata.build(params, [[]] * 3, [[]] * 3, vocab, [], CPU, grammars=grammars)
+    greedy = Sampler()(logits, md).sampled_token_ids.tolist()
+    assert greedy[0] == max((31, 32, 69), key=lambda t: logits[0, t]) and greedy[1:] == [5, 2]
+    n = 400
+    md = SamplingMetadata.build([SP(temperature=5.0)] * n, [[]] * n, [[]] * n, vocab, [], CPU,
+                                grammars=[grammars[0]] * n)  # fmt: skip
+    tokens = set(Sampler()(logits[0].expand(n, vocab), md).sampled_token_ids.tolist())
+    assert tokens == {31, 32, 69}
 
 
 def test_logit_bias_and_allowed_token_ids_shape_the_logits_per_row():

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from octavo.sampling_params import MAX_N, SamplingParams, SamplingType
+from octavo.sampling_params import MAX_N, SamplingParams, SamplingType, StructuredOutputsParams
 
 BAD_VALUES = [
     ("n", [0, -1, MAX_N + 1, 1.5, "1", True, None]),
@@ -216,3 +216,32 @@ def test_bad_words_encode_as_vllm_with_a_spaced_variant_where_it_differs():
     with pytest.raises(ValueError, match="bad_words must be encoded"):
         p.bad_words_token_ids  # noqa: B018
     assert SamplingParams().bad_words_token_ids == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({}, "exactly one of json, regex, choice, grammar, json_object; got none"),
+        ({"json": "{}", "regex": "a"}, "exactly one .*; got json, regex"),
+        ({"json_object": False}, "got none"),
+        ({"choice": []}, r"structured_outputs.choice must be a non-empty list of strings"),
+        ({"choice": ["a", 1]}, "structured_outputs.choice must be"),
+        ({"regex": 3}, "structured_outputs.regex must be str, got 3"),
+        ({"json": 3}, "structured_outputs.json must be str or dict"),
+        ({"json_object": True, "disable_any_whitespace": 1}, "disable_any_whitespace must be"),
+    ],
+)
+def test_structured_outputs_take_exactly_one_constraint_of_its_type(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_structured_outputs_are_checked_again_when_assigned_later():
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json_object": True})
+    spec = StructuredOutputsParams(choice=("a", "b"))
+    p = SamplingParams(structured_outputs=spec)
+    assert spec.choice == ["a", "b"] and p.needs_output_token_ids
+    spec.regex = "x"  # two constraints now
+    with pytest.raises(ValueError, match="exactly one"):
+        p.validate()

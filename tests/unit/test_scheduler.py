@@ -8,7 +8,7 @@ from octavo.config import SchedulerConfig
 from octavo.engine.kv_cache_manager import KVCacheManager
 from octavo.engine.request import Request, RequestStatus
 from octavo.engine.scheduler import Scheduler
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import SamplingParams, StructuredOutputsParams
 
 BS = 4
 EOS = 0
@@ -32,7 +32,9 @@ def step(s: Scheduler, token: int = 7):
 
 
 def shape(out):
-    return [(x.request_id, x.num_computed_tokens, x.num_new_tokens, x.sample) for x in out.scheduled]
+    return [
+        (x.request_id, x.num_computed_tokens, x.num_new_tokens, x.sample) for x in out.scheduled
+    ]
 
 
 def test_token_budget_chunks_the_last_prompt():
@@ -141,7 +143,12 @@ def test_abort_of_waiting_request():
     [
         ({"max_tokens": 3}, [5, 6, 7, 8], 3, RequestStatus.FINISHED_LENGTH),
         ({}, [5, EOS, 6], 2, RequestStatus.FINISHED_STOPPED),
-        ({"ignore_eos": True, "max_tokens": 3}, [EOS, EOS, EOS, EOS], 3, RequestStatus.FINISHED_LENGTH),
+        (
+            {"ignore_eos": True, "max_tokens": 3},
+            [EOS, EOS, EOS, EOS],
+            3,
+            RequestStatus.FINISHED_LENGTH,
+        ),
         ({"stop_token_ids": [9]}, [5, 9, 6], 2, RequestStatus.FINISHED_STOPPED),
         ({"min_tokens": 3}, [EOS, EOS, EOS, EOS], 3, RequestStatus.FINISHED_STOPPED),
     ],
@@ -252,6 +259,28 @@ def test_needs_pending_tokens_for_forks_and_penalties():
     s3.add_request(req("c", 6, temperature=0.7, seed=3, logprobs=2))
     s3.schedule()
     assert not s3.needs_pending_tokens()
+
+
+@pytest.mark.parametrize(
+    ("words", "needs"),
+    [({"cat": [1], " cat": [2]}, False), ({"big dog": [3, 4], " big dog": [5, 4]}, True)],
+)
+def test_needs_pending_tokens_for_bad_words_of_several_tokens(words, needs):
+    """A one-token bad word is banned whatever came before; a longer one matches its
+    start against the output, so the token in flight must be on the host first."""
+    s = make()
+    request = req("a", 6, bad_words=[w for w in words if not w.startswith(" ")])
+    request.sampling_params.encode_bad_words(words.__getitem__, vocab_size=10)
+    s.add_request(request)
+    s.schedule()
+    assert s.needs_pending_tokens() is needs
+
+
+def test_needs_pending_tokens_for_structured_outputs():
+    s = make()
+    s.add_request(req("a", 6, structured_outputs=StructuredOutputsParams(choice=["x"])))
+    s.schedule()
+    assert s.needs_pending_tokens()
 
 
 def test_forks_past_max_num_seqs_take_turns():

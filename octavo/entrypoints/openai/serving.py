@@ -24,7 +24,12 @@ from octavo.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepE
 from octavo.entrypoints.openai.metrics import ServerMetrics
 from octavo.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
 from octavo.outputs import RequestOutput
-from octavo.sampling_params import MAX_LOGIT_BIAS, RequestOutputKind, SamplingParams
+from octavo.sampling_params import (
+    MAX_LOGIT_BIAS,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 T = TypeVar("T")
 
@@ -234,6 +239,7 @@ def sampling_params(
             fields[name] = value
     if req.logit_bias:
         fields["logit_bias"] = _logit_bias(req.logit_bias)
+    fields["structured_outputs"] = structured_outputs(req)
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:
@@ -242,6 +248,46 @@ def sampling_params(
             message = re.sub(rf"\b{param}\b", aliases[param], message, count=1)
             param = aliases[param]
         raise OpenAIError(message, param=param) from e
+
+
+def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's one structured-output constraint, from OpenAI's response_format
+    (json_object, or json_schema's schema), vLLM's structured_outputs or its guided_json /
+    guided_regex / guided_choice / guided_grammar; None for none. Two at once, or a bad one,
+    is a 400 that names the field."""
+    given: list[tuple[str, dict[str, Any]]] = []  # (request field, StructuredOutputsParams)
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                message = "`response_format.json_schema.schema` must be a JSON schema object"
+                raise OpenAIError(message, param="response_format")
+            given.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            allowed = "text, json_object or json_schema"
+            message = f"`response_format.type` must be {allowed}, got {kind!r}"
+            raise OpenAIError(message, param="response_format")
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", req.structured_outputs))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                      ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
+        if getattr(req, name) is not None:
+            given.append((name, {key: getattr(req, name)}))
+    if not given:
+        return None
+    if len(given) > 1:
+        fields = ", ".join(f"`{name}`" for name, _ in given)
+        message = f"give one structured output constraint, not {fields}"
+        raise OpenAIError(message, param=given[1][0])
+    param, spec = given[0]
+    try:
+        return StructuredOutputsParams(**spec)
+    except (TypeError, ValueError) as e:
+        raise OpenAIError(str(e), param=param) from None
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:

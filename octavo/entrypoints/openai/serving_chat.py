@@ -42,8 +42,7 @@ async def create_chat_completion(
 ) -> Response:
     """Validates the request, renders the conversation, and answers with JSON or SSE."""
     ctx.check_model(req.model)
-    fmt = (req.response_format or {}).get("type", "text")
-    reject_unsupported(req, tools=req.tools, response_format=fmt != "text")
+    reject_unsupported(req, tools=req.tools)
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
     if req.add_generation_prompt and req.continue_final_message:

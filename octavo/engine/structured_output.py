@@ -1,0 +1,123 @@
+"""Structured outputs: a request's text held to a JSON schema, a regex, a choice or a grammar.
+
+llguidance does the matching. The engine compiles a request's constraint into a `Grammar`
+when it takes the request; each step the runner asks every such sequence's grammar which
+tokens may come next (a bitmask over the vocabulary, one bit per token), and the sampler
+bans the rest. The scheduler feeds each sampled token back to the grammar, and finishes
+the sequence once the grammar is complete:
+
+    {"type": "object", ...}  -> Grammar --mask--> sampler --token--> Grammar.accept -> ...
+
+A mask needs every earlier token accepted, so with async scheduling such a request waits for
+the previous step's token (`SamplingParams.needs_output_token_ids`). An n > 1 request's
+samples each get their own copy of the grammar when they fork.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from octavo.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+
+class Grammar:
+    """One sequence's place in its constraint (an llguidance matcher)."""
+
+    def __init__(self, matcher) -> None:
+        self._matcher = matcher
+
+    def fork(self) -> Grammar:
+        """An independent copy in the same place (an n > 1 request's next sample)."""
+        return Grammar(self._matcher.deep_copy())
+
+    def accept(self, token_id: int) -> bool:
+        """Moves past a sampled token; False (logged) if the grammar refuses it."""
+        if self._matcher.consume_token(token_id):
+            return True
+        logger.warning("a structured output's grammar refused token %d: %s", token_id,
+                       self._matcher.get_error())  # fmt: skip
+        return False
+
+    @property
+    def is_complete(self) -> bool:
+        """True once the text matches and nothing but EOS could follow it."""
+        return self._matcher.is_stopped()
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        """Writes the allowed next tokens into `row` ([ceil(V / 32)] int32, on the CPU, bit
+        t % 32 of word t // 32 set for an allowed token t)."""
+        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams into Grammars for one model. llguidance's view of
+    the tokenizer takes ~1 s to build, so it is built once, on the first request."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._ll_tokenizer = None
+
+    def compile(self, spec: StructuredOutputsParams) -> Grammar:
+        """A fresh Grammar for the constraint; ValueError naming the problem if it does not
+        compile (a bad schema, regex or grammar)."""
+        llguidance = _import_llguidance()
+        if self._ll_tokenizer is None:
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+            )
+        try:
+            grammar = _grammar_text(llguidance, spec)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs does not compile: {e}") from None
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs does not compile: {matcher.get_error()}")
+        return Grammar(matcher)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words of a grammar's bitmask over `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def outside_of_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 bitmasks -> [R, vocab_size] bool, True for a token the grammar bans."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask.unsqueeze(-1) >> bits) & 1  # [R, W, 32]
+    return (allowed == 0).flatten(1)[:, :vocab_size]
+
+
+def _grammar_text(llguidance, spec: StructuredOutputsParams) -> str:
+    options = {"whitespace_flexible": not spec.disable_any_whitespace}
+    if spec.json is not None or spec.json_object:
+        schema = {"type": "object"} if spec.json_object else spec.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    if spec.regex is not None:
+        return llguidance.grammar_from("regex", spec.regex)
+    if spec.choice is not None:
+        return llguidance.grammar_from("choice", spec.choice)
+    return llguidance.grammar_from("grammar", spec.grammar)
+
+
+def _import_llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError(
+            "structured_outputs needs the llguidance package: pip install llguidance"
+        ) from None
+    return llguidance

@@ -1,0 +1,107 @@
+"""Structured outputs on the embedded model: whatever the model would say, the text matches
+the request's JSON schema, regex, choice or grammar, and ends where the constraint does."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from octavo import SamplingParams
+from octavo.sampling_params import StructuredOutputsParams as Spec
+
+pytest.importorskip("llguidance")
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def chat(llm, question: str) -> dict:
+    from octavo.model.tokenizer import apply_chat_template
+
+    messages = [{"role": "user", "content": question}]
+    return {"prompt_token_ids": apply_chat_template(llm.get_tokenizer(), messages)}
+
+
+def params(spec: Spec, **kwargs) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 40, **kwargs}, structured_outputs=spec)
+
+
+def test_each_kind_of_constraint_holds_the_text_and_ends_it(llm):
+    cases = [
+        ("Give me a person as JSON.", Spec(json=PERSON)),
+        ("Give me a person as JSON.", Spec(json=json.dumps(PERSON), disable_any_whitespace=True)),
+        ("What is 2+2?", Spec(regex=r"[0-9]{1,3}")),
+        ("Is the sky blue?", Spec(choice=["yes", "no", "maybe not"])),
+        ("Say hi.", Spec(grammar='start: "hi " NAME "!"\nNAME: /[a-z]{1,8}/')),
+    ]
+    prompts = [chat(llm, q) for q, _ in cases]
+    outputs = llm.generate(prompts, [params(spec) for _, spec in cases], use_tqdm=False)
+    texts = [o.outputs[0].text for o in outputs]
+    assert all(o.outputs[0].finish_reason == "stop" for o in outputs), texts
+    for text in texts[:2]:
+        person = json.loads(text)
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int), text
+    assert not re.search(r"\s", texts[1])  # no whitespace beyond the schema's
+    assert re.fullmatch(r"[0-9]{1,3}", texts[2])
+    assert texts[3] in ("yes", "no", "maybe not")
+    assert re.fullmatch(r"hi [a-z]{1,8}!", texts[4])
+    (free,) = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=40),
+                           use_tqdm=False)  # fmt: skip
+    with pytest.raises(json.JSONDecodeError):  # the constraint does the work
+        json.loads(free.outputs[0].text)
+
+
+def test_json_object_and_sampled_completions_are_valid_json(llm):
+    """json_object; and n = 3 random samples, each with its own copy of the grammar from
+    the fork on, each a person."""
+    prompt = chat(llm, "Give me a person as JSON.")
+    (any_object,) = llm.generate(prompt, params(Spec(json_object=True), max_tokens=60),
+                                 use_tqdm=False)  # fmt: skip
+    if any_object.outputs[0].finish_reason == "stop":  # else it ran out of tokens inside
+        assert isinstance(json.loads(any_object.outputs[0].text), dict)
+    assert any_object.outputs[0].text.startswith("{")
+    sampled = params(Spec(json=PERSON), temperature=1.0, seed=3, n=3)
+    (group,) = llm.generate(prompt, sampled, use_tqdm=False)
+    people = [json.loads(c.text) for c in group.outputs]
+    assert all(set(p) == {"name", "age"} for p in people)
+    assert len({c.text for c in group.outputs}) > 1
+
+
+def test_async_scheduling_gives_the_same_text_and_a_plain_request_is_left_alone(llm, llm_factory):
+    """Under async scheduling each mask waits for the token before it, so the greedy text
+    is the same; a plain request batched with a constrained one gives its tokens alone."""
+    prompts = [chat(llm, "Give me a person as JSON."), chat(llm, "List three prime numbers.")]
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (alone,) = llm.generate(prompts[1:], plain, use_tqdm=False)
+    overlapped = llm_factory(enforce_eager=True, async_scheduling=True)
+    for engine in (llm, overlapped):
+        person, other = engine.generate(prompts, [params(Spec(json=PERSON)), plain],
+                                        use_tqdm=False)  # fmt: skip
+        assert set(json.loads(person.outputs[0].text)) == {"name", "age"}
+        assert other.outputs[0].token_ids == alone.outputs[0].token_ids
+        if engine is llm:
+            first = person.outputs[0].token_ids
+    assert person.outputs[0].token_ids == first
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        (Spec(regex="("), "(?s)structured_outputs does not compile: .*unclosed group"),
+        (Spec(json="{bad"), "structured_outputs does not compile: the JSON schema is not valid"),
+        (Spec(grammar="start: undefined_rule"), "structured_outputs does not compile"),
+    ],
+)
+def test_a_constraint_that_does_not_compile_is_refused_and_the_engine_goes_on(llm, spec, match):
+    prompt = chat(llm, "Hi")
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, params(spec), use_tqdm=False)
+    (out,) = llm.generate(prompt, params(Spec(choice=["ok"])), use_tqdm=False)
+    assert out.outputs[0].text == "ok"
+    assert not llm.engine.has_unfinished_requests()
