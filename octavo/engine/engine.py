@@ -277,6 +277,8 @@ class Engine:
                 # cut there, so report the stop, as vLLM does (the blocks are already free).
                 request.stop_reason = stop
                 request.status = RequestStatus.FINISHED_STOPPED
+            elif stop is not None and request.grammar is not None and request.grammar.is_complete:
+                request.stop_reason = stop  # it completed a stop string and the grammar at once
             if request.is_finished:
                 self._count_outcome(request)
             kind = request.sampling_params.output_kind

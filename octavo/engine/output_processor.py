@@ -122,6 +122,8 @@ class OutputProcessor:
         )
         if stopped_by_token and not request.sampling_params.include_stop_str_in_output:
             return None  # its text stays out of the output, as in vLLM (its id stays in)
+        if request.status is RequestStatus.FINISHED_ABORTED:
+            return None  # a token its grammar refused: the text keeps to the constraint
         return state.detokenizer.update([request.output_token_ids[-1]])
 
     def _decode_one(self, token_id: int) -> str | None:

@@ -15,6 +15,7 @@ samples each get their own copy of the grammar when they fork.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
@@ -39,8 +40,8 @@ class Grammar:
         """Moves past a sampled token; False (logged) if the grammar refuses it."""
         if self._matcher.consume_token(token_id):
             return True
-        logger.warning("a structured output's grammar refused token %d: %s", token_id,
-                       self._matcher.get_error())  # fmt: skip
+        error = self._matcher.get_error()  # may hold the whole grammar: cut it short
+        logger.warning("a structured output's grammar refused token %d: %.300s", token_id, error)
         return False
 
     @property
@@ -52,6 +53,11 @@ class Grammar:
         """Writes the allowed next tokens into `row` ([ceil(V / 32)] int32, on the CPU, bit
         t % 32 of word t // 32 set for an allowed token t)."""
         self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar cannot go on (a lexer past llguidance's limits, say), or None."""
+        return self._matcher.get_error() if self._matcher.is_error() else None
 
 
 class GrammarCompiler:
@@ -71,17 +77,55 @@ class GrammarCompiler:
         if self._ll_tokenizer is None:
             import llguidance.hf
 
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-            )
+            # The model's config may name an EOS id the tokenizer does not have.
+            eos = [t for t in self.eos_token_ids if t < len(self.tokenizer)] or None
+            try:
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=self.vocab_size, eos_token=eos
+                )
+            except ValueError as e:  # a slow tokenizer, say
+                raise ValueError(f"structured_outputs cannot use this tokenizer: {e}") from None
         try:
             grammar = _grammar_text(llguidance, spec)
         except ValueError as e:
             raise ValueError(f"structured_outputs does not compile: {e}") from None
-        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs does not compile: {matcher.get_error()}")
-        return Grammar(matcher)
+        compiled = Grammar(llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0))
+        error = compiled.error or self._first_step_error(compiled)
+        if error is not None:
+            raise ValueError(f"structured_outputs does not compile: {error:.2000}")
+        return compiled
+
+    def _first_step_error(self, grammar: Grammar) -> str | None:
+        """llguidance builds its lexer lazily, so a constraint past its limits (a regex
+        like x{1000}{1000}) fails only at the first mask or token. Take one step on a copy,
+        so that it fails here, as bad input, rather than in a step of the engine."""
+        mask = torch.zeros(bitmask_width(self.vocab_size), dtype=torch.int32)
+        grammar.fill_bitmask(mask)
+        allowed = outside_of_bitmask(mask[None], self.vocab_size)[0].logical_not().nonzero()
+        if grammar.error is None and len(allowed):
+            probe = grammar.fork()
+            probe._matcher.consume_token(int(allowed[0]))  # not accept(): no warning
+            return probe.error
+        return grammar.error
+
+
+def fill_bitmasks(grammars: list[Grammar], bitmask: torch.Tensor) -> None:
+    """Row i of `bitmask` ([R, W] int32, contiguous, on the CPU) gets grammars[i]'s allowed
+    tokens. llguidance fills the rows on its threads; a grammar listed several times (an
+    n > 1 request's first token) is computed once."""
+    first: dict[int, int] = {}  # id(grammar) -> its first row
+    for i, g in enumerate(grammars):
+        first.setdefault(id(g), i)
+    if len(first) == 1:
+        grammars[0].fill_bitmask(bitmask[0])
+    else:
+        matchers = [(grammars[i]._matcher, i) for i in first.values()]
+        _executor().unsafe_compute_mask_ptr(
+            matchers, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0]
+        )
+    for i, g in enumerate(grammars):
+        if first[id(g)] != i:
+            bitmask[i] = bitmask[first[id(g)]]
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -90,10 +134,19 @@ def bitmask_width(vocab_size: int) -> int:
 
 
 def outside_of_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32 bitmasks -> [R, vocab_size] bool, True for a token the grammar bans."""
-    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = (bitmask.unsqueeze(-1) >> bits) & 1  # [R, W, 32]
+    """[R, W] int32 bitmasks -> [R, vocab_size] bool, True for a token the grammar bans.
+    Unpacked a byte at a time (token t is bit t % 8 of little-endian byte t // 8), so the
+    temporaries take a byte per token."""
+    octets = bitmask.contiguous().view(torch.uint8)  # [R, 4W]
+    bits = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    allowed = (octets.unsqueeze(-1) >> bits) & 1  # [R, 4W, 8]
     return (allowed == 0).flatten(1)[:, :vocab_size]
+
+
+@functools.cache
+def _executor():
+    """llguidance's thread pool for filling masks: one for the process."""
+    return _import_llguidance().LLExecutor()
 
 
 def _grammar_text(llguidance, spec: StructuredOutputsParams) -> str:

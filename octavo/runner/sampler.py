@@ -3,10 +3,12 @@
 Order, as in vLLM v1:
 
     raw logits -> log_softmax (float32)                 only if a row wants logprobs
-               -> allowed_token_ids and structured outputs' grammars (the others = -inf),
+               -> structured outputs' grammars and allowed_token_ids (the others = -inf),
                   logit_bias (added)
-               -> min_tokens bans (EOS, stop ids = -inf)
+               -> min_tokens bans (EOS, stop ids) and bad words (= -inf)
                -> penalties (repetition, frequency, presence)
+               -> (ours) a grammar row that none of its grammar's tokens survived: the
+                  grammar's mask alone
                -> greedy rows: argmax
                -> random rows: / temperature -> min-p -> top-k -> top-p
                                -> argmax(probs / Exp(1) noise)
@@ -25,7 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from octavo.engine.structured_output import Grammar, bitmask_width, outside_of_bitmask
+from octavo.engine.structured_output import (
+    Grammar,
+    bitmask_width,
+    fill_bitmasks,
+    outside_of_bitmask,
+)
 from octavo.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -202,8 +209,7 @@ class SamplingMetadata:
         llguidance), uploaded and unpacked into the tokens it bans."""
         rows = [row for row, g in enumerate(grammars) if g is not None]
         bitmask = torch.empty(len(rows), bitmask_width(self.vocab_size), dtype=torch.int32)
-        for i, row in enumerate(rows):
-            grammars[row].fill_bitmask(bitmask[i])
+        fill_bitmasks([grammars[row] for row in rows], bitmask)
         outside = outside_of_bitmask(upload(bitmask, device), self.vocab_size)
         self.grammar_bans = (to_device(rows, torch.int64, device), outside)
 
@@ -441,11 +447,14 @@ class Sampler:
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(-1)  # [B, V]
-        for bans in (md.disallowed, md.grammar_bans):
-            if bans is not None:
-                rows, outside = bans
-                masked = logits[rows].masked_fill(outside, float("-inf"))
-                logits = logits.index_put((rows,), masked)
+        grammar_only = None  # the grammar rows as their grammars alone leave them
+        if md.grammar_bans is not None:
+            rows, outside = md.grammar_bans
+            grammar_only = logits[rows].masked_fill(outside, float("-inf"))
+            logits = logits.index_put((rows,), grammar_only)
+        if md.disallowed is not None:
+            rows, outside = md.disallowed
+            logits = logits.index_put((rows,), logits[rows].masked_fill(outside, float("-inf")))
         if md.logit_bias is not None:
             rows, ids, bias = md.logit_bias
             logits = logits.index_put((rows, ids), bias, accumulate=True)
@@ -453,6 +462,14 @@ class Sampler:
             logits = logits.index_put(md.banned, torch.tensor(float("-inf")))
         if md.penalties is not None:
             logits = apply_penalties(logits, md.penalties)
+        if grammar_only is not None:
+            # A structured output is the hard constraint: where the other bans leave none of
+            # the grammar's tokens, the grammar alone decides (else the row would sample a
+            # token the grammar refuses).
+            rows = md.grammar_bans[0]
+            now = logits[rows]
+            nothing_left = (now == float("-inf")).all(-1, keepdim=True)
+            logits = logits.index_put((rows,), torch.where(nothing_left, grammar_only, now))
         if md.all_greedy:
             sampled = logits.argmax(-1)
         else:

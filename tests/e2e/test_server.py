@@ -692,6 +692,8 @@ def test_prompt_longer_than_the_context_is_a_400(server, client):
          "json_schema, got 'xml'"),
         ("/v1/chat/completions", {"response_format": {"type": "json_schema"}},
          "response_format", "json_schema.schema"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema",
+         "json_schema": "x"}}, "response_format", "json_schema.schema"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"},
          "guided_regex": "a"}, "guided_regex", "one structured output"),
         ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "("}},

@@ -96,6 +96,9 @@ def test_async_scheduling_gives_the_same_text_and_a_plain_request_is_left_alone(
         (Spec(regex="("), "(?s)structured_outputs does not compile: .*unclosed group"),
         (Spec(json="{bad"), "structured_outputs does not compile: the JSON schema is not valid"),
         (Spec(grammar="start: undefined_rule"), "structured_outputs does not compile"),
+        # Compiles, but past llguidance's lexer limits at the first mask: refused at once,
+        # not in a step that would stall the others and abort it.
+        (Spec(regex="x{1000}{1000}"), "structured_outputs does not compile"),
     ],
 )
 def test_a_constraint_that_does_not_compile_is_refused_and_the_engine_goes_on(llm, spec, match):
@@ -105,3 +108,19 @@ def test_a_constraint_that_does_not_compile_is_refused_and_the_engine_goes_on(ll
     (out,) = llm.generate(prompt, params(Spec(choice=["ok"])), use_tqdm=False)
     assert out.outputs[0].text == "ok"
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_constraint_meets_stop_strings_bans_and_min_tokens(llm):
+    """A token that completes the grammar and a stop string at once reports the stop string;
+    bans that leave none of the grammar's tokens give way to it (it is the hard constraint);
+    a grammar complete before min_tokens still ends the text, which could go no further."""
+    prompt = chat(llm, "Say hello.")
+    cases = [
+        params(Spec(choice=["hello"]), stop=["llo"]),
+        params(Spec(choice=["yes"]), allowed_token_ids=[0, 1, 2]),
+        params(Spec(regex="ab?"), min_tokens=5),
+    ]
+    stopped, banned, short = llm.generate([prompt] * 3, cases, use_tqdm=False)
+    assert (stopped.outputs[0].text, stopped.outputs[0].stop_reason) == ("he", "llo")
+    assert (banned.outputs[0].text, banned.outputs[0].finish_reason) == ("yes", "stop")
+    assert short.outputs[0].text in ("a", "ab") and short.outputs[0].finish_reason == "stop"

@@ -305,9 +305,15 @@ def test_outside_of_bitmask_unpacks_one_bit_per_token(vocab, seed):
     assert torch.equal(outside_of_bitmask(bitmask, vocab), expected)
 
 
-def test_grammar_bans_keep_each_row_to_its_grammars_tokens():
+def test_grammar_bans_keep_each_row_to_its_grammars_tokens(monkeypatch):
     """A row with a structured output samples only what its grammar allows (token 31 and 32
     sit on either side of a bitmask word); other rows are untouched."""
+
+    def fill_each(grammars, bitmask):  # llguidance's parallel fill takes real matchers only
+        for g, row in zip(grammars, bitmask, strict=True):
+            g.fill_bitmask(row)
+
+    monkeypatch.setattr("octavo.runner.sampler.fill_bitmasks", fill_each)
     vocab = 70
     logits = randn(3, vocab, seed=12)
     logits[:, 5] = 20.0  # everyone's favourite, which no grammar allows
@@ -321,6 +327,14 @@ def test_grammar_bans_keep_each_row_to_its_grammars_tokens():
                                 grammars=[grammars[0]] * n)  # fmt: skip
     tokens = set(Sampler()(logits[0].expand(n, vocab), md).sampled_token_ids.tolist())
     assert tokens == {31, 32, 69}
+    # Other bans that leave none of the grammar's tokens give way to the grammar.
+    clash = [
+        SP(temperature=0, allowed_token_ids=[1, 2, 5]),
+        SP(temperature=0, logit_bias={2: -1e30}),
+    ]
+    md = SamplingMetadata.build(clash, [[]] * 2, [[]] * 2, vocab, [], CPU,
+                                grammars=[grammars[0], grammars[2]])  # fmt: skip
+    assert Sampler()(logits[:2], md).sampled_token_ids.tolist() == [greedy[0], 2]
 
 
 def test_logit_bias_and_allowed_token_ids_shape_the_logits_per_row():

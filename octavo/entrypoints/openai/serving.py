@@ -262,7 +262,8 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
         if kind == "json_object":
             given.append(("response_format", {"json_object": True}))
         elif kind == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema")
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 message = "`response_format.json_schema.schema` must be a JSON schema object"
                 raise OpenAIError(message, param="response_format")
