@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 for stage in $stages; do
   start=$(date +%s)
   case $stage in
-    tests) timeout 420 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    tests) timeout 560 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     e2e) timeout 300 python3 -m pytest tests/gpu/test_e2e_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_e2e.log" | tail -15 ;;
     kernels) timeout 300 python3 benchmarks/gpu_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -20 ;;
     tp06) timeout 560 "${OCTAVO[@]}" bench throughput --model qwen3-0.6b --max-model-len 4096 \
