@@ -1,7 +1,7 @@
 """Structured outputs on the GPU: dummy Qwen3-0.6B weights (whose logits favour no text) and
 a small byte-level BPE tokenizer trained here. Through the Triton backend, CUDA graphs and
 async scheduling, every output matches its regex, choice or JSON schema and ends there; a
-plain request in the same batches gives its tokens alone. Skipped without CUDA or llguidance.
+plain request in the same batches is left unconstrained. Skipped without CUDA or llguidance.
 
 NOTE: the model's vocabulary (151,936) is far larger than the tokenizer's, so the grammar
 must also ban the ids that the tokenizer does not have.
@@ -73,7 +73,6 @@ def check_structured_outputs(model_dir: str, **options) -> None:
         StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
     ]
     plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    (alone,) = llm.generate(prompts[:1], plain, use_tqdm=False)
     for temperature in (0.0, 1.0):
         params = [plain] + [
             SamplingParams(temperature=temperature, seed=i, max_tokens=48, n=1 + i % 2,
@@ -81,7 +80,10 @@ def check_structured_outputs(model_dir: str, **options) -> None:
             for i in range(len(prompts) - 1)
         ]  # fmt: skip
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert outputs[0].outputs[0].token_ids == alone.outputs[0].token_ids
+        # No grammar reached the plain row: it still picks ids the tokenizer lacks, which
+        # every grammar bans. (Its exact tokens may change with the batch: bf16 GEMMs
+        # differ by batch size, and these flat dummy logits are full of near ties.)
+        assert max(outputs[0].outputs[0].token_ids) >= vocab
         for i, out in enumerate(outputs[1:]):
             for completion in out.outputs:
                 text = completion.text
