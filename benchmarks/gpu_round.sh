@@ -11,6 +11,7 @@
 #           | cublaslt (every cuBLASLt algorithm on the decode projections: cublaslt_probe.py)
 #           | l2prefetch (the decode GEMMs with their weights read into L2 first: l2_prefetch_probe.py)
 #           | priority (half batches, attention on a low-priority stream: priority_probe.py)
+#           | structured (plain against JSON-schema decoding: structured_probe.py; needs llguidance)
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
@@ -78,6 +79,8 @@ for stage in $stages; do
     http8b) timeout 500 python3 benchmarks/http_serve_probe.py --model qwen3-8b --rates 4 16 \
             --num-requests 128 --settings default scan ${HTTP_ARGS:-} \
             --json "$OUT/http_qwen3_8b.json" 2>&1 | grep -v "INFO:" | tee "$OUT/http_8b.log" | tail -8 ;;
+    structured) timeout 400 python3 benchmarks/structured_probe.py ${STRUCTURED_ARGS:-} \
+            --json "$OUT/structured_probe.json" 2>&1 | grep -v "Writing model" | tee "$OUT/structured_probe.log" | tail -8 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"
