@@ -295,9 +295,10 @@ class SamplingParams:
     @property
     def needs_output_token_ids(self) -> bool:
         """Whether the sampler reads the request's earlier tokens on the host: penalties
-        count them, a bad word of several tokens matches its start against them, and a
-        structured output's grammar must have taken them before it masks the next one."""
-        if self.has_penalties or self.structured_outputs is not None:
+        count them, and a bad word of several tokens matches its start against them. (A
+        structured output's grammar needs them too, but its step samples later: see
+        `PendingOutput.sample`.)"""
+        if self.has_penalties:
             return True
         entries = self.__dict__.get("_bad_words_token_ids")
         if entries is None:  # not encoded yet: any word may have several tokens

@@ -232,6 +232,14 @@ class Engine:
                 if launched is not None:  # it may read the failed step's tokens: drop it
                     self._fail(launched[0])
                 raise
+        if launched is not None:
+            # A step with structured outputs samples only now: its grammars have just taken
+            # the finished step's tokens, while its forward pass ran on the device.
+            try:
+                launched[1].sample()
+            except Exception:
+                self._fail(launched[0])
+                raise
         self._in_flight = launched
         return outputs
 

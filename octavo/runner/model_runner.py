@@ -5,6 +5,7 @@ It owns the model, the KV cache tensors and the sampler; it knows nothing of que
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -305,12 +306,20 @@ class ModelRunner:
         else:
             hidden = hidden[to_device(logits_index, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden)  # [R, V]
-        out = self.sampler(logits, self._sampling_metadata(so, rows))
-        self._last_sampled = (
-            {request_id: row for row, (request_id, _, _) in enumerate(rows)},
-            out.sampled_token_ids,
-        )
-        return PendingOutput(rows, out, prompt)
+
+        def sample() -> SamplerOutput:
+            out = self.sampler(logits, self._sampling_metadata(so, rows))
+            self._last_sampled = (
+                {request_id: row for row, (request_id, _, _) in enumerate(rows)},
+                out.sampled_token_ids,
+            )
+            return out
+
+        if any(params.structured_outputs is not None for _, params, _ in rows):
+            # A grammar's mask needs the previous step's token: sample once the engine has
+            # fed it (PendingOutput.sample), while this step's forward pass runs.
+            return PendingOutput(rows, None, prompt, sample=sample)
+        return PendingOutput(rows, sample(), prompt)
 
     def _prompt_logprobs(
         self, so: SchedulerOutput, md: AttentionMetadata, hidden: torch.Tensor
@@ -376,14 +385,14 @@ class ModelRunner:
         self, so: SchedulerOutput, rows: list[tuple[str, SamplingParams, int]]
     ) -> SamplingMetadata:
         params = [r[1] for r in rows]
+        requests = {s.request_id: s.request for s in so.scheduled}
         grammars = None
+        if any(p.structured_outputs is not None for p in params):
+            grammars = [requests[r[0]].grammar for r in rows]
         if any(p.needs_output_token_ids for p in params):
-            requests = {s.request_id: s.request for s in so.scheduled}
             prompts = [requests[r[0]].prompt_token_ids for r in rows]
             outputs = [requests[r[0]].output_token_ids for r in rows]
-            if any(p.structured_outputs is not None for p in params):
-                grammars = [requests[r[0]].grammar for r in rows]
-        else:  # only penalties, bad words and grammars read the token ids
+        else:  # only penalties and bad words read the token ids
             prompts = outputs = [[]] * len(rows)
         return SamplingMetadata.build(
             params,
@@ -410,53 +419,74 @@ class ModelRunner:
 
 class PendingOutput:
     """A step's sampled tokens (and log-probs) on their way to the host: the copies are
-    queued behind the step's kernels, and `result()` waits for them."""
+    queued behind the step's kernels, and `result()` waits for them.
+
+    With `sample` (a step with a structured output's grammar) the sampling itself waits:
+    `sample()` launches it once the grammars have taken the previous step's tokens; the
+    next step's inputs read its tokens, so it must run before the next step is launched.
+    """
 
     def __init__(
         self,
         rows: list[tuple[str, SamplingParams, int]],
         out: SamplerOutput | None,
         prompt: tuple[list[PromptLogprobSpan], tuple[torch.Tensor, ...]] | None = None,
+        sample: Callable[[], SamplerOutput] | None = None,
     ):
         self.rows = rows
-        self._host: list[torch.Tensor] = []
-        self._event = None
-        self._spans, tensors = [], []
-        if out is not None:
-            tensors = [out.sampled_token_ids]
-            if out.logprobs is not None:
-                tensors += [out.logprob_token_ids, out.logprobs, out.sampled_token_ranks]
-        if prompt is not None:
-            self._spans = prompt[0]
-            tensors += prompt[1]
-        if not tensors:
-            return
-        on_cuda = tensors[0].device.type == "cuda"
-        for t in tensors:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_cuda)
-            host.copy_(t, non_blocking=on_cuda)
-            self._host.append(host)
-        if on_cuda:
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._sample = sample
+        self._spans = prompt[0] if prompt is not None else []
+        self._prompt_host, self._prompt_event = _copy_to_host(prompt[1] if prompt else ())
+        self._host, self._event = _copy_to_host(_sampler_tensors(out))
+
+    def sample(self) -> None:
+        """Launches a deferred sampling (see the class); nothing if there is none."""
+        if self._sample is not None:
+            sample, self._sample = self._sample, None
+            self._host, self._event = _copy_to_host(_sampler_tensors(sample()))
 
     def result(self) -> ModelRunnerOutput:
         """Waits for the copies; the tokens of each request, and log-probs if asked for."""
-        if self._event is not None:
-            self._event.synchronize()
+        self.sample()
+        for event in (self._prompt_event, self._event):
+            if event is not None:
+                event.synchronize()
         result = ModelRunnerOutput({})
-        host = self._host
         if self._spans:
-            _collect_prompt_logprobs(self._spans, *host[-3:], result)
-            host = host[:-3]
+            _collect_prompt_logprobs(self._spans, *self._prompt_host, result)
         if not self.rows:
             return result
+        host = self._host
         tokens = host[0].tolist()
         for (request_id, _, _), token in zip(self.rows, tokens, strict=True):
             result.sampled_token_ids.setdefault(request_id, []).append(token)
         if len(host) > 1:
             _collect_logprobs(self.rows, *host[1:], result)
         return result
+
+
+def _sampler_tensors(out: SamplerOutput | None) -> list[torch.Tensor]:
+    if out is None:
+        return []
+    if out.logprobs is None:
+        return [out.sampled_token_ids]
+    return [out.sampled_token_ids, out.logprob_token_ids, out.logprobs, out.sampled_token_ranks]
+
+
+def _copy_to_host(tensors) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Queues copies of device tensors into host memory (pinned, without waiting, on
+    CUDA); returns them and an event recorded after the copies (None off CUDA)."""
+    host = []
+    on_cuda = bool(tensors) and tensors[0].device.type == "cuda"
+    for t in tensors:
+        copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_cuda)
+        copy.copy_(t, non_blocking=on_cuda)
+        host.append(copy)
+    if not on_cuda:
+        return host, None
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 def _collect_prompt_logprobs(

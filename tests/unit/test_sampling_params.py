@@ -241,7 +241,7 @@ def test_structured_outputs_are_checked_again_when_assigned_later():
         SamplingParams(structured_outputs={"json_object": True})
     spec = StructuredOutputsParams(choice=("a", "b"))
     p = SamplingParams(structured_outputs=spec)
-    assert spec.choice == ["a", "b"] and p.needs_output_token_ids
+    assert spec.choice == ["a", "b"] and not p.needs_output_token_ids  # it samples late
     spec.regex = "x"  # two constraints now
     with pytest.raises(ValueError, match="exactly one"):
         p.validate()

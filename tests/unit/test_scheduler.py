@@ -276,11 +276,12 @@ def test_needs_pending_tokens_for_bad_words_of_several_tokens(words, needs):
     assert s.needs_pending_tokens() is needs
 
 
-def test_needs_pending_tokens_for_structured_outputs():
+def test_structured_outputs_do_not_wait_for_pending_tokens():
+    """Their steps sample late instead (PendingOutput.sample), so scheduling goes on."""
     s = make()
     s.add_request(req("a", 6, structured_outputs=StructuredOutputsParams(choice=["x"])))
     s.schedule()
-    assert s.needs_pending_tokens()
+    assert not s.needs_pending_tokens()
 
 
 def test_forks_past_max_num_seqs_take_turns():
