@@ -91,8 +91,8 @@ def main() -> None:
     for batch in args.batches:
         prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(PROMPT_LEN)]}
                    for _ in range(batch)]  # fmt: skip
-        plain = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, ignore_eos=True)
-                 for i in range(batch)]  # fmt: skip
+        plain = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                detokenize=False) for i in range(batch)]  # fmt: skip
         timed_generate(llm, prompts, plain)  # warm-up: graphs and kernels
         row = {
             "batch": batch,
@@ -101,8 +101,8 @@ def main() -> None:
         for kind, schema in SCHEMAS.items():
             spec = StructuredOutputsParams(json=schema)
             structured = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS,
-                                         ignore_eos=True, structured_outputs=spec)
-                          for i in range(batch)]  # fmt: skip
+                                         ignore_eos=True, structured_outputs=spec,
+                                         detokenize=False) for i in range(batch)]  # fmt: skip
             timed_generate(llm, prompts, structured)  # warm-up: the grammar compiler
             row[f"{kind}_s"] = min(timed_generate(llm, prompts, structured) for _ in range(2))
             row[f"{kind}_mask_ms"] = mask_ms(llm, prompts, spec)
