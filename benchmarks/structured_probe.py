@@ -19,7 +19,9 @@ best of 5.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import sys
 import tempfile
@@ -41,12 +43,21 @@ SCHEMAS = {
 PROMPT_LEN, MAX_TOKENS = 64, 128
 
 
-def timed_generate(llm: LLM, prompts: list[dict], params: list[SamplingParams]) -> float:
+def timed_generate(
+    llm: LLM, prompts: list[dict], params: list[SamplingParams], profile: str = ""
+) -> float:
     if llm.engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
+    profiler = cProfile.Profile() if profile else None
     start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+        print(f"--- {profile}: {seconds:.3f} s, the host's busiest functions")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
     return seconds
 
@@ -75,6 +86,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--layers", type=int, help="fewer layers (a quick check on a CPU)")
     parser.add_argument("--tokenizer", help="an HF tokenizer directory to use instead")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print the host's busiest functions (cProfile) of each run",
+    )
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     overrides = {}
@@ -106,6 +122,8 @@ def main() -> None:
             timed_generate(llm, prompts, structured)  # warm-up: the grammar compiler
             row[f"{kind}_s"] = min(timed_generate(llm, prompts, structured) for _ in range(2))
             row[f"{kind}_mask_ms"] = mask_ms(llm, prompts, spec)
+            if args.profile:
+                timed_generate(llm, prompts, structured, profile=f"{kind}s, batch {batch}")
         rows.append(row)
         print(json.dumps(row), flush=True)
     device = llm.engine.runner.device
