@@ -57,7 +57,9 @@ def timed_generate(
     if profiler is not None:
         profiler.disable()
         print(f"--- {profile}: {seconds:.3f} s, the host's busiest functions")
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("tottime").print_stats(14)
+        stats.sort_stats("cumulative").print_stats("octavo|llguidance", 30)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
     return seconds
 

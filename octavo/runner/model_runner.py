@@ -385,11 +385,12 @@ class ModelRunner:
         self, so: SchedulerOutput, rows: list[tuple[str, SamplingParams, int]]
     ) -> SamplingMetadata:
         params = [r[1] for r in rows]
-        requests = {s.request_id: s.request for s in so.scheduled}
-        grammars = None
+        grammars = requests = None
         if any(p.structured_outputs is not None for p in params):
+            requests = {s.request_id: s.request for s in so.scheduled}
             grammars = [requests[r[0]].grammar for r in rows]
         if any(p.needs_output_token_ids for p in params):
+            requests = requests or {s.request_id: s.request for s in so.scheduled}
             prompts = [requests[r[0]].prompt_token_ids for r in rows]
             outputs = [requests[r[0]].output_token_ids for r in rows]
         else:  # only penalties and bad words read the token ids
