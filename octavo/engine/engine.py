@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from octavo.config import CacheConfig, SchedulerConfig
@@ -226,15 +226,17 @@ class Engine:
         launched = None if so.is_empty else (so, self._launch(so))
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
+            # A step with structured outputs samples once its grammars have taken the
+            # finished step's tokens, while its own forward pass runs on the device; the
+            # finished step's text and outputs are made after that.
+            sample = launched[1].sample if launched is not None else None
             try:
-                outputs += self._finish(*in_flight)
+                outputs += self._finish(*in_flight, after_update=sample)
             except Exception:
                 if launched is not None:  # it may read the failed step's tokens: drop it
                     self._fail(launched[0])
                 raise
-        if launched is not None:
-            # A step with structured outputs samples only now: its grammars have just taken
-            # the finished step's tokens, while its forward pass ran on the device.
+        if launched is not None:  # no step was in flight: sample now (if not done above)
             try:
                 launched[1].sample()
             except Exception:
@@ -255,8 +257,15 @@ class Engine:
         self.abort_request(list({s.request.group_id: None for s in so.scheduled}))
         self.kv.reset_prefix_cache()
 
-    def _finish(self, so: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:
-        """Waits for a launched step's tokens, appends them and checks stops."""
+    def _finish(
+        self,
+        so: SchedulerOutput,
+        pending: PendingOutput,
+        after_update: Callable[[], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Waits for a launched step's tokens, appends them and checks stops.
+        `after_update` runs once the tokens are appended (and fed to the grammars), before
+        their text and outputs are made."""
         try:
             result = pending.result()
         except Exception:
@@ -270,6 +279,8 @@ class Engine:
                 if found is not None and not item.request.is_finished:
                     self.outputs.process_prompt_logprobs(item.request, *found)
         updated = self.scheduler.update(so, result.sampled_token_ids)
+        if after_update is not None:
+            after_update()
         self.stats.num_generated_tokens += len(updated)
         groups: dict[str, RequestOutputKind] = {}
         for request in updated:
