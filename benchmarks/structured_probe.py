@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--layers", type=int, help="fewer layers (a quick check on a CPU)")
     parser.add_argument("--tokenizer", help="an HF tokenizer directory to use instead")
+    parser.add_argument("--detokenize", action="store_true", help="make each token's text too")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -110,7 +111,7 @@ def main() -> None:
         prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(PROMPT_LEN)]}
                    for _ in range(batch)]  # fmt: skip
         plain = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS, ignore_eos=True,
-                                detokenize=False) for i in range(batch)]  # fmt: skip
+                                detokenize=args.detokenize) for i in range(batch)]  # fmt: skip
         timed_generate(llm, prompts, plain)  # warm-up: graphs and kernels
         row = {
             "batch": batch,
@@ -120,7 +121,8 @@ def main() -> None:
             spec = StructuredOutputsParams(json=schema)
             structured = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS,
                                          ignore_eos=True, structured_outputs=spec,
-                                         detokenize=False) for i in range(batch)]  # fmt: skip
+                                         detokenize=args.detokenize)
+                          for i in range(batch)]  # fmt: skip
             timed_generate(llm, prompts, structured)  # warm-up: the grammar compiler
             row[f"{kind}_s"] = min(timed_generate(llm, prompts, structured) for _ in range(2))
             row[f"{kind}_mask_ms"] = mask_ms(llm, prompts, spec)
