@@ -8,9 +8,10 @@ the sequence once the grammar is complete:
 
     {"type": "object", ...}  -> Grammar --mask--> sampler --token--> Grammar.accept -> ...
 
-A mask needs every earlier token accepted, so with async scheduling such a request waits for
-the previous step's token (`SamplingParams.needs_output_token_ids`). An n > 1 request's
-samples each get their own copy of the grammar when they fork.
+A mask needs every earlier token accepted. With async scheduling the step after launches
+its forward pass at once and samples only once the engine has fed the grammars the finished
+step's tokens (`PendingOutput.sample`, from `Engine.step`). An n > 1 request's samples each
+get their own copy of the grammar when they fork.
 """
 
 from __future__ import annotations
