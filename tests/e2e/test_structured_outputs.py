@@ -124,3 +124,24 @@ def test_the_constraint_meets_stop_strings_bans_and_min_tokens(llm):
     assert (stopped.outputs[0].text, stopped.outputs[0].stop_reason) == ("he", "llo")
     assert (banned.outputs[0].text, banned.outputs[0].finish_reason) == ("yes", "stop")
     assert short.outputs[0].text in ("a", "ab") and short.outputs[0].finish_reason == "stop"
+
+
+def test_preemption_and_forks_keep_each_grammar_in_step(llm, llm_factory, chat_prompt_ids):
+    """A KV cache too small for the batch preempts and recomputes requests mid-text, with
+    async scheduling, and n = 2 samples fork their grammars: every text is still a person,
+    and the greedy ones equal those of an engine with room for all."""
+    prompts = [{"prompt_token_ids": ids} for ids in chat_prompt_ids]
+    greedy = [params(Spec(json=PERSON), max_tokens=32) for _ in prompts]
+    sampled = params(Spec(json=PERSON), max_tokens=32, temperature=1.0, seed=5, n=2)
+    reference = llm.generate(prompts, greedy, use_tqdm=False)
+    small = llm_factory(num_kv_blocks=14, async_scheduling=True, enforce_eager=True)
+    outputs = small.generate(prompts, greedy, use_tqdm=False)
+    assert small.get_stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    for group in small.generate(prompts[:4], sampled, use_tqdm=False):
+        for completion in group.outputs:
+            if completion.finish_reason == "stop":  # else 32 tokens ran out inside it
+                assert set(json.loads(completion.text)) == {"name", "age"}
+            assert completion.text.startswith("{")
+    stats = small.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
