@@ -23,6 +23,7 @@ from octavo.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatMessage,
     DeltaMessage,
+    TokenizeChatRequest,
     random_id,
 )
 from octavo.entrypoints.openai.serving import (
@@ -45,18 +46,7 @@ async def create_chat_completion(
     reject_unsupported(req, tools=req.tools)
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
-    if req.add_generation_prompt and req.continue_final_message:
-        message = "`continue_final_message` needs `add_generation_prompt` set to false"
-        raise OpenAIError(message, param="continue_final_message")
-    try:
-        prompt = apply_chat_template(
-            ctx.tokenizer,
-            [message_dict(m) for m in req.messages],
-            req.add_generation_prompt,
-            req.continue_final_message,
-        )
-    except ValueError as e:
-        raise OpenAIError(str(e), param="messages") from e
+    prompt = render_conversation(ctx.tokenizer, req)
     keep = ctx.prompt_tokens_kept(req)
     if keep is not None and len(prompt) > keep:  # the rendering adds no special tokens
         prompt = prompt[-keep:]
@@ -105,6 +95,26 @@ async def create_chat_completion(
         prompt_logprobs=prompt_logprobs_field(final[0].prompt_logprobs),
     )
     return JSONResponse(response.model_dump())
+
+
+def render_conversation(
+    tokenizer, req: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False
+) -> list[int]:
+    """The request's messages through the chat template, as token ids; a 400 naming the
+    field for flags that contradict each other or messages the template refuses."""
+    if req.add_generation_prompt and req.continue_final_message:
+        message = "`continue_final_message` needs `add_generation_prompt` set to false"
+        raise OpenAIError(message, param="continue_final_message")
+    try:
+        return apply_chat_template(
+            tokenizer,
+            [message_dict(m) for m in req.messages],
+            req.add_generation_prompt,
+            req.continue_final_message,
+            add_special_tokens=add_special_tokens,
+        )
+    except ValueError as e:
+        raise OpenAIError(str(e), param="messages") from e
 
 
 def message_dict(message: ChatMessage) -> dict:

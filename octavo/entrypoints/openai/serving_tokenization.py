@@ -16,8 +16,8 @@ from octavo.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from octavo.entrypoints.openai.serving import OpenAIError, ServingContext
-from octavo.entrypoints.openai.serving_chat import message_dict
-from octavo.model.tokenizer import apply_chat_template, encode_text
+from octavo.entrypoints.openai.serving_chat import render_conversation
+from octavo.model.tokenizer import encode_text
 
 
 def tokenize(
@@ -27,20 +27,13 @@ def tokenize(
     completion gets them) or of a conversation rendered by the chat template."""
     ctx.check_model(req.model)
     tokenizer = _tokenizer(ctx)
-    chat = isinstance(req, TokenizeChatRequest)
-    if chat and req.add_generation_prompt and req.continue_final_message:
-        message = "`continue_final_message` needs `add_generation_prompt` set to false"
-        raise OpenAIError(message, param="continue_final_message")
-    try:
-        if chat:
-            ids = apply_chat_template(
-                tokenizer, [message_dict(m) for m in req.messages], req.add_generation_prompt,
-                req.continue_final_message, add_special_tokens=req.add_special_tokens,
-            )  # fmt: skip
-        else:
+    if isinstance(req, TokenizeChatRequest):
+        ids = render_conversation(tokenizer, req, add_special_tokens=req.add_special_tokens)
+    else:
+        try:
             ids = encode_text(tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)
-    except ValueError as e:
-        raise OpenAIError(str(e), param="messages" if chat else "prompt") from e
+        except ValueError as e:
+            raise OpenAIError(str(e), param="prompt") from e
     return TokenizeResponse(
         count=len(ids),
         max_model_len=ctx.max_model_len,
