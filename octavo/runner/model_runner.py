@@ -307,15 +307,17 @@ class ModelRunner:
             hidden = hidden[to_device(logits_index, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden)  # [R, V]
 
+        structured = any(params.structured_outputs is not None for _, params, _ in rows)
+
         def sample() -> SamplerOutput:
-            out = self.sampler(logits, self._sampling_metadata(so, rows))
+            out = self.sampler(logits, self._sampling_metadata(so, rows, structured))
             self._last_sampled = (
                 {request_id: row for row, (request_id, _, _) in enumerate(rows)},
                 out.sampled_token_ids,
             )
             return out
 
-        if any(params.structured_outputs is not None for _, params, _ in rows):
+        if structured:
             # A grammar's mask needs the previous step's token: sample once the engine has
             # fed it (PendingOutput.sample), while this step's forward pass runs.
             return PendingOutput(rows, None, prompt, sample=sample)
@@ -382,11 +384,12 @@ class ModelRunner:
         return rows, index
 
     def _sampling_metadata(
-        self, so: SchedulerOutput, rows: list[tuple[str, SamplingParams, int]]
+        self, so: SchedulerOutput, rows: list[tuple[str, SamplingParams, int]], structured: bool
     ) -> SamplingMetadata:
+        """`structured`: some row has a structured output (its grammar's mask is built)."""
         params = [r[1] for r in rows]
         grammars = requests = None
-        if any(p.structured_outputs is not None for p in params):
+        if structured:
             requests = {s.request_id: s.request for s in so.scheduled}
             grammars = [requests[r[0]].grammar for r in rows]
         if any(p.needs_output_token_ids for p in params):

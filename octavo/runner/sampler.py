@@ -310,6 +310,16 @@ def _bans(
     return _flat_index(banned, device) if banned else None
 
 
+def _ban_outside(
+    logits: torch.Tensor, bans: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-inf for the banned tokens of some rows (rows [R], banned [R, V] bool); returns the
+    new logits and those rows of them."""
+    rows, banned = bans
+    masked = logits[rows].masked_fill(banned, float("-inf"))
+    return logits.index_put((rows,), masked), masked
+
+
 @dataclass
 class SamplerOutput:
     """The sampled token of each row and, when any row asked for logprobs, raw log-probs.
@@ -449,12 +459,9 @@ class Sampler:
             raw_logprobs = logits.log_softmax(-1)  # [B, V]
         grammar_only = None  # the grammar rows as their grammars alone leave them
         if md.grammar_bans is not None:
-            rows, outside = md.grammar_bans
-            grammar_only = logits[rows].masked_fill(outside, float("-inf"))
-            logits = logits.index_put((rows,), grammar_only)
+            logits, grammar_only = _ban_outside(logits, md.grammar_bans)
         if md.disallowed is not None:
-            rows, outside = md.disallowed
-            logits = logits.index_put((rows,), logits[rows].masked_fill(outside, float("-inf")))
+            logits, _ = _ban_outside(logits, md.disallowed)
         if md.logit_bias is not None:
             rows, ids, bias = md.logit_bias
             logits = logits.index_put((rows, ids), bias, accumulate=True)
