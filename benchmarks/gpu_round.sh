@@ -12,6 +12,8 @@
 #           | l2prefetch (the decode GEMMs with their weights read into L2 first: l2_prefetch_probe.py)
 #           | priority (half batches, attention on a low-priority stream: priority_probe.py)
 #           | structured (plain against JSON-schema decoding: structured_probe.py; needs llguidance)
+#           | detok (the detokenizer's Python loop against DecodeStream: detokenize_probe.py;
+#             DETOK_ARGS="--tokenizer DIR")
 #   (default: tests kernels tp06 tp8b latency, in that order)
 # Logs and JSON land in $OUT; the last lines printed are a short summary.
 set -u
@@ -81,6 +83,8 @@ for stage in $stages; do
             --json "$OUT/http_qwen3_8b.json" 2>&1 | grep -v "INFO:" | tee "$OUT/http_8b.log" | tail -8 ;;
     structured) timeout 400 python3 benchmarks/structured_probe.py ${STRUCTURED_ARGS:-} \
             --json "$OUT/structured_probe.json" 2>&1 | grep -v "Writing model" | tee "$OUT/structured_probe.log" | tail -8 ;;
+    detok) timeout 400 python3 benchmarks/detokenize_probe.py --engine ${DETOK_ARGS:-} \
+            --json "$OUT/detokenize_probe.json" 2>&1 | grep -v "Writing model" | tee "$OUT/detokenize_probe.log" | tail -8 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"

@@ -1,5 +1,8 @@
 """IncrementalDetokenizer with the real SmolLM2 tokenizer: streamed text equals a one-shot
-decode, stop strings cut the text at the right place and never leak while streaming."""
+decode, stop strings cut the text at the right place and never leak while streaming.
+
+The text tests run twice: on the Rust fast path (`tokenizers`' DecodeStream) and on the
+Python loop, reached by hiding the tokenizer's Rust backend (`PythonDecodeOnly`)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,15 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
+from tokenizers.models import BPE, WordPiece
 
-from octavo.engine.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer
+from octavo.engine.detokenizer import (
+    MAX_HELD_TOKENS,
+    TRANSFORMERS_MAJOR,
+    IncrementalDetokenizer,
+    rust_backend,
+)
 
 TEXTS = [
     "Hello, world!",
@@ -28,6 +38,29 @@ TEXTS = [
     "<|im_start|>assistant\nA reply.<|im_end|>\n<|endoftext|>",
     "\ufffd literal replacement char, then text",
 ]
+
+
+class PythonDecodeOnly:
+    """The tokenizer with its Rust backend hidden: the detokenizer's Python loop decodes."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+
+    def __getattr__(self, name: str):
+        if name == "_tokenizer":
+            raise AttributeError(name)
+        return getattr(self.tok, name)
+
+    def __len__(self) -> int:
+        return len(self.tok)
+
+
+@pytest.fixture(scope="module", params=["rust", "python"])
+def any_path_tokenizer(request, smollm2_tokenizer):
+    """The SmolLM2 tokenizer, once as it is and once with only Python's decode."""
+    if request.param == "rust":
+        return smollm2_tokenizer
+    return PythonDecodeOnly(smollm2_tokenizer)
 
 
 def params(**overrides) -> SimpleNamespace:
@@ -62,8 +95,8 @@ def encode(tok, text: str) -> list[int]:
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 @pytest.mark.parametrize("text", TEXTS)
-def test_streamed_text_equals_one_shot_decode(smollm2_tokenizer, text, skip_special_tokens):
-    tok = smollm2_tokenizer
+def test_streamed_text_equals_one_shot_decode(any_path_tokenizer, text, skip_special_tokens):
+    tok = any_path_tokenizer
     ids = encode(tok, text)
     detok, deltas, stop = stream(tok, ids, skip_special_tokens=skip_special_tokens)
     expected = tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -80,8 +113,8 @@ def test_multi_byte_characters_span_tokens_in_these_texts(smollm2_tokenizer):
     assert any(tok.decode([i]).endswith("\ufffd") for i in ids)
 
 
-def test_special_tokens_are_skipped_or_kept(smollm2_tokenizer):
-    tok = smollm2_tokenizer
+def test_special_tokens_are_skipped_or_kept(any_path_tokenizer):
+    tok = any_path_tokenizer
     ids = encode(tok, "Hi<|im_end|>")
     assert stream(tok, ids)[0].output_text == "Hi"
     assert stream(tok, ids, skip_special_tokens=False)[0].output_text == "Hi<|im_end|>"
@@ -96,10 +129,10 @@ def test_leading_space_token_after_prompt_decodes_as_output_alone(smollm2_tokeni
     assert detok.output_text == tok.decode(output, skip_special_tokens=True)
 
 
-def test_output_finishing_a_character_the_prompt_began(smollm2_tokenizer):
+def test_output_finishing_a_character_the_prompt_began(any_path_tokenizer):
     """The prompt ends mid-character: the output's first bytes are decoded as the output's
     own one-shot decode has them, not merged with the prompt."""
-    tok = smollm2_tokenizer
+    tok = any_path_tokenizer
     ids = encode(tok, "你好 world")
     split = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
     detok, _, _ = stream(tok, ids[split:], prompt_ids=ids[:split])
@@ -107,8 +140,8 @@ def test_output_finishing_a_character_the_prompt_began(smollm2_tokenizer):
     assert detok.output_text.startswith("\ufffd")
 
 
-def test_many_tokens_per_update_equals_one_at_a_time(smollm2_tokenizer):
-    tok = smollm2_tokenizer
+def test_many_tokens_per_update_equals_one_at_a_time(any_path_tokenizer):
+    tok = any_path_tokenizer
     ids = encode(tok, TEXTS[5] + TEXTS[3])
     detok = IncrementalDetokenizer(tok, [], params())
     for start in range(0, len(ids), 3):
@@ -118,8 +151,8 @@ def test_many_tokens_per_update_equals_one_at_a_time(smollm2_tokenizer):
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=st.text(max_size=60))
-def test_random_unicode_text_streams_like_one_shot(smollm2_tokenizer, text):
-    tok = smollm2_tokenizer
+def test_random_unicode_text_streams_like_one_shot(any_path_tokenizer, text):
+    tok = any_path_tokenizer
     ids = encode(tok, text)
     detok, deltas, _ = stream(tok, ids)
     assert "".join(deltas) == detok.output_text == tok.decode(ids, skip_special_tokens=True)
@@ -133,9 +166,9 @@ def short_tokens(tok) -> list[int]:
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_random_token_ids_stream_like_one_shot(smollm2_tokenizer, data):
+def test_random_token_ids_stream_like_one_shot(any_path_tokenizer, data):
     """Arbitrary ids, as a random-weights model emits: stray UTF-8 bytes, specials."""
-    tok = smollm2_tokenizer
+    tok = any_path_tokenizer
     token = st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(short_tokens(tok)))
     ids = data.draw(st.lists(token, max_size=40))
     skip = data.draw(st.booleans())
@@ -185,8 +218,55 @@ def test_decode_window_stays_bounded_on_stray_bytes_and_specials(
     assert detok.output_text == expected
 
 
-def test_text_held_for_an_unfinished_character_is_flushed_at_the_end(smollm2_tokenizer):
+def test_rust_path_hands_a_long_unfinished_run_to_the_bounded_python_loop(smollm2_tokenizer):
+    """The DecodeStream has no bound on its window: past MAX_HELD_TOKENS held tokens the
+    detokenizer drops it, and the Python loop, which finalizes at safe splits, goes on."""
     tok = smollm2_tokenizer
+    half_emoji = tok.convert_tokens_to_ids("ðŁ")
+    finish = tok.convert_tokens_to_ids(["ĳ", "į"])
+    detok = IncrementalDetokenizer(tok, [], params())
+    detok.update(encode(tok, "ok "))
+    assert detok._stream is not None
+    detok.update([half_emoji] * MAX_HELD_TOKENS)
+    assert detok._stream is not None
+    detok.update([half_emoji] * 60 + finish)
+    assert detok._stream is None
+    ids = encode(tok, "ok ") + [half_emoji] * (MAX_HELD_TOKENS + 60) + finish
+    assert detok.get_next_output_text(finished=True, delta=False) == tok.decode(ids)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_rust_and_python_paths_stream_the_same_deltas(smollm2_tokenizer, data):
+    """Both paths move the same window: token by token, they emit the same text."""
+    tok = smollm2_tokenizer
+    text = data.draw(st.sampled_from(TEXTS))
+    token = st.one_of(st.integers(0, len(tok) - 1), st.sampled_from(short_tokens(tok)))
+    ids = encode(tok, text) + data.draw(st.lists(token, max_size=20))
+    skip = data.draw(st.booleans())
+    rust = stream(tok, ids, skip_special_tokens=skip)[1]
+    python = stream(PythonDecodeOnly(tok), ids, skip_special_tokens=skip)[1]
+    assert rust == python
+
+
+def test_rust_backend_only_where_it_decodes_as_transformers_does(smollm2_tokenizer):
+    """transformers' decode cleans up spaces when a tokenizer asks for it (transformers 5:
+    except on BPE models); the fast path must not skip that step."""
+    assert rust_backend(smollm2_tokenizer) is smollm2_tokenizer._tokenizer
+    assert rust_backend(PythonDecodeOnly(smollm2_tokenizer)) is None
+    wordpiece = Tokenizer(WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    bpe = Tokenizer(BPE({"a": 0}, []))
+    for backend, cleanup, expected in [
+        (wordpiece, False, wordpiece),
+        (wordpiece, True, None),
+        (bpe, True, bpe if TRANSFORMERS_MAJOR >= 5 else None),
+    ]:
+        hf_like = SimpleNamespace(_tokenizer=backend, clean_up_tokenization_spaces=cleanup)
+        assert rust_backend(hf_like) is expected
+
+
+def test_text_held_for_an_unfinished_character_is_flushed_at_the_end(any_path_tokenizer):
+    tok = any_path_tokenizer
     ids = encode(tok, "ok 👍")[:-1]
     detok = IncrementalDetokenizer(tok, [], params())
     detok.update(ids)
