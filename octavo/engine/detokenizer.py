@@ -22,7 +22,6 @@ stream cannot follow (a window that would grow without bound, a prefix the decod
 
 from __future__ import annotations
 
-from importlib.metadata import version
 from typing import Protocol
 
 from tokenizers import Tokenizer as RustTokenizer
@@ -33,7 +32,13 @@ REPLACEMENT_CHAR = "\ufffd"
 # a UTF-8 character has at most 4 bytes, and each token that decodes to text adds at least 1.
 MAX_HELD_TOKENS = 8
 _SPLIT_CANDIDATES = 4
-TRANSFORMERS_MAJOR = int(version("transformers").split(".")[0])
+# Where transformers defines its own decode path (4.x: "fast" tokenizers; 5.x: "backend").
+_HF_DECODE = frozenset({
+    "transformers.tokenization_utils_base",
+    "transformers.tokenization_utils_fast",
+    "transformers.tokenization_utils_tokenizers",
+})  # fmt: skip
+_BPE_CLEANUP_FLAG = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
 
 
 class Tokenizer(Protocol):
@@ -44,22 +49,23 @@ def rust_backend(tokenizer: object) -> RustTokenizer | None:
     """The `tokenizers.Tokenizer` under an HF tokenizer, where decoding with it gives what
     `tokenizer.decode` gives; else None.
 
-    transformers' decode adds one step of its own, `clean_up_tokenization_spaces` where the
-    tokenizer asks for it; transformers 5 skips it for BPE models unless told otherwise.
+    transformers' own `decode` runs the Rust decode and then, where the tokenizer asks for
+    it, `clean_up_tokenization_spaces`; transformers 5.7 and later skip that clean-up for BPE
+    models unless told otherwise. A subclass that overrides `decode` or `_decode` (Whisper's
+    tokenizer, for one) may do more, and gets no fast path.
     """
     backend = getattr(tokenizer, "_tokenizer", None)
     if not isinstance(backend, RustTokenizer):
         return None
+    for name in ("decode", "_decode"):
+        if getattr(getattr(type(tokenizer), name, None), "__module__", None) not in _HF_DECODE:
+            return None
     if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return backend
+    # Before 5.7 the flag below does not exist, and the clean-up always runs.
     skips_cleanup = (
-        TRANSFORMERS_MAJOR >= 5
-        and type(backend.model).__name__ == "BPE"
-        and not getattr(
-            tokenizer,
-            "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
-            False,
-        )
+        type(backend.model).__name__ == "BPE"
+        and getattr(tokenizer, _BPE_CLEANUP_FLAG, None) is False
     )
     return backend if skips_cleanup else None
 

@@ -12,15 +12,11 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer
-from tokenizers.models import BPE, WordPiece
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import WordPiece
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from octavo.engine.detokenizer import (
-    MAX_HELD_TOKENS,
-    TRANSFORMERS_MAJOR,
-    IncrementalDetokenizer,
-    rust_backend,
-)
+from octavo.engine.detokenizer import MAX_HELD_TOKENS, IncrementalDetokenizer, rust_backend
 
 TEXTS = [
     "Hello, world!",
@@ -249,20 +245,44 @@ def test_rust_and_python_paths_stream_the_same_deltas(smollm2_tokenizer, data):
     assert rust == python
 
 
-def test_rust_backend_only_where_it_decodes_as_transformers_does(smollm2_tokenizer):
-    """transformers' decode cleans up spaces when a tokenizer asks for it (transformers 5:
-    except on BPE models); the fast path must not skip that step."""
+def test_rust_backend_only_where_it_decodes_as_transformers_does(smollm2_tokenizer, tmp_path):
+    """The fast path decodes with the Rust backend alone: it may be taken only where
+    transformers' decode gives the same text, its clean-up of spaces included."""
     assert rust_backend(smollm2_tokenizer) is smollm2_tokenizer._tokenizer
     assert rust_backend(PythonDecodeOnly(smollm2_tokenizer)) is None
-    wordpiece = Tokenizer(WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
-    bpe = Tokenizer(BPE({"a": 0}, []))
-    for backend, cleanup, expected in [
-        (wordpiece, False, wordpiece),
-        (wordpiece, True, None),
-        (bpe, True, bpe if TRANSFORMERS_MAJOR >= 5 else None),
-    ]:
-        hf_like = SimpleNamespace(_tokenizer=backend, clean_up_tokenization_spaces=cleanup)
-        assert rust_backend(hf_like) is expected
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    bpe_cleaned = AutoTokenizer.from_pretrained(tmp_path, clean_up_tokenization_spaces=True)
+    wordpiece = Tokenizer(WordPiece({"[UNK]": 0, "a": 1, ",": 2, ".": 3}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece.decoder = decoders.WordPiece(cleanup=False)  # the clean-up is transformers' alone
+    wp_cleaned = PreTrainedTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]",
+                                         clean_up_tokenization_spaces=True)  # fmt: skip
+    for tok in (smollm2_tokenizer, bpe_cleaned, wp_cleaned):
+        ids = tok.encode("a , a . a", add_special_tokens=False)
+        same = tok.decode(ids) == tok._tokenizer.decode(ids)
+        assert same or rust_backend(tok) is None
+    ids = wp_cleaned.encode("a , a .", add_special_tokens=False)
+    assert wp_cleaned.decode(ids) != wp_cleaned._tokenizer.decode(ids)  # the case is real
+
+    class OwnDecode(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, **kwargs) -> str:
+            return "its own text"
+
+    assert rust_backend(OwnDecode(tokenizer_object=wordpiece, unk_token="[UNK]")) is None
+
+
+def test_rust_path_decodes_real_text_without_the_python_loop(smollm2_tokenizer, monkeypatch):
+    """On real text the DecodeStream is never dropped: the speed-up is not lost silently."""
+
+    def python_loop(self):
+        raise AssertionError("the Python loop ran")
+
+    monkeypatch.setattr(IncrementalDetokenizer, "_detokenize_step", python_loop)
+    for text in TEXTS[:-2]:  # the last two end in text held back or decoded as specials
+        ids = encode(smollm2_tokenizer, text)
+        detok = IncrementalDetokenizer(smollm2_tokenizer, [], params())
+        detok.update(ids)
+        assert detok._stream is not None
 
 
 def test_text_held_for_an_unfinished_character_is_flushed_at_the_end(any_path_tokenizer):
