@@ -184,8 +184,7 @@ class Engine:
             return prompt, ids
         # NOTE: set(map(type, ...)) walks the list in C: prompts are 100k+ tokens at times.
         if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:
-            cut = keep_last is not None and len(prompt) > keep_last
-            return None, list(prompt[-keep_last:] if cut else prompt)
+            return None, list(prompt if keep_last is None else prompt[-keep_last:])
         raise ValueError("a prompt must be a str or a list of int token ids")
 
     def _validate_prompt(self, token_ids: list[int]) -> None:

@@ -48,7 +48,7 @@ async def create_chat_completion(
         raise OpenAIError("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
     prompt = render_conversation(ctx.tokenizer, req)
     keep = ctx.prompt_tokens_kept(req)
-    if keep is not None and len(prompt) > keep:  # the rendering adds no special tokens
+    if keep is not None:  # the rendering adds no special tokens
         prompt = prompt[-keep:]
     max_tokens = (
         req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
