@@ -4,7 +4,9 @@ The GPU throughput of a small model is bound by how fast the host prepares each 
 (scheduling, input tensors, sampling metadata, appending tokens). This runs the whole engine
 on the CPU with a 1-layer, 64-wide Qwen3 and a 1k vocabulary whose forward pass is replaced
 by zeros, so a step's time is host work, and reports milliseconds per step at batch
-`--num-seqs`.
+`--num-seqs`: the mean over the run (prefill steps included) and the median step, which is
+a decode step of the whole batch. At `--temperature 0` the CPU sampler draws no random
+numbers, work that a GPU does on the device rather than on the host.
 
     PYTHONPATH=. python benchmarks/host_overhead.py [--num-seqs 256] [--profile]
 """
@@ -16,6 +18,7 @@ import cProfile
 import json
 import pstats
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +46,10 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sort", default="tottime", help="pstats order for --profile")
+    parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--async-scheduling", choices=["on", "off", "auto"], default="auto")
     args = parser.parse_args()
 
@@ -67,11 +73,21 @@ def main() -> None:
         for _ in range(args.num_seqs)
     ]
     params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.max_tokens)
+        SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=args.max_tokens)
         for _ in range(args.num_seqs)
     ]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     steps_before = llm.get_stats()["num_steps"]
+    step_times: list[float] = []
+    engine_step = llm.engine.step
+
+    def timed_step():
+        t = time.perf_counter()
+        outputs = engine_step()
+        step_times.append(time.perf_counter() - t)
+        return outputs
+
+    llm.engine.step = timed_step
     profile = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
     if profile:
@@ -83,10 +99,11 @@ def main() -> None:
     steps = llm.get_stats()["num_steps"] - steps_before
     print(
         f"{args.num_seqs} seqs x {args.max_tokens} tokens: {seconds:.2f} s, {steps} steps, "
-        f"{1e3 * seconds / steps:.2f} ms per step"
+        f"{1e3 * seconds / steps:.2f} ms per step, median step "
+        f"{1e3 * statistics.median(step_times):.2f} ms"
     )
     if profile:
-        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
 
 
 if __name__ == "__main__":
