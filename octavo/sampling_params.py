@@ -313,6 +313,19 @@ class SamplingParams:
         return max_model_len if keep == -1 else keep
 
     @property
+    def samples_from_settings_alone(self) -> bool:
+        """Whether the sampler's metadata for this request follows from its settings alone,
+        whatever tokens it has: no seed (its noise is keyed by the number of outputs), no
+        min_tokens (EOS is banned until then), bad words, penalties or structured output."""
+        return (
+            self.seed is None
+            and self.min_tokens == 0
+            and not self.bad_words
+            and not self.has_penalties
+            and self.structured_outputs is None
+        )
+
+    @property
     def has_penalties(self) -> bool:
         """Whether any of presence, frequency or repetition penalty changes the logits."""
         return (

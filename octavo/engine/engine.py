@@ -282,31 +282,40 @@ class Engine:
             after_update()
         self.stats.num_generated_tokens += len(updated)
         groups: dict[str, RequestOutputKind] = {}
+        all_logprobs = result.logprobs
         for request in updated:
-            logprobs = result.logprobs.get(request.request_id) or result.logprobs.get(
-                request.group_id
-            )
+            logprobs = None
+            if all_logprobs:
+                logprobs = all_logprobs.get(request.request_id) or all_logprobs.get(
+                    request.group_id
+                )
             stop = self.outputs.process_token(request, logprobs)
-            if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            elif stop is not None and request.status is RequestStatus.FINISHED_LENGTH:
-                # The token that reached max_tokens also completed a stop string: the text was
-                # cut there, so report the stop, as vLLM does (the blocks are already free).
-                request.stop_reason = stop
-                request.status = RequestStatus.FINISHED_STOPPED
-            elif stop is not None and request.grammar is not None and request.grammar.is_complete:
-                request.stop_reason = stop  # it completed a stop string and the grammar at once
-            if request.is_finished:
+            if stop is not None:
+                self._stop_at_string(request, stop)
+            finished = request.is_finished
+            if finished:
                 self._count_outcome(request)
             kind = request.sampling_params.output_kind
-            if kind is not RequestOutputKind.FINAL_ONLY or request.is_finished:
+            if finished or kind is not RequestOutputKind.FINAL_ONLY:
                 groups[request.group_id] = kind  # a FINAL_ONLY group ends with a member
         return [
             self.outputs.make_output(group_id)
             for group_id, kind in groups.items()
             if kind is not RequestOutputKind.FINAL_ONLY or self.outputs.is_finished(group_id)
         ]
+
+    def _stop_at_string(self, request: Request, stop: str) -> None:
+        """Finishes a request whose newest text completed the stop string `stop`."""
+        if not request.is_finished:
+            request.stop_reason = stop
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif request.status is RequestStatus.FINISHED_LENGTH:
+            # The token that reached max_tokens also completed a stop string: the text was
+            # cut there, so report the stop, as vLLM does (the blocks are already free).
+            request.stop_reason = stop
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif request.grammar is not None and request.grammar.is_complete:
+            request.stop_reason = stop  # it completed a stop string and the grammar at once
 
     def _count_outcome(self, request: Request) -> None:
         reason = request.status.finish_reason or "unknown"

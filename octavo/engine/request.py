@@ -21,16 +21,21 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         """The OpenAI/vLLM finish reason ("stop", "length", "abort"), None while unfinished."""
         return self.value if self.is_finished else None
+
+
+# NOTE: a tuple, not a set: `in` compares by identity first, while hashing an Enum member
+# runs Python code. Checked for every running request several times a step.
+_FINISHED = (
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+)
 
 
 class Request:
@@ -91,7 +96,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED
 
     @property
     def awaits_fork(self) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from octavo.config import SchedulerConfig
 from octavo.engine.kv_cache_manager import KVCacheManager
@@ -24,7 +25,7 @@ from octavo.engine.request import Request, RequestStatus
 from octavo.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute `num_new_tokens` tokens, which sit at positions
     `num_computed_tokens ..` of its sequence, into the blocks `block_ids`.
@@ -66,7 +67,7 @@ class SchedulerOutput:
     # Whether a live request asked for prompt log-probs: else the runner looks for none.
     scores_prompts: bool = False
 
-    @property
+    @cached_property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
@@ -151,9 +152,9 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         while i < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[i]
-            total = request.num_tokens + request.num_pending_tokens
+            total = len(request.all_token_ids) + request.num_pending_tokens
             num_new = min(total - request.num_computed_tokens, budget)
-            if num_new == 0 or (request.num_pending_tokens and self._finishes_pending(request)):
+            if num_new == 0 or (request.num_pending_tokens and self._finishes_at(request, total)):
                 # Caught up and waiting for a token from outside (beam search), or sure to
                 # finish with the token in flight: nothing to compute.
                 i += 1
@@ -206,8 +207,8 @@ class Scheduler:
         """Describes the request's share of the step and counts its tokens as computed."""
         start = request.num_computed_tokens
         token_ids = request.all_token_ids[start : start + num_new]
-        sample = start + num_new == request.num_tokens + request.num_pending_tokens
-        request.num_computed_tokens += num_new
+        sample = start + num_new == len(request.all_token_ids) + request.num_pending_tokens
+        request.num_computed_tokens = start + num_new
         if sample:
             request.num_pending_tokens += 1
         return ScheduledRequest(
@@ -220,12 +221,12 @@ class Scheduler:
             input_is_pending=len(token_ids) < num_new,
         )
 
-    def _finishes_pending(self, request: Request) -> bool:
-        """True if the request's pending token surely finishes it (max_tokens or the context
-        limit): another step for it would compute a token nobody reads."""
-        num_tokens = request.num_tokens + request.num_pending_tokens
+    def _finishes_at(self, request: Request, num_tokens: int) -> bool:
+        """True if the request surely finishes once it has `num_tokens` tokens (max_tokens
+        or the context limit). Asked with its pending tokens counted: another step for it
+        would compute a token nobody reads."""
         max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and num_tokens - request.num_prompt_tokens >= max_tokens:
+        if max_tokens is not None and num_tokens - len(request.prompt_token_ids) >= max_tokens:
             return True
         return num_tokens >= self.config.max_model_len
 
@@ -331,16 +332,14 @@ class Scheduler:
         """EOS, stop token ids, max_tokens and the context limit (stop strings need text
         and are checked by the engine's detokenizer)."""
         params = request.sampling_params
+        num_output = len(request.output_token_ids)
         last = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if last in params.stop_token_ids:
                 request.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        max_tokens = params.max_tokens
-        if max_tokens is not None and request.num_output_tokens >= max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if self._finishes_at(request, len(request.all_token_ids)):
             return RequestStatus.FINISHED_LENGTH
         return None

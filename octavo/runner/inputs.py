@@ -169,6 +169,7 @@ class InputBuilder:
         if num_tokens == num_seqs:  # longest first: see octavo/kernels/decode_attention.py
             order = np.argsort(-seq_lens, kind="stable").astype(np.int32)
             decode_order = self._upload(self.decode_order, order)
+        cu_cpu = cu[: num_seqs + 1].tolist()
         md = AttentionMetadata(
             num_tokens=num_tokens,
             query_start_loc=self._upload(self.query_start_loc, cu.astype(np.int32)),
@@ -177,13 +178,13 @@ class InputBuilder:
             block_tables=self._upload(self.block_tables, tables),
             max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens[:num_seqs].max()),
-            query_start_loc_cpu=cu[: num_seqs + 1].tolist(),
+            query_start_loc_cpu=cu_cpu,
             seq_lens_cpu=seq_lens[:num_seqs].tolist(),
             decode_order=decode_order,
         )
         assert md.block_tables.shape[0] == size
         input_ids_dev = self._upload(self.input_ids, input_ids)
-        self._fill_pending(scheduled, cu, pending_rows, last_sampled)
+        self._fill_pending(scheduled, cu_cpu, pending_rows, last_sampled)
         return StepInputs(input_ids_dev, self._upload(self.positions, positions), md)
 
     def _pad(self, graph, input_ids, positions, slots, seq_lens, tables, cu):
@@ -213,9 +214,9 @@ class InputBuilder:
     def _fill_pending(self, scheduled, cu, pending_rows, last_sampled) -> None:
         """Writes the tokens the previous step sampled, still on the device, into input_ids."""
         dst, src = [], []
-        for i, s in enumerate(scheduled):
+        for s, end in zip(scheduled, cu[1:]):
             if s.input_is_pending:
-                dst.append(int(cu[i + 1]) - 1)
+                dst.append(end - 1)
                 src.append(pending_rows[s.request_id])
         if not dst:
             return

@@ -5,6 +5,7 @@ It owns the model, the KV cache tensors and the sampler; it knows nothing of que
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -150,6 +151,8 @@ class ModelRunner:
         self.inputs: InputBuilder | None = None
         # The previous step's samples on the device: (request id -> row, [R] token ids).
         self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
+        # The last sampling metadata with the rows' params, while it can serve again.
+        self._reusable_md: tuple[list[SamplingParams], SamplingMetadata] | None = None
 
     def allocate_kv_cache(
         self,
@@ -186,6 +189,7 @@ class ModelRunner:
             self.device,
         )
         self._last_sampled = None
+        self._reusable_md = None
         if self.use_cuda_graphs:
             max_mixed_tokens = min(self.cuda_graph_max_tokens, max_num_batched_tokens)
             tune_linears(
@@ -372,7 +376,7 @@ class ModelRunner:
             params = request.sampling_params
             last = starts[i + 1] - 1
             # NOTE: num_pending_tokens counts this step's sample, and any still in flight.
-            num_earlier = request.num_output_tokens + request.num_pending_tokens - 1
+            num_earlier = len(request.output_token_ids) + request.num_pending_tokens - 1
             if request.awaits_fork:
                 rows += [(s.request_id, params.for_sample(k), 0) for k in range(params.n)]
                 index += [last] * params.n
@@ -386,8 +390,33 @@ class ModelRunner:
     def _sampling_metadata(
         self, so: SchedulerOutput, rows: list[tuple[str, SamplingParams, int]], structured: bool
     ) -> SamplingMetadata:
-        """`structured`: some row has a structured output (its grammar's mask is built)."""
+        """`structured`: some row has a structured output (its grammar's mask is built).
+
+        NOTE: the metadata of rows whose params all sample from their settings alone is
+        reused for as long as the same params objects sample in the same rows (a steady
+        decode batch): each request holds its own copy of its params, and the engine never
+        changes them once it has taken the request.
+        """
         params = [r[1] for r in rows]
+        reusable = self._reusable_md
+        if (
+            reusable is not None
+            and len(reusable[0]) == len(params)
+            and all(map(operator.is_, reusable[0], params))
+        ):
+            return reusable[1]
+        md = self._build_sampling_metadata(so, rows, params, structured)
+        reuse = all(p.samples_from_settings_alone for p in params)
+        self._reusable_md = (params, md) if reuse else None
+        return md
+
+    def _build_sampling_metadata(
+        self,
+        so: SchedulerOutput,
+        rows: list[tuple[str, SamplingParams, int]],
+        params: list[SamplingParams],
+        structured: bool,
+    ) -> SamplingMetadata:
         grammars = requests = None
         if structured:
             requests = {s.request_id: s.request for s in so.scheduled}

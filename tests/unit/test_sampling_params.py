@@ -152,6 +152,26 @@ def test_has_penalties_only_when_a_penalty_changes_logits(kwargs, expected):
     assert SamplingParams(**kwargs).has_penalties is expected
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({}, True),
+        ({"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.1, "logprobs": 3}, True),
+        ({"logit_bias": {1: 2.0}, "allowed_token_ids": [1, 2], "stop": ["x"]}, True),
+        ({"seed": 1}, False),
+        ({"min_tokens": 2}, False),
+        ({"bad_words": ["no"]}, False),
+        ({"frequency_penalty": 0.5}, False),
+        ({"structured_outputs": StructuredOutputsParams(regex="a+")}, False),
+    ],
+)
+def test_sampling_follows_from_the_settings_alone_unless_it_reads_the_tokens_so_far(
+    kwargs, expected
+):
+    """The runner reuses such rows' sampling metadata from step to step."""
+    assert SamplingParams(**kwargs).samples_from_settings_alone is expected
+
+
 def test_clone_is_deep_and_equal():
     p = SamplingParams(stop=["a"], stop_token_ids=[1, 2], top_k=3, seed=9)
     q = p.clone()

@@ -1,0 +1,86 @@
+"""The model runner reuses a steady decode batch's sampling metadata from step to step
+(ModelRunner._sampling_metadata): the tokens are the same as when every step builds its own,
+while rows finish, newcomers take their places, and the others move up."""
+
+from __future__ import annotations
+
+import pytest
+
+from octavo import SamplingParams
+from octavo.runner.sampler import Sampler, SamplingMetadata
+
+
+def params(temperature: float, max_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+# Greedy and random rows with filters and log-probs that finish at different steps. Each
+# finish lets the next of LATER in at once, so the batch keeps its size while its rows change:
+# a row that inherited another row's metadata would sample at the wrong temperature.
+FIRST = [
+    params(0, 5),
+    params(1.5, 14),
+    params(0.8, 9, top_k=5),
+    params(0, 11, logprobs=2),
+    params(1.0, 30, top_p=0.7),  # then a steady batch
+    params(2.0, 7, min_p=0.05),
+]
+LATER = [params(1.3, 8), params(0, 6), params(1.1, 5)]
+
+
+def run(llm, prompt_ids, monkeypatch, reuse: bool, first=FIRST, later=LATER) -> tuple[list, int]:
+    """Each request's token ids, and how many times the run built sampling metadata."""
+    builds = []
+    real_build = SamplingMetadata.build.__func__
+
+    def counted(cls, *args, **kwargs):
+        builds.append(1)
+        return real_build(cls, *args, **kwargs)
+
+    engine = llm.engine
+    queue = list(enumerate(first + later))
+    tokens = {}
+
+    def admit() -> None:
+        i, p = queue.pop(0)
+        engine.add_request(prompt_ids[i % len(prompt_ids)], p, f"reuse-{i}")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(SamplingMetadata, "build", classmethod(counted))
+        if not reuse:
+            patch.setattr(SamplingParams, "samples_from_settings_alone", False)
+        engine.runner.sampler = Sampler(seed=0)  # the same random stream for each run
+        for _ in first:
+            admit()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+                    if queue:
+                        admit()
+    return [tokens[f"reuse-{i}"] for i in range(len(first + later))], len(builds)
+
+
+def test_reused_sampling_metadata_samples_as_metadata_built_each_step(
+    llm, chat_prompt_ids, monkeypatch
+):
+    ref, builds_each_step = run(llm, chat_prompt_ids, monkeypatch, reuse=False)
+    tokens, builds = run(llm, chat_prompt_ids, monkeypatch, reuse=True)
+    assert tokens == ref
+    assert [len(t) for t in tokens] == [p.max_tokens for p in FIRST + LATER]
+    # a build for each step in which the batch changed, not for every step
+    assert builds_each_step >= 30
+    assert builds <= builds_each_step // 2
+
+
+@pytest.mark.parametrize(
+    "p",
+    [params(0.9, 6, seed=3), params(0, 6, min_tokens=4)],
+    ids=["seeded", "min_tokens"],
+)
+def test_rows_that_read_their_tokens_build_metadata_each_step(
+    llm, chat_prompt_ids, monkeypatch, p
+):
+    tokens, builds = run(llm, chat_prompt_ids, monkeypatch, reuse=True, first=[p, p], later=[])
+    assert [len(t) for t in tokens] == [6, 6]
+    assert builds >= 6
