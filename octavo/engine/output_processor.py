@@ -145,8 +145,10 @@ class OutputProcessor:
 
     def make_output(self, group_id: str) -> RequestOutput:
         """The group's RequestOutput so far; forgets the group once it is finished."""
-        members = sorted(self._groups[group_id], key=lambda r: r.index)
-        finished = self.is_finished(group_id)
+        members = self._groups[group_id]
+        if len(members) > 1:
+            members = sorted(members, key=lambda r: r.index)
+        finished = all(m.is_finished for m in members)
         first = members[0]
         if first.sampling_params.output_kind is RequestOutputKind.DELTA:
             completions = [c for c in map(self._delta, members) if c is not None]

@@ -26,7 +26,7 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         """The OpenAI/vLLM finish reason ("stop", "length", "abort"), None while unfinished."""
-        return self.value if self.is_finished else None
+        return self._value_ if self in _FINISHED else None
 
 
 # NOTE: a tuple, not a set: `in` compares by identity first, while hashing an Enum member

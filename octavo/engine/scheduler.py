@@ -94,6 +94,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
         self._scoring_prompts: set[str] = set()  # requests that asked for prompt log-probs
+        # Requests that may need their newest token on the host before their next step
+        # (see needs_pending_tokens): few, so a step need not ask every running request.
+        self._host_token_readers: set[Request] = set()
 
     # ---- queue management -------------------------------------------------------------
 
@@ -104,6 +107,12 @@ class Scheduler:
         self.waiting.append(request)
         if request.sampling_params.prompt_logprobs is not None:
             self._scoring_prompts.add(request.request_id)
+        self._note_host_token_reader(request)
+
+    def _note_host_token_reader(self, request: Request) -> None:
+        params = request.sampling_params
+        if params.n > 1 or params.needs_output_token_ids:
+            self._host_token_readers.add(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Removes a request (finished or aborted) and frees its blocks at once."""
@@ -118,6 +127,7 @@ class Scheduler:
         self.kv.free(request)
         self._finished_ids.append(request_id)
         self._scoring_prompts.discard(request_id)
+        self._host_token_readers.discard(request)
         return request
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
@@ -235,8 +245,10 @@ class Scheduler:
         the host: the first token of an n > 1 request forks it, and penalties and bad words
         read output tokens on the host. The engine then finishes the step in flight first."""
         return any(
-            r.num_pending_tokens and (r.awaits_fork or r.sampling_params.needs_output_token_ids)
-            for r in self.running
+            r.status is RequestStatus.RUNNING
+            and r.num_pending_tokens
+            and (r.awaits_fork or r.sampling_params.needs_output_token_ids)
+            for r in self._host_token_readers
         )
 
     # ---- after the step ---------------------------------------------------------------
@@ -317,6 +329,7 @@ class Scheduler:
         child.group_id = parent.group_id
         child.num_cached_tokens = parent.num_cached_tokens
         self.requests[child_id] = child
+        self._note_host_token_reader(child)
         if parent.status != RequestStatus.RUNNING:
             # A preempted parent holds no blocks: the child recomputes, like its parent will.
             child.status = RequestStatus.PREEMPTED
