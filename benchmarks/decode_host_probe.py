@@ -1,0 +1,110 @@
+"""The host's share of a short-context decode step: median ms per decode step of the whole
+batch, where the host's Python work per row, not the device, bounds the step.
+
+    PYTHONPATH=. python benchmarks/decode_host_probe.py --tokenizer DIR [--batches 16 64 256]
+        [--json out.json]
+
+Dummy Qwen3-0.6B weights with the tokenizer's vocabulary, 64-id prompts, 128 tokens each at
+temperature 1 (no seed), two ways:
+- `plain`: `LLM.generate` without detokenization (outputs made once, at the end);
+- `stream`: `Engine.add_request` with DELTA outputs and detokenization, as a server streams.
+
+To compare two source trees, run it once with each on PYTHONPATH: it uses only the public
+`LLM` and `Engine` API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+import octavo
+from octavo import LLM, SamplingParams
+from octavo.engine.builder import resolve_model
+from octavo.sampling_params import RequestOutputKind
+
+PROMPT_LEN, MAX_TOKENS = 64, 128
+
+
+def make_llm(tokenizer_dir: str) -> LLM:
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    config = json.loads((Path(resolve_model("qwen3-0.6b")) / "config.json").read_text())
+    config["vocab_size"] = vocab
+    model_dir = tempfile.mkdtemp()
+    (Path(model_dir) / "config.json").write_text(json.dumps(config))
+    return LLM(model_dir, load_format="dummy", tokenizer=tokenizer_dir, max_model_len=512)
+
+
+def step_times(llm: LLM, prompts: list[list[int]], stream: bool, max_tokens: int) -> list[float]:
+    """Seconds of each engine step while generating `max_tokens` for every prompt."""
+    engine = llm.engine
+    times: list[float] = []
+    real_step = engine.step
+
+    def timed():
+        start = time.perf_counter()
+        outputs = real_step()
+        times.append(time.perf_counter() - start)
+        return outputs
+
+    engine.step = timed
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
+                                detokenize=stream)  # fmt: skip
+        if stream:
+            params.output_kind = RequestOutputKind.DELTA
+            for i, ids in enumerate(prompts):
+                engine.add_request(ids, params, f"probe-{time.monotonic_ns()}-{i}")
+            while engine.has_unfinished_requests():
+                engine.step()
+        else:
+            llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    finally:
+        engine.step = real_step
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer", required=True, help="an HF tokenizer directory")
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    llm = make_llm(args.tokenizer)
+    vocab = llm.engine.runner.vocab_size
+    rng = random.Random(0)
+    rows = []
+    for batch in args.batches:
+        prompts = [[rng.randrange(vocab) for _ in range(PROMPT_LEN)] for _ in range(batch)]
+        row = {"batch": batch}
+        for mode in ("plain", "stream"):
+            stream = mode == "stream"
+            step_times(llm, prompts, stream, args.max_tokens)  # warm-up
+            # the median step of a run is a decode step of the whole batch; best run of N
+            row[f"{mode}_ms"] = min(
+                1e3 * statistics.median(step_times(llm, prompts, stream, args.max_tokens))
+                for _ in range(args.repeats)
+            )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\n{device}, octavo from {Path(octavo.__file__).parent}")
+    print("batch  median decode step ms: plain  stream")
+    for r in rows:
+        print(f"{r['batch']:5d}  {r['plain_ms']:27.2f}  {r['stream_ms']:6.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"octavo": octavo.__file__, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
