@@ -145,15 +145,23 @@ class OutputProcessor:
 
     def make_output(self, group_id: str) -> RequestOutput:
         """The group's RequestOutput so far; forgets the group once it is finished."""
+        # NOTE: made for every running request at every step when streaming: the common
+        # group of one takes no sort and no generator.
         members = self._groups[group_id]
-        if len(members) > 1:
+        if len(members) == 1:
+            finished = members[0].is_finished
+        else:
             members = sorted(members, key=lambda r: r.index)
-        finished = all(m.is_finished for m in members)
+            finished = all(m.is_finished for m in members)
         first = members[0]
-        if first.sampling_params.output_kind is RequestOutputKind.DELTA:
+        kind = first.sampling_params.output_kind
+        if kind is RequestOutputKind.DELTA:
             completions = [c for c in map(self._delta, members) if c is not None]
         else:
             completions = [self._completion(m) for m in members]
+        prompt_logprobs = None
+        if group_id in self._prompt_logprobs:
+            prompt_logprobs = self._group_prompt_logprobs(group_id, kind)
         output = RequestOutput(
             request_id=group_id,
             prompt=first.prompt,
@@ -161,9 +169,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=self._group_prompt_logprobs(
-                group_id, first.sampling_params.output_kind
-            ),
+            prompt_logprobs=prompt_logprobs,
         )
         if finished:
             for m in members:
