@@ -9,6 +9,10 @@ temperature 1 (no seed), two ways:
 - `plain`: `LLM.generate` without detokenization (outputs made once, at the end);
 - `stream`: `Engine.add_request` with DELTA outputs and detokenization, as a server streams.
 
+Each also reports the median step less its waits for the device (CUDA events): the host's
+own work. A step whose host work is shorter than its device work waits; one whose host work
+is longer is bound by the host.
+
 To compare two source trees, run it once with each on PYTHONPATH: it uses only the public
 `LLM` and `Engine` API.
 """
@@ -43,19 +47,33 @@ def make_llm(tokenizer_dir: str) -> LLM:
     return LLM(model_dir, load_format="dummy", tokenizer=tokenizer_dir, max_model_len=512)
 
 
-def step_times(llm: LLM, prompts: list[list[int]], stream: bool, max_tokens: int) -> list[float]:
-    """Seconds of each engine step while generating `max_tokens` for every prompt."""
+def step_times(
+    llm: LLM, prompts: list[list[int]], stream: bool, max_tokens: int
+) -> tuple[list[float], list[float]]:
+    """Seconds of each engine step while generating `max_tokens` for every prompt, and of
+    each step less its waits for the device (CUDA events): the host's own work."""
     engine = llm.engine
     times: list[float] = []
+    host_times: list[float] = []
+    waits = [0.0]
     real_step = engine.step
+    real_sync = torch.cuda.Event.synchronize
 
     def timed():
+        waits[0] = 0.0
         start = time.perf_counter()
         outputs = real_step()
         times.append(time.perf_counter() - start)
+        host_times.append(times[-1] - waits[0])
         return outputs
 
+    def timed_sync(event):
+        start = time.perf_counter()
+        real_sync(event)
+        waits[0] += time.perf_counter() - start
+
     engine.step = timed
+    torch.cuda.Event.synchronize = timed_sync
     try:
         params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
                                 detokenize=stream)  # fmt: skip
@@ -69,7 +87,8 @@ def step_times(llm: LLM, prompts: list[list[int]], stream: bool, max_tokens: int
             llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
     finally:
         engine.step = real_step
-    return times
+        torch.cuda.Event.synchronize = real_sync
+    return times, host_times
 
 
 def main() -> None:
@@ -91,17 +110,17 @@ def main() -> None:
             stream = mode == "stream"
             step_times(llm, prompts, stream, args.max_tokens)  # warm-up
             # the median step of a run is a decode step of the whole batch; best run of N
-            row[f"{mode}_ms"] = min(
-                1e3 * statistics.median(step_times(llm, prompts, stream, args.max_tokens))
-                for _ in range(args.repeats)
-            )
+            runs = [step_times(llm, prompts, stream, args.max_tokens) for _ in range(args.repeats)]
+            row[f"{mode}_ms"] = min(1e3 * statistics.median(t) for t, _ in runs)
+            row[f"{mode}_host_ms"] = min(1e3 * statistics.median(h) for _, h in runs)
         rows.append(row)
         print(json.dumps(row), flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\n{device}, octavo from {Path(octavo.__file__).parent}")
-    print("batch  median decode step ms: plain  stream")
+    print("batch  median decode step ms: plain (host)  stream (host)")
     for r in rows:
-        print(f"{r['batch']:5d}  {r['plain_ms']:27.2f}  {r['stream_ms']:6.2f}")
+        print(f"{r['batch']:5d}  {r['plain_ms']:27.2f} ({r['plain_host_ms']:.2f})  "
+              f"{r['stream_ms']:6.2f} ({r['stream_host_ms']:.2f})")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"octavo": octavo.__file__, "rows": rows}, indent=1))
 
