@@ -26,12 +26,10 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-
-from host_overhead import TINY_QWEN3
+from host_overhead import host_only_llm, time_steps
 
 BASE_NAME = "octavo_base"
 
@@ -44,33 +42,15 @@ def renamed_copy(tree: Path, into: Path) -> None:
     for path in target.rglob("*.py"):
         text = path.read_text()
         path.write_text(
-            pattern.sub(
-                lambda m: f"{m[1]} {BASE_NAME}" if m[1] else f"{m[2]}{BASE_NAME}.", text
-            )
+            pattern.sub(lambda m: f"{m[1]} {BASE_NAME}" if m[1] else f"{m[2]}{BASE_NAME}.", text)
         )
 
 
 def make_engine(package: str, async_scheduling: bool):
     """(the package module, an LLM on the host-only model, its list of step seconds)."""
     module = importlib.import_module(package)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(TINY_QWEN3))
-        llm = module.LLM(tmp, load_format="dummy", device="cpu", kv_cache_memory=1 << 30,
-                         async_scheduling=async_scheduling)  # fmt: skip
-    hidden = TINY_QWEN3["hidden_size"]
-    # NOTE: the forward pass is replaced by zeros: what is left is the host's work.
-    llm.engine.runner._forward = lambda ids, pos, md: torch.zeros(ids.shape[0], hidden)
-    times: list[float] = []
-    real_step = llm.engine.step
-
-    def timed():
-        start = time.perf_counter()
-        outputs = real_step()
-        times.append(time.perf_counter() - start)
-        return outputs
-
-    llm.engine.step = timed
-    return module, llm, times
+    llm = host_only_llm(module.LLM, async_scheduling=async_scheduling)
+    return module, llm, time_steps(llm.engine)
 
 
 def generate(module, llm, prompts: list[list[int]], args, tag: str) -> None:
@@ -110,9 +90,7 @@ def main() -> None:
     sys.path.insert(0, str(copy_dir))
     engines = {name: make_engine(name, args.async_scheduling) for name in (BASE_NAME, "octavo")}
     rng = random.Random(0)
-    prompts = [
-        [rng.randint(2, 1000) for _ in range(args.prompt_len)] for _ in range(args.num_seqs)
-    ]
+    prompts = [[rng.randint(2, 1000) for _ in range(args.prompt_len)] for _ in range(args.num_seqs)]
     medians: dict[str, list[float]] = {name: [] for name in engines}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name, (module, llm, times) in engines.items():

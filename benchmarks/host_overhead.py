@@ -41,6 +41,34 @@ TINY_QWEN3 = {
 }
 
 
+def host_only_llm(llm_class, **options):
+    """An LLM (of `llm_class`, octavo's or another tree's) on TINY_QWEN3 whose forward pass
+    returns zeros, so that a step's time is the host's work."""
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(TINY_QWEN3))
+        llm = llm_class(tmp, load_format="dummy", device="cpu", kv_cache_memory=1 << 30, **options)
+    hidden = TINY_QWEN3["hidden_size"]
+    llm.engine.runner._forward = lambda ids, pos, md: torch.zeros(ids.shape[0], hidden)
+    return llm
+
+
+def time_steps(engine) -> list[float]:
+    """Times every later `engine.step()`: returns the list each call appends its seconds to."""
+    times: list[float] = []
+    real_step = engine.step
+
+    def timed():
+        start = time.perf_counter()
+        outputs = real_step()
+        times.append(time.perf_counter() - start)
+        return outputs
+
+    engine.step = timed
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-seqs", type=int, default=256)
@@ -53,20 +81,13 @@ def main() -> None:
     parser.add_argument("--async-scheduling", choices=["on", "off", "auto"], default="auto")
     args = parser.parse_args()
 
-    import torch
 
     from octavo import LLM, SamplingParams
 
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(TINY_QWEN3))
-        options = {} if args.async_scheduling == "auto" else {
-            "async_scheduling": args.async_scheduling == "on"
-        }
-        llm = LLM(tmp, load_format="dummy", device="cpu", kv_cache_memory=1 << 30, **options)
-    # NOTE: the forward pass is replaced by zeros: what is left is the host's work.
-    runner = llm.engine.runner
-    hidden = TINY_QWEN3["hidden_size"]
-    runner._forward = lambda ids, pos, md: torch.zeros(ids.shape[0], hidden)
+    options = {} if args.async_scheduling == "auto" else {
+        "async_scheduling": args.async_scheduling == "on"
+    }
+    llm = host_only_llm(LLM, **options)
     rng = random.Random(0)
     prompts = [
         {"prompt_token_ids": [rng.randint(2, 1000) for _ in range(args.prompt_len)]}
@@ -78,16 +99,7 @@ def main() -> None:
     ]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     steps_before = llm.get_stats()["num_steps"]
-    step_times: list[float] = []
-    engine_step = llm.engine.step
-
-    def timed_step():
-        t = time.perf_counter()
-        outputs = engine_step()
-        step_times.append(time.perf_counter() - t)
-        return outputs
-
-    llm.engine.step = timed_step
+    step_times = time_steps(llm.engine)
     profile = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
     if profile:

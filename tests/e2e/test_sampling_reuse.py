@@ -78,9 +78,7 @@ def test_reused_sampling_metadata_samples_as_metadata_built_each_step(
     [params(0.9, 6, seed=3), params(0, 6, min_tokens=4)],
     ids=["seeded", "min_tokens"],
 )
-def test_rows_that_read_their_tokens_build_metadata_each_step(
-    llm, chat_prompt_ids, monkeypatch, p
-):
+def test_rows_that_read_their_tokens_build_metadata_each_step(llm, chat_prompt_ids, monkeypatch, p):
     tokens, builds = run(llm, chat_prompt_ids, monkeypatch, reuse=True, first=[p, p], later=[])
     assert [len(t) for t in tokens] == [6, 6]
     assert builds >= 6
