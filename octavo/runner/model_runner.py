@@ -394,8 +394,8 @@ class ModelRunner:
 
         NOTE: the metadata of rows whose params all sample from their settings alone is
         reused for as long as the same params objects sample in the same rows (a steady
-        decode batch): each request holds its own copy of its params, and the engine never
-        changes them once it has taken the request.
+        decode batch). Their settings alone decide it, and the engine never changes a params
+        object once it has taken the request, so the same objects give the same metadata.
         """
         params = [r[1] for r in rows]
         reusable = self._reusable_md

@@ -49,7 +49,9 @@ def run(llm, prompt_ids, monkeypatch, reuse: bool, first=FIRST, later=LATER) -> 
         patch.setattr(SamplingMetadata, "build", classmethod(counted))
         if not reuse:
             patch.setattr(SamplingParams, "samples_from_settings_alone", False)
-        engine.runner.sampler = Sampler(seed=0)  # the same random stream for each run
+        # The same random stream, and prompts computed in full, for each run.
+        patch.setattr(engine.runner, "sampler", Sampler(seed=0))
+        engine.kv.reset_prefix_cache()
         for _ in first:
             admit()
         while engine.has_unfinished_requests():
@@ -75,10 +77,13 @@ def test_reused_sampling_metadata_samples_as_metadata_built_each_step(
 
 @pytest.mark.parametrize(
     "p",
-    [params(0.9, 6, seed=3), params(0, 6, min_tokens=4)],
+    [
+        params(0.9, 6, seed=3),
+        SamplingParams(temperature=0, max_tokens=6, min_tokens=4),  # EOS banned at first
+    ],
     ids=["seeded", "min_tokens"],
 )
 def test_rows_that_read_their_tokens_build_metadata_each_step(llm, chat_prompt_ids, monkeypatch, p):
     tokens, builds = run(llm, chat_prompt_ids, monkeypatch, reuse=True, first=[p, p], later=[])
-    assert [len(t) for t in tokens] == [6, 6]
-    assert builds >= 6
+    assert all(4 <= len(t) <= 6 for t in tokens)
+    assert builds >= max(len(t) for t in tokens)
