@@ -315,11 +315,11 @@ class SamplingParams:
     @property
     def samples_from_settings_alone(self) -> bool:
         """Whether the sampler's metadata for this request follows from its settings alone,
-        whatever tokens it has: no seed (its noise is keyed by the number of outputs), no
-        min_tokens (EOS is banned until then), bad words, penalties or structured output."""
+        whatever tokens it has (a seed's noise aside, which the runner keys by the number of
+        outputs each step): no min_tokens (EOS is banned until then), bad words, penalties or
+        structured output."""
         return (
-            self.seed is None
-            and self.min_tokens == 0
+            self.min_tokens == 0
             and not self.bad_words
             and not self.has_penalties
             and self.structured_outputs is None

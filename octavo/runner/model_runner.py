@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -30,6 +30,7 @@ from octavo.runner.sampler import (
     SamplerOutput,
     SamplingMetadata,
     gather_logprobs,
+    seeded_rows,
     to_device,
 )
 from octavo.sampling_params import SamplingParams
@@ -395,7 +396,8 @@ class ModelRunner:
         NOTE: the metadata of rows whose params all sample from their settings alone is
         reused for as long as the same params objects sample in the same rows (a steady
         decode batch). Their settings alone decide it, and the engine never changes a params
-        object once it has taken the request, so the same objects give the same metadata.
+        object once it has taken the request, so the same objects give the same metadata;
+        only the seeded rows' noise seeds follow their number of outputs, and are renewed.
         """
         params = [r[1] for r in rows]
         reusable = self._reusable_md
@@ -404,7 +406,12 @@ class ModelRunner:
             and len(reusable[0]) == len(params)
             and all(map(operator.is_, reusable[0], params))
         ):
-            return reusable[1]
+            md = reusable[1]
+            if md.seeded_rows:
+                counts = [r[2] for r in rows]
+                seeded = [row for row, _ in md.seeded_rows]
+                md = replace(md, seeded_rows=seeded_rows(params, counts, seeded))
+            return md
         md = self._build_sampling_metadata(so, rows, params, structured)
         reuse = all(p.samples_from_settings_alone for p in params)
         self._reusable_md = (params, md) if reuse else None

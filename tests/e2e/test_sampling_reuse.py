@@ -24,8 +24,9 @@ FIRST = [
     params(0, 11, logprobs=2),
     params(1.0, 30, top_p=0.7),  # then a steady batch
     params(2.0, 7, min_p=0.05),
+    params(1.4, 24, seed=7),  # its noise follows its number of outputs: renewed each step
 ]
-LATER = [params(1.3, 8), params(0, 6), params(1.1, 5)]
+LATER = [params(1.3, 8), params(0, 6), params(1.1, 5, seed=3)]
 
 
 def run(llm, prompt_ids, monkeypatch, reuse: bool, first=FIRST, later=LATER) -> tuple[list, int]:
@@ -78,10 +79,10 @@ def test_reused_sampling_metadata_samples_as_metadata_built_each_step(
 @pytest.mark.parametrize(
     "p",
     [
-        params(0.9, 6, seed=3),
         SamplingParams(temperature=0, max_tokens=6, min_tokens=4),  # EOS banned at first
+        params(0.9, 6, repetition_penalty=1.2),
     ],
-    ids=["seeded", "min_tokens"],
+    ids=["min_tokens", "penalties"],
 )
 def test_rows_that_read_their_tokens_build_metadata_each_step(llm, chat_prompt_ids, monkeypatch, p):
     tokens, builds = run(llm, chat_prompt_ids, monkeypatch, reuse=True, first=[p, p], later=[])

@@ -18,6 +18,8 @@ from octavo.runner.sampler import (
     apply_filters,
     apply_penalties,
     apply_top_k_top_p,
+    noise_seed,
+    seeded_rows,
 )
 from octavo.sampling_params import SamplingParams as SP
 
@@ -176,6 +178,30 @@ def test_seeded_rows_sample_the_reference_distribution():
     tokens = Sampler()(row.expand(n, vocab), md).sampled_token_ids.tolist()
     ok, chi2 = chi_square_ok(tokens, softmax(row.double().numpy() / 0.9), n)
     assert ok, chi2
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.none(), st.integers(-(2**70), 2**70)),  # seed; None: unseeded
+            st.booleans(),  # greedy
+            st.integers(0, 10**6),  # number of outputs so far
+        ),
+        max_size=20,
+    )
+)
+def test_seeded_rows_hash_each_row_as_noise_seed_does(rows):
+    """The per-step seeds of seeded random rows, hashed in one numpy pass, equal the scalar
+    hash of each: the noise of a seed stays what it was."""
+    params = [SP(seed=seed, temperature=0 if greedy else 1.0) for seed, greedy, _ in rows]
+    counts = [count for _, _, count in rows]
+    expected = tuple(
+        (row, noise_seed(seed, count))
+        for row, (seed, greedy, count) in enumerate(rows)
+        if seed is not None and not greedy
+    )
+    assert seeded_rows(params, counts) == expected
 
 
 def reference_penalties(row, prompt, output, rep, freq, pres):
