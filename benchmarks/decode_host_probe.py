@@ -5,7 +5,7 @@ batch, where the host's Python work per row, not the device, bounds the step.
         [--json out.json]
 
 Dummy Qwen3-0.6B weights with the tokenizer's vocabulary, 64-id prompts, 128 tokens each at
-temperature 1 (no seed), two ways:
+temperature 1 (no seed; `--seeded`: a seed for each request), two ways:
 - `plain`: `LLM.generate` without detokenization (outputs made once, at the end);
 - `stream`: `Engine.add_request` with DELTA outputs and detokenization, as a server streams.
 
@@ -48,7 +48,7 @@ def make_llm(tokenizer_dir: str) -> LLM:
 
 
 def step_times(
-    llm: LLM, prompts: list[list[int]], stream: bool, max_tokens: int
+    llm: LLM, prompts: list[list[int]], stream: bool, max_tokens: int, seeded: bool = False
 ) -> tuple[list[float], list[float]]:
     """Seconds of each engine step while generating `max_tokens` for every prompt, and of
     each step less its waits for the device (CUDA events): the host's own work."""
@@ -75,12 +75,15 @@ def step_times(
     engine.step = timed
     torch.cuda.Event.synchronize = timed_sync
     try:
-        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
-                                detokenize=stream)  # fmt: skip
+        params = [
+            SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True,
+                           detokenize=stream, seed=i if seeded else None)
+            for i in range(len(prompts))
+        ]  # fmt: skip
         if stream:
-            params.output_kind = RequestOutputKind.DELTA
-            for i, ids in enumerate(prompts):
-                engine.add_request(ids, params, f"probe-{time.monotonic_ns()}-{i}")
+            for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+                p.output_kind = RequestOutputKind.DELTA
+                engine.add_request(ids, p, f"probe-{time.monotonic_ns()}-{i}")
             while engine.has_unfinished_requests():
                 engine.step()
         else:
@@ -97,6 +100,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--seeded", action="store_true", help="a seed for each request")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     llm = make_llm(args.tokenizer)
@@ -108,9 +112,10 @@ def main() -> None:
         row = {"batch": batch}
         for mode in ("plain", "stream"):
             stream = mode == "stream"
-            step_times(llm, prompts, stream, args.max_tokens)  # warm-up
+            run = (llm, prompts, stream, args.max_tokens, args.seeded)
+            step_times(*run)  # warm-up
             # the median step of a run is a decode step of the whole batch; best run of N
-            runs = [step_times(llm, prompts, stream, args.max_tokens) for _ in range(args.repeats)]
+            runs = [step_times(*run) for _ in range(args.repeats)]
             row[f"{mode}_ms"] = min(1e3 * statistics.median(t) for t, _ in runs)
             row[f"{mode}_host_ms"] = min(1e3 * statistics.median(h) for _, h in runs)
         rows.append(row)
