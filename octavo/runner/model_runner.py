@@ -313,13 +313,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [R, V]
 
         structured = any(params.structured_outputs is not None for _, params, _ in rows)
-        md = self._sampling_metadata(so, rows)  # all but the grammars' masks
 
         def sample() -> SamplerOutput:
-            now = md
-            if structured:  # the grammars have taken the previous step's tokens by now
-                now = md.with_grammar_bans(self._grammars(so, rows), self.device)
-            out = self.sampler(logits, now)
+            out = self.sampler(logits, self._sampling_metadata(so, rows, structured))
             self._last_sampled = (
                 {request_id: row for row, (request_id, _, _) in enumerate(rows)},
                 out.sampled_token_ids,
@@ -328,8 +324,7 @@ class ModelRunner:
 
         if structured:
             # A grammar's mask needs the previous step's token: sample once the engine has
-            # fed it (PendingOutput.sample), while this step's forward pass runs. The rest of
-            # the metadata is built above, before the wait for that token.
+            # fed it (PendingOutput.sample), while this step's forward pass runs.
             return PendingOutput(rows, None, prompt, sample=sample)
         return PendingOutput(rows, sample(), prompt)
 
@@ -394,10 +389,9 @@ class ModelRunner:
         return rows, index
 
     def _sampling_metadata(
-        self, so: SchedulerOutput, rows: list[tuple[str, SamplingParams, int]]
+        self, so: SchedulerOutput, rows: list[tuple[str, SamplingParams, int]], structured: bool
     ) -> SamplingMetadata:
-        """The step's sampling metadata, without structured outputs' grammar masks (see
-        SamplingMetadata.with_grammar_bans).
+        """`structured`: some row has a structured output (its grammar's mask is built).
 
         NOTE: the metadata of rows whose params all sample from their settings alone is
         reused for as long as the same params objects sample in the same rows (a steady
@@ -418,7 +412,7 @@ class ModelRunner:
                 seeded = [row for row, _ in md.seeded_rows]
                 md = replace(md, seeded_rows=seeded_rows(params, counts, seeded))
             return md
-        md = self._build_sampling_metadata(so, rows, params)
+        md = self._build_sampling_metadata(so, rows, params, structured)
         reuse = all(p.samples_from_settings_alone for p in params)
         self._reusable_md = (params, md) if reuse else None
         return md
@@ -428,9 +422,14 @@ class ModelRunner:
         so: SchedulerOutput,
         rows: list[tuple[str, SamplingParams, int]],
         params: list[SamplingParams],
+        structured: bool,
     ) -> SamplingMetadata:
-        if any(p.needs_output_token_ids for p in params):
+        grammars = requests = None
+        if structured:
             requests = {s.request_id: s.request for s in so.scheduled}
+            grammars = [requests[r[0]].grammar for r in rows]
+        if any(p.needs_output_token_ids for p in params):
+            requests = requests or {s.request_id: s.request for s in so.scheduled}
             prompts = [requests[r[0]].prompt_token_ids for r in rows]
             outputs = [requests[r[0]].output_token_ids for r in rows]
         else:  # only penalties and bad words read the token ids
@@ -443,13 +442,8 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             device=self.device,
             num_output_tokens=[r[2] for r in rows],
+            grammars=grammars,
         )
-
-    @staticmethod
-    def _grammars(so: SchedulerOutput, rows: list[tuple[str, SamplingParams, int]]) -> list:
-        """Each row's structured-output grammar (None for a row without one)."""
-        requests = {s.request_id: s.request for s in so.scheduled}
-        return [requests[r[0]].grammar for r in rows]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: gives a sequence its own copy of a shared partial block."""

@@ -23,7 +23,7 @@ one uniform per row keyed the same way.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -228,17 +228,6 @@ class SamplingMetadata:
             values = upload(torch.cat([values for _, _, values in biased]), device)
             rows_index = _row_index([(row, ids) for row, ids, _ in biased], device)
             self.logit_bias = (rows_index, ids, values)
-
-    def with_grammar_bans(
-        self, grammars: list[Grammar | None], device: torch.device
-    ) -> SamplingMetadata:
-        """A copy that also bans what each row's grammar bans now (`grammars[i]`: row i's
-        structured output, None without one). The masks need each grammar to have taken
-        the row's every earlier token, so they are made last."""
-        md = replace(self)
-        if any(g is not None for g in grammars):
-            md._build_grammar_bans(grammars, device)
-        return md
 
     def _build_grammar_bans(self, grammars: list[Grammar | None], device) -> None:
         """Each grammar's allowed next tokens as a bitmask (filled on the host by

@@ -363,29 +363,6 @@ def test_grammar_bans_keep_each_row_to_its_grammars_tokens(monkeypatch):
     assert Sampler()(logits[:2], md).sampled_token_ids.tolist() == [greedy[0], 2]
 
 
-def test_grammar_bans_added_later_equal_those_built_at_once(monkeypatch):
-    """The runner builds a structured step's metadata before the grammars have taken the
-    previous token and adds their masks last (with_grammar_bans): the same metadata, and the
-    first is left without masks."""
-    monkeypatch.setattr(
-        "octavo.runner.sampler.fill_bitmasks",
-        lambda grammars, bitmask: [g.fill_bitmask(row) for g, row in zip(grammars, bitmask)],
-    )
-    vocab = 70
-    grammars = [None, FixedGrammar({31, 32, 69}), None, FixedGrammar({2})]
-    params = [SP(temperature=0.8, top_k=7), SP(temperature=0), SP(min_tokens=3), SP()]
-    at_once = SamplingMetadata.build(params, [[]] * 4, [[]] * 4, vocab, [0], CPU,
-                                     grammars=grammars)  # fmt: skip
-    before = SamplingMetadata.build(params, [[]] * 4, [[]] * 4, vocab, [0], CPU)
-    later = before.with_grammar_bans(grammars, CPU)
-    assert before.grammar_bans is None
-    for a, b in zip(at_once.grammar_bans, later.grammar_bans, strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(at_once.banned[1], later.banned[1])
-    assert torch.equal(at_once.top_k, later.top_k)
-    assert before.with_grammar_bans([None] * 4, CPU).grammar_bans is None
-
-
 def test_logit_bias_and_allowed_token_ids_shape_the_logits_per_row():
     """Greedy rows take the argmax of logits + bias over the allowed tokens; random rows
     draw from softmax(logits + bias) over them; other rows and the logprobs are untouched
