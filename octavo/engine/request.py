@@ -20,10 +20,6 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
 
     @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
-
-    @property
     def finish_reason(self) -> str | None:
         """The OpenAI/vLLM finish reason ("stop", "length", "abort"), None while unfinished."""
         return self._value_ if self in _FINISHED else None

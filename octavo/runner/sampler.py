@@ -40,13 +40,6 @@ _MASK64 = (1 << 64) - 1
 _INF = float("inf")
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list as a tensor on `device`. On CUDA the copy goes from pinned memory
     without waiting (torch.tensor(..., device="cuda") would wait for all queued work)."""
@@ -76,14 +69,9 @@ def _shaping_tensors(p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, tor
     return cached
 
 
-def noise_seed(seed: int, num_output_tokens: int) -> int:
-    """The 63-bit generator seed for a seeded request's next token: a hash of its seed and
-    its number of output tokens so far, so nothing else about the batch matters."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ num_output_tokens) >> 1
-
-
-def _splitmix64_array(x: np.ndarray) -> np.ndarray:
-    """_splitmix64 of each element of a uint64 array (numpy's uint64 arithmetic wraps)."""
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer of each element of a uint64 array (numpy's uint64 arithmetic
+    wraps, as the hash's 64-bit arithmetic does)."""
     x = x + np.uint64(0x9E3779B97F4A7C15)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -93,16 +81,17 @@ def _splitmix64_array(x: np.ndarray) -> np.ndarray:
 def seeded_rows(
     params: list[SamplingParams], num_output_tokens: list[int], rows: list[int] | None = None
 ) -> tuple[tuple[int, int], ...]:
-    """(row, noise_seed) of each seeded random row (`rows`, where known already), the hashes
-    taken in one numpy pass: Python's big integers cost ~1 us a row, and this runs every
-    step."""
+    """(row, noise seed) of each seeded random row (`rows`, where known already). A row's
+    63-bit noise seed hashes its seed and its number of output tokens so far, so nothing
+    else about the batch matters: splitmix64(splitmix64(seed mod 2^64) ^ count) >> 1, all
+    rows in one numpy pass (Python's big integers cost ~1 us a row, every step)."""
     if rows is None:
         rows = [row for row, p in enumerate(params) if p.seed is not None and not p.is_greedy]
     if not rows:
         return ()
     seeds = np.array([params[row].seed & _MASK64 for row in rows], dtype=np.uint64)
     counts = np.array([num_output_tokens[row] for row in rows], dtype=np.uint64)
-    noise = _splitmix64_array(_splitmix64_array(seeds) ^ counts) >> np.uint64(1)
+    noise = _splitmix64(_splitmix64(seeds) ^ counts) >> np.uint64(1)
     return tuple(zip(rows, noise.tolist(), strict=True))
 
 

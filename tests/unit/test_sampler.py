@@ -18,7 +18,6 @@ from octavo.runner.sampler import (
     apply_filters,
     apply_penalties,
     apply_top_k_top_p,
-    noise_seed,
     seeded_rows,
 )
 from octavo.sampling_params import SamplingParams as SP
@@ -112,6 +111,19 @@ def test_apply_filters_keeps_exactly_the_reference_support_per_row():
             torch.testing.assert_close(filtered[row, kept], logits[row, kept] / t)
 
 
+def splitmix64(x: int) -> int:
+    mask = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
+def noise_seed(seed: int, num_output_tokens: int) -> int:
+    """The reference: a seeded row's noise seed as the sampler defined it before numpy."""
+    return splitmix64(splitmix64(seed & ((1 << 64) - 1)) ^ num_output_tokens) >> 1
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     seed=st.integers(0, 2**20),
@@ -191,9 +203,9 @@ def test_seeded_rows_sample_the_reference_distribution():
         max_size=20,
     )
 )
-def test_seeded_rows_hash_each_row_as_noise_seed_does(rows):
-    """The per-step seeds of seeded random rows, hashed in one numpy pass, equal the scalar
-    hash of each: the noise of a seed stays what it was."""
+def test_seeded_rows_hash_each_row_as_the_scalar_hash_does(rows):
+    """The per-step seeds of seeded random rows, hashed in one numpy pass, equal the hash
+    in Python's integers: the noise of a seed stays what it was."""
     params = [SP(seed=seed, temperature=0 if greedy else 1.0) for seed, greedy, _ in rows]
     counts = [count for _, _, count in rows]
     expected = tuple(
