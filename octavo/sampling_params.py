@@ -315,15 +315,10 @@ class SamplingParams:
     @property
     def samples_from_settings_alone(self) -> bool:
         """Whether the sampler's metadata for this request follows from its settings alone,
-        whatever tokens it has (a seed's noise aside, which the runner keys by the number of
-        outputs each step): no min_tokens (EOS is banned until then), bad words, penalties or
-        structured output."""
-        return (
-            self.min_tokens == 0
-            and not self.bad_words
-            and not self.has_penalties
-            and self.structured_outputs is None
-        )
+        whatever tokens it has: no min_tokens (EOS is banned until then), bad words or
+        penalties. A seed's noise, which the runner keys by the number of outputs, and a
+        structured output's mask, which follows its grammar, are made each step apart."""
+        return self.min_tokens == 0 and not self.bad_words and not self.has_penalties
 
     @property
     def has_penalties(self) -> bool:

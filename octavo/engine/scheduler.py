@@ -22,6 +22,7 @@ from functools import cached_property
 from octavo.config import SchedulerConfig
 from octavo.engine.kv_cache_manager import KVCacheManager
 from octavo.engine.request import Request, RequestStatus
+from octavo.engine.structured_output import accept_tokens
 from octavo.sampling_params import SamplingParams
 
 
@@ -264,6 +265,7 @@ class Scheduler:
         was sampled from its whole context); one finished or aborted meanwhile does not.
         """
         updated: list[Request] = []
+        constrained: list[tuple[Request, int]] = []  # (request, token) for its grammar
         for item in output.scheduled:
             request = item.request
             if item.sample:
@@ -278,20 +280,24 @@ class Scheduler:
                 member.append_output_token(token)
                 updated.append(member)
                 status = self.check_stop(member)
-                if status is None and member.grammar is not None:
-                    status = self._advance_grammar(member, token)
                 if status is not None:
                     self.finish_request(member.request_id, status)
+                elif member.grammar is not None:
+                    constrained.append((member, token))
+        if constrained:
+            self._advance_grammars(constrained)
         return updated
 
-    @staticmethod
-    def _advance_grammar(request: Request, token: int) -> RequestStatus | None:
-        """Feeds a structured output's grammar its new token: the request stops once the
+    def _advance_grammars(self, constrained: list[tuple[Request, int]]) -> None:
+        """Feeds structured outputs' grammars their new tokens: a request stops once its
         grammar is complete (only EOS could follow), and is aborted if the grammar refuses
         the token (the sampler's mask allowed only tokens it takes, so that is a bug)."""
-        if not request.grammar.accept(token):
-            return RequestStatus.FINISHED_ABORTED
-        return RequestStatus.FINISHED_STOPPED if request.grammar.is_complete else None
+        accepted = accept_tokens([r.grammar for r, _ in constrained], [t for _, t in constrained])
+        for (request, _), ok in zip(constrained, accepted, strict=True):
+            if not ok:
+                self.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+            elif request.grammar.is_complete:
+                self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _fork(self, parent: Request, tokens: list[int]) -> list[Request]:
         """Splits an n > 1 request into n sequences sharing the prompt's KV blocks; the

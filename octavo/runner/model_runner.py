@@ -26,6 +26,7 @@ from octavo.runner.cuda_graph import (
 from octavo.runner.gemm_tuning import tune_linears
 from octavo.runner.inputs import InputBuilder
 from octavo.runner.sampler import (
+    GrammarMasks,
     Sampler,
     SamplerOutput,
     SamplingMetadata,
@@ -154,6 +155,7 @@ class ModelRunner:
         self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
         # The last sampling metadata with the rows' params, while it can serve again.
         self._reusable_md: tuple[list[SamplingParams], SamplingMetadata] | None = None
+        self._grammar_masks = GrammarMasks(self.vocab_size, device)  # structured outputs' bans
 
     def allocate_kv_cache(
         self,
@@ -391,13 +393,14 @@ class ModelRunner:
     def _sampling_metadata(
         self, so: SchedulerOutput, rows: list[tuple[str, SamplingParams, int]], structured: bool
     ) -> SamplingMetadata:
-        """`structured`: some row has a structured output (its grammar's mask is built).
+        """`structured`: some row has a structured output (its grammar's mask is added).
 
         NOTE: the metadata of rows whose params all sample from their settings alone is
         reused for as long as the same params objects sample in the same rows (a steady
         decode batch). Their settings alone decide it, and the engine never changes a params
         object once it has taken the request, so the same objects give the same metadata;
-        only the seeded rows' noise seeds follow their number of outputs, and are renewed.
+        only the seeded rows' noise seeds follow their number of outputs, and are renewed,
+        and the grammars' masks follow their tokens, and are made each step.
         """
         params = [r[1] for r in rows]
         reusable = self._reusable_md
@@ -411,10 +414,14 @@ class ModelRunner:
                 counts = [r[2] for r in rows]
                 seeded = [row for row, _ in md.seeded_rows]
                 md = replace(md, seeded_rows=seeded_rows(params, counts, seeded))
-            return md
-        md = self._build_sampling_metadata(so, rows, params, structured)
-        reuse = all(p.samples_from_settings_alone for p in params)
-        self._reusable_md = (params, md) if reuse else None
+        else:
+            md = self._build_sampling_metadata(so, rows, params)
+            reuse = all(p.samples_from_settings_alone for p in params)
+            self._reusable_md = (params, md) if reuse else None
+        if structured:
+            requests = {s.request_id: s.request for s in so.scheduled}
+            grammars = [requests[r[0]].grammar for r in rows]
+            md = replace(md, grammar_bans=self._grammar_masks.bans(grammars))
         return md
 
     def _build_sampling_metadata(
@@ -422,14 +429,10 @@ class ModelRunner:
         so: SchedulerOutput,
         rows: list[tuple[str, SamplingParams, int]],
         params: list[SamplingParams],
-        structured: bool,
     ) -> SamplingMetadata:
-        grammars = requests = None
-        if structured:
-            requests = {s.request_id: s.request for s in so.scheduled}
-            grammars = [requests[r[0]].grammar for r in rows]
+        """The metadata of the rows' settings and tokens, grammars aside."""
         if any(p.needs_output_token_ids for p in params):
-            requests = requests or {s.request_id: s.request for s in so.scheduled}
+            requests = {s.request_id: s.request for s in so.scheduled}
             prompts = [requests[r[0]].prompt_token_ids for r in rows]
             outputs = [requests[r[0]].output_token_ids for r in rows]
         else:  # only penalties and bad words read the token ids
@@ -442,7 +445,6 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids,
             device=self.device,
             num_output_tokens=[r[2] for r in rows],
-            grammars=grammars,
         )
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

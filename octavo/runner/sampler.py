@@ -128,7 +128,8 @@ class SamplingMetadata:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) -> -inf
     # (rows with allowed_token_ids [R], [R, V] bool: the tokens outside them)
     disallowed: tuple[torch.Tensor, torch.Tensor] | None = None
-    # (rows with a structured output's grammar [R], [R, V] bool: the tokens it bans now)
+    # (rows with a structured output's grammar [R], [R, ceil(V / 32)] int32: the bitmask of
+    # the tokens it allows now, token t in bit t % 32 of word t // 32)
     grammar_bans: tuple[torch.Tensor, torch.Tensor] | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, bias
     penalties: PenaltyState | None = None
@@ -192,7 +193,7 @@ class SamplingMetadata:
         if shaped:
             md._build_logit_shaping(shaped, device)
         if grammars is not None and any(g is not None for g in grammars):
-            md._build_grammar_bans(grammars, device)
+            md.grammar_bans = GrammarMasks(vocab_size, device).bans(grammars)
         if any(p.has_penalties for p in params):
             md.penalties = _build_penalties(
                 params, prompt_token_ids, output_token_ids, vocab_size, device
@@ -217,15 +218,6 @@ class SamplingMetadata:
             values = upload(torch.cat([values for _, _, values in biased]), device)
             rows_index = _row_index([(row, ids) for row, ids, _ in biased], device)
             self.logit_bias = (rows_index, ids, values)
-
-    def _build_grammar_bans(self, grammars: list[Grammar | None], device) -> None:
-        """Each grammar's allowed next tokens as a bitmask (filled on the host by
-        llguidance), uploaded and unpacked into the tokens it bans."""
-        rows = [row for row, g in enumerate(grammars) if g is not None]
-        bitmask = torch.empty(len(rows), bitmask_width(self.vocab_size), dtype=torch.int32)
-        fill_bitmasks([grammars[row] for row in rows], bitmask)
-        outside = outside_of_bitmask(upload(bitmask, device), self.vocab_size)
-        self.grammar_bans = (to_device(rows, torch.int64, device), outside)
 
     def _build_random(
         self, params: list[SamplingParams], num_output_tokens: list[int], device
@@ -318,6 +310,58 @@ def _bans(
                 banned.setdefault(row, set()).add(word[-1])
     banned = {row: sorted(ids) for row, ids in banned.items() if ids}
     return _flat_index(banned, device) if banned else None
+
+
+class GrammarMasks:
+    """Structured outputs' bans for a step (`SamplingMetadata.grammar_bans`): llguidance
+    fills each grammar's bitmask into host memory kept from step to step (pinned, on CUDA),
+    and one copy takes them to the device. A runner keeps one, so that a step pins no new
+    memory and uploads no row index that has not changed."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._host: torch.Tensor | None = None  # [capacity, W] int32
+        self._copied: torch.cuda.Event | None = None  # after the last copy out of _host
+        self._rows: tuple[list[int], torch.Tensor | None] = ([], None)  # and on the device
+
+    def bans(self, grammars: list[Grammar | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the rows with a grammar [R], their bitmasks [R, W] on the device); grammars[i]
+        is row i's grammar or None, and has taken every earlier token."""
+        rows = [row for row, g in enumerate(grammars) if g is not None]
+        if rows != self._rows[0]:
+            self._rows = (rows, to_device(rows, torch.int64, self.device))
+        host = self._buffer(len(rows))
+        fill_bitmasks([grammars[row] for row in rows], host)
+        if self.device.type != "cuda":
+            return self._rows[1], host.clone()
+        bitmask = host.to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return self._rows[1], bitmask
+
+    def _buffer(self, num_rows: int) -> torch.Tensor:
+        """The first num_rows rows of the host buffer, once its last copy is done."""
+        if self._host is None or len(self._host) < num_rows:
+            width = bitmask_width(self.vocab_size)
+            pinned = self.device.type == "cuda"
+            self._host = torch.empty(num_rows, width, dtype=torch.int32, pin_memory=pinned)
+            self._copied = None
+        if self._copied is not None:
+            self._copied.synchronize()  # done already unless the caller skipped a step
+        return self._host[:num_rows]
+
+
+def ban_outside_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf in place for the tokens that bitmask[r] leaves out of logits[rows[r]]: one
+    Triton kernel on CUDA, the unpacked mask through torch elsewhere."""
+    if logits.is_cuda:
+        from octavo.kernels.token_bitmask import ban_outside_bitmask_
+
+        ban_outside_bitmask_(logits, rows, bitmask)
+        return
+    banned = outside_of_bitmask(bitmask, logits.shape[1])
+    logits.index_put_((rows,), logits[rows].masked_fill(banned, float("-inf")))
 
 
 def _ban_outside(
@@ -462,6 +506,7 @@ class Sampler:
         needs float32.
         """
         assert logits.shape == (md.num_rows, md.vocab_size), (logits.shape, md.num_rows)
+        given = logits
         if not (logits.is_cuda and md.is_plain):
             logits = logits.float()
         raw_logprobs = None
@@ -469,7 +514,11 @@ class Sampler:
             raw_logprobs = logits.log_softmax(-1)  # [B, V]
         grammar_only = None  # the grammar rows as their grammars alone leave them
         if md.grammar_bans is not None:
-            logits, grammar_only = _ban_outside(logits, md.grammar_bans)
+            if logits is given:  # float() made no copy: leave the caller's logits alone
+                logits = logits.clone()
+            ban_outside_bitmask(logits, *md.grammar_bans)
+            if any(x is not None for x in (md.disallowed, md.logit_bias, md.banned, md.penalties)):
+                grammar_only = logits[md.grammar_bans[0]]
         if md.disallowed is not None:
             logits, _ = _ban_outside(logits, md.disallowed)
         if md.logit_bias is not None:

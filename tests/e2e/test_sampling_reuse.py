@@ -1,12 +1,13 @@
 """The model runner reuses a steady decode batch's sampling metadata from step to step
 (ModelRunner._sampling_metadata): the tokens are the same as when every step builds its own,
-while rows finish, newcomers take their places, and the others move up."""
+while rows finish, newcomers take their places, and the others move up. Structured outputs
+reuse it too; only their grammars' masks are made each step."""
 
 from __future__ import annotations
 
 import pytest
 
-from octavo import SamplingParams
+from octavo import SamplingParams, StructuredOutputsParams
 from octavo.runner.sampler import Sampler, SamplingMetadata
 
 
@@ -25,8 +26,16 @@ FIRST = [
     params(1.0, 30, top_p=0.7),  # then a steady batch
     params(2.0, 7, min_p=0.05),
     params(1.4, 24, seed=7),  # its noise follows its number of outputs: renewed each step
+    params(
+        1.2, 12, structured_outputs=StructuredOutputsParams(regex="[a-z ]+")
+    ),  # a mask each step
 ]
-LATER = [params(1.3, 8), params(0, 6), params(1.1, 5, seed=3)]
+LATER = [
+    params(1.3, 8),
+    params(0, 6),
+    params(1.1, 5, seed=3),
+    params(0, 10, structured_outputs=StructuredOutputsParams(regex="[0-9]+")),
+]
 
 
 def run(llm, prompt_ids, monkeypatch, reuse: bool, first=FIRST, later=LATER) -> tuple[list, int]:

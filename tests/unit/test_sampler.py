@@ -358,8 +358,10 @@ def test_grammar_bans_keep_each_row_to_its_grammars_tokens(monkeypatch):
     grammars = [FixedGrammar({31, 32, 69}), None, FixedGrammar({2})]
     params = [SP(temperature=0), SP(temperature=0), SP(temperature=0)]
     md = SamplingMetadata.build(params, [[]] * 3, [[]] * 3, vocab, [], CPU, grammars=grammars)
+    given = logits.clone()
     greedy = Sampler()(logits, md).sampled_token_ids.tolist()
     assert greedy[0] == max((31, 32, 69), key=lambda t: logits[0, t]) and greedy[1:] == [5, 2]
+    assert torch.equal(logits, given)  # the bans go on a copy (these are float32 already)
     n = 400
     md = SamplingMetadata.build([SP(temperature=5.0)] * n, [[]] * n, [[]] * n, vocab, [], CPU,
                                 grammars=[grammars[0]] * n)  # fmt: skip

@@ -162,7 +162,7 @@ def test_has_penalties_only_when_a_penalty_changes_logits(kwargs, expected):
         ({"min_tokens": 2}, False),
         ({"bad_words": ["no"]}, False),
         ({"frequency_penalty": 0.5}, False),
-        ({"structured_outputs": StructuredOutputsParams(regex="a+")}, False),
+        ({"structured_outputs": StructuredOutputsParams(regex="a+")}, True),  # mask each step
     ],
 )
 def test_sampling_follows_from_the_settings_alone_unless_it_reads_the_tokens_so_far(

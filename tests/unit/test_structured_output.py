@@ -1,5 +1,6 @@
 """The structured-output grammars (llguidance) on a small BPE tokenizer trained here: masks
-filled in parallel equal masks filled one by one, a fork goes its own way, and what does not
+filled in parallel equal masks filled one by one, and so do tokens taken in parallel; a fork
+goes its own way; the runner's mask buffer gives each step its own masks; and what does not
 compile is a ValueError at once."""
 
 from __future__ import annotations
@@ -7,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from octavo.engine.structured_output import GrammarCompiler, bitmask_width, fill_bitmasks
+from octavo.engine.structured_output import (
+    PARALLEL_ACCEPT_MIN,
+    GrammarCompiler,
+    accept_tokens,
+    bitmask_width,
+    fill_bitmasks,
+)
+from octavo.runner.sampler import GrammarMasks
 from octavo.sampling_params import StructuredOutputsParams as Spec
 
 pytest.importorskip("llguidance")
@@ -60,6 +68,50 @@ def test_parallel_masks_equal_single_ones_and_forks_go_their_own_way(compiler):
     assert choice.is_complete
     assert not fork.accept(tok.convert_tokens_to_ids("a"))  # refused, and logged
     assert fork.error is not None
+
+
+def test_tokens_taken_in_parallel_move_each_grammar_as_one_by_one(compiler):
+    """accept_tokens (llguidance's threads) against Grammar.accept on copies: the same
+    answers, refusals included, and the same masks after."""
+    tok = compiler.tokenizer
+    specs = [Spec(json={"type": "object"}), Spec(choice=["yes", "no"]), Spec(regex="[0-9]+")]
+    texts = ['{"a": 1}', "yes", "42", '{"b"', "no", "x1", "{}", "xno", "a7"]  # x, x, a: refused
+    texts *= PARALLEL_ACCEPT_MIN // len(texts) + 1  # enough grammars for the threads
+    tokens = [tok.encode(text, add_special_tokens=False) for text in texts]
+    grammars = [compiler.compile(specs[i % 3]) for i in range(len(texts))]
+    serial = [g.fork() for g in grammars]
+    refused = 0
+    for step in range(max(map(len, tokens))):
+        live = [i for i, ids in enumerate(tokens) if step < len(ids) and grammars[i].error is None]
+        got = accept_tokens([grammars[i] for i in live], [tokens[i][step] for i in live])
+        assert got == [serial[i].accept(tokens[i][step]) for i in live]
+        refused += got.count(False)
+        for i in live:
+            if grammars[i].error is None:
+                assert torch.equal(one_mask(compiler, grammars[i]), one_mask(compiler, serial[i]))
+    assert refused == 3 * len(texts) // 9
+
+
+def test_the_mask_buffer_gives_each_step_the_masks_of_its_rows(compiler):
+    """GrammarMasks keeps its host buffer (and row index) from step to step: each step's
+    bitmasks are those of that step's grammars, in its rows, and stay so after later steps."""
+    brace = compiler.tokenizer.encode("{", add_special_tokens=False)[0]
+    buffer = GrammarMasks(compiler.vocab_size, torch.device("cpu"))
+    json_g = compiler.compile(Spec(json={"type": "object"}))
+    digits = compiler.compile(Spec(regex="[0-9]+"))
+    steps = [[json_g, None, digits], [None, digits, None, json_g], [json_g]]
+    kept = []
+    for grammars in steps:
+        rows, bitmask = buffer.bans(grammars)
+        expected = masks(compiler, [g for g in grammars if g is not None])
+        assert rows.tolist() == [i for i, g in enumerate(grammars) if g is not None]
+        assert torch.equal(bitmask, expected)
+        kept.append((bitmask, expected))
+        if json_g.is_complete is False and len(kept) == 1:
+            assert json_g.accept(brace)  # the next step's mask differs
+    assert not torch.equal(kept[0][0][0], kept[2][0][0])
+    for bitmask, expected in kept:
+        assert torch.equal(bitmask, expected)
 
 
 @pytest.mark.parametrize(
