@@ -1,4 +1,10 @@
-"""What LLM.generate returns: vLLM's RequestOutput and CompletionOutput."""
+"""What LLM.generate returns: vLLM's RequestOutput and CompletionOutput.
+
+Each pickles as its constructor's positional arguments (`__reduce__`) rather than as a dict
+of its fields: `octavo serve`'s engine process sends every step's outputs through a pipe,
+and at 256 streams that halves pickling and unpickling (docs/PERFORMANCE.md, session 23).
+A new field must be added to `__reduce__` too (tests/unit/test_outputs.py checks).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,9 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+    def __reduce__(self):
+        return Logprob, (self.logprob, self.rank, self.decoded_token)
 
 
 # One dict per generated token: the sampled token and the top-k alternatives.
@@ -39,6 +48,12 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def __reduce__(self):
+        return CompletionOutput, (
+            self.index, self.text, self.token_ids, self.cumulative_logprob, self.logprobs,
+            self.finish_reason, self.stop_reason,
+        )  # fmt: skip
+
 
 @dataclass
 class RequestOutput:
@@ -52,6 +67,12 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # With SamplingParams.prompt_logprobs; a DELTA request gets them in its first output.
     prompt_logprobs: PromptLogprobs | None = None
+
+    def __reduce__(self):
+        return RequestOutput, (
+            self.request_id, self.prompt, self.prompt_token_ids, self.outputs, self.finished,
+            self.num_cached_tokens, self.prompt_logprobs,
+        )  # fmt: skip
 
     def add(self, later: RequestOutput) -> RequestOutput:
         """Folds a later delta output (RequestOutputKind.DELTA) of the same request into this
