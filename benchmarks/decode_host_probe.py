@@ -16,7 +16,9 @@ is longer is bound by the host.
 `--structured integer|string` gives every request a JSON schema (an array of at least 500
 such items, so that nothing ends early; inside a string nearly every token is allowed, the
 costlier mask). `--breakdown` also prints the host ms a step spent in each of a few engine
-functions (those this tree has), from the last run of each mode.
+functions (those this tree has), from the last run of each mode. The functions nest: a
+structured step samples after the engine feeds its grammars, outside
+`ModelRunner.execute_async`; a plain step samples inside it.
 
 To compare two source trees, run it once with each on PYTHONPATH: it uses only the public
 `LLM` and `Engine` API.
@@ -85,7 +87,8 @@ class Timers:
         return self
 
     def _wrap(self, path: str, raw):
-        func = raw.__func__ if isinstance(raw, classmethod) else raw
+        kind = type(raw) if isinstance(raw, (classmethod, staticmethod)) else None
+        func = raw.__func__ if kind is not None else raw
         seconds = self.seconds
 
         def timed(*args, **kwargs):
@@ -95,7 +98,7 @@ class Timers:
             finally:
                 seconds[path] += time.perf_counter() - start
 
-        return classmethod(timed) if isinstance(raw, classmethod) else timed
+        return kind(timed) if kind is not None else timed
 
     def __exit__(self, *exc) -> None:
         for owner, attr, raw in reversed(self._undo):

@@ -22,7 +22,7 @@ class Logprob:
     decoded_token: str | None = None
 
     def __reduce__(self):
-        return Logprob, (self.logprob, self.rank, self.decoded_token)
+        return type(self), (self.logprob, self.rank, self.decoded_token)
 
 
 # One dict per generated token: the sampled token and the top-k alternatives.
@@ -49,7 +49,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
     def __reduce__(self):
-        return CompletionOutput, (
+        return type(self), (
             self.index, self.text, self.token_ids, self.cumulative_logprob, self.logprobs,
             self.finish_reason, self.stop_reason,
         )  # fmt: skip
@@ -69,7 +69,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
 
     def __reduce__(self):
-        return RequestOutput, (
+        return type(self), (
             self.request_id, self.prompt, self.prompt_token_ids, self.outputs, self.finished,
             self.num_cached_tokens, self.prompt_logprobs,
         )  # fmt: skip

@@ -134,7 +134,8 @@ def fill_bitmasks(grammars: list[Grammar], bitmask: torch.Tensor) -> None:
 
 # From this many grammars on, accept_tokens hands them to llguidance's threads. On the H200's
 # host one grammar takes 2.5-5.5 us on this thread, and the threads ~0.15 ms plus 1.4 us
-# each: a tie at 64 (docs/PERFORMANCE.md, session 23).
+# each: a tie at 64 rows, half the time at 256 (docs/PERFORMANCE.md, session 23). 96 sits
+# between the two, where either way costs about the same.
 PARALLEL_ACCEPT_MIN = 96
 
 

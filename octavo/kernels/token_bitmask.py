@@ -49,6 +49,8 @@ def ban_outside_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torc
         raise ValueError("ban_outside_bitmask_ needs contiguous logits rows and bitmask")
     if bitmask.shape != (num_rows, triton.cdiv(vocab, 32)) or bitmask.dtype != torch.int32:
         raise ValueError("the bitmask needs one int32 row of ceil(V / 32) words per row")
+    if rows.dtype != torch.int64:  # row * stride_row would overflow int32 past 2**31 entries
+        raise ValueError("ban_outside_bitmask_ needs int64 rows")
     if num_rows:
         _ban_outside_bitmask_kernel[(num_rows, triton.cdiv(vocab, BLOCK))](
             logits, rows, bitmask, vocab, logits.stride(0), bitmask.shape[1], BLOCK=BLOCK,

@@ -343,9 +343,10 @@ class GrammarMasks:
     def _buffer(self, num_rows: int) -> torch.Tensor:
         """The first num_rows rows of the host buffer, once its last copy is done."""
         if self._host is None or len(self._host) < num_rows:
+            capacity = 1 << (num_rows - 1).bit_length()  # a batch that grows pins log2(B) times
             width = bitmask_width(self.vocab_size)
             pinned = self.device.type == "cuda"
-            self._host = torch.empty(num_rows, width, dtype=torch.int32, pin_memory=pinned)
+            self._host = torch.empty(capacity, width, dtype=torch.int32, pin_memory=pinned)
             self._copied = None
         if self._copied is not None:
             self._copied.synchronize()  # done already unless the caller skipped a step
@@ -515,7 +516,7 @@ class Sampler:
         grammar_only = None  # the grammar rows as their grammars alone leave them
         if md.grammar_bans is not None:
             if logits is given:  # float() made no copy: leave the caller's logits alone
-                logits = logits.clone()
+                logits = logits.clone(memory_format=torch.contiguous_format)
             ban_outside_bitmask(logits, *md.grammar_bans)
             if any(x is not None for x in (md.disallowed, md.logit_bias, md.banned, md.penalties)):
                 grammar_only = logits[md.grammar_bans[0]]

@@ -15,6 +15,12 @@ def params(temperature: float, max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
+# Grammars whose masks change from token to token, so that a stale mask samples otherwise.
+LETTERS, DIGITS = (
+    StructuredOutputsParams(regex="(x[a-z])+"),
+    StructuredOutputsParams(regex="(a[0-9])+"),
+)
+
 # Greedy and random rows with filters and log-probs that finish at different steps. Each
 # finish lets the next of LATER in at once, so the batch keeps its size while its rows change:
 # a row that inherited another row's metadata would sample at the wrong temperature.
@@ -26,15 +32,13 @@ FIRST = [
     params(1.0, 30, top_p=0.7),  # then a steady batch
     params(2.0, 7, min_p=0.05),
     params(1.4, 24, seed=7),  # its noise follows its number of outputs: renewed each step
-    params(
-        1.2, 12, structured_outputs=StructuredOutputsParams(regex="[a-z ]+")
-    ),  # a mask each step
+    params(1.2, 12, structured_outputs=LETTERS),  # its mask follows its tokens: made each step
 ]
 LATER = [
     params(1.3, 8),
     params(0, 6),
     params(1.1, 5, seed=3),
-    params(0, 10, structured_outputs=StructuredOutputsParams(regex="[0-9]+")),
+    params(0, 10, structured_outputs=DIGITS),
 ]
 
 

@@ -44,6 +44,12 @@ def test_bans_match_the_torch_reference(vocab, dtype, seed):
     got = logits.to(DEVICE)
     ban_outside_bitmask_(got, rows.to(DEVICE), bitmask.to(DEVICE))
     assert torch.equal(got.cpu(), expected)
+    # Rows of a wider tensor (row stride > V): the columns past V stay as they were.
+    extra = torch.randn(batch, 40, generator=gen).to(dtype)
+    wide = torch.cat([logits, extra], 1).to(DEVICE)
+    ban_outside_bitmask_(wide[:, :vocab], rows.to(DEVICE), bitmask.to(DEVICE))
+    assert torch.equal(wide[:, :vocab].cpu(), expected)
+    assert torch.equal(wide[:, vocab:].cpu(), extra)
 
 
 def test_a_bad_bitmask_is_refused():
@@ -53,3 +59,7 @@ def test_a_bad_bitmask_is_refused():
         ban_outside_bitmask_(logits, rows, torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="one int32 row"):
         ban_outside_bitmask_(logits, rows, torch.zeros(2, 2, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="int64 rows"):
+        ban_outside_bitmask_(
+            logits, rows.int(), torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+        )

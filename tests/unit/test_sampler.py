@@ -375,6 +375,11 @@ def test_grammar_bans_keep_each_row_to_its_grammars_tokens(monkeypatch):
     md = SamplingMetadata.build(clash, [[]] * 2, [[]] * 2, vocab, [], CPU,
                                 grammars=[grammars[0], grammars[2]])  # fmt: skip
     assert Sampler()(logits[:2], md).sampled_token_ids.tolist() == [greedy[0], 2]
+    for p in [SP(temperature=0, min_tokens=3, stop_token_ids=[2]),  # banned until 3 tokens
+              SP(temperature=0, bad_words=["x"])]:  # fmt: skip
+        p.encode_bad_words({"x": [2], " x": [2]}.__getitem__, vocab)
+        md = SamplingMetadata.build([p], [[]], [[]], vocab, [], CPU, grammars=[grammars[2]])
+        assert Sampler()(logits[:1], md).sampled_token_ids.tolist() == [2], p
 
 
 def test_logit_bias_and_allowed_token_ids_shape_the_logits_per_row():

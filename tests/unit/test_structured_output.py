@@ -8,6 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from octavo.config import SchedulerConfig
+from octavo.engine.kv_cache_manager import KVCacheManager
+from octavo.engine.request import Request, RequestStatus
+from octavo.engine.scheduler import Scheduler
 from octavo.engine.structured_output import (
     PARALLEL_ACCEPT_MIN,
     GrammarCompiler,
@@ -16,6 +20,7 @@ from octavo.engine.structured_output import (
     fill_bitmasks,
 )
 from octavo.runner.sampler import GrammarMasks
+from octavo.sampling_params import SamplingParams
 from octavo.sampling_params import StructuredOutputsParams as Spec
 
 pytest.importorskip("llguidance")
@@ -125,3 +130,31 @@ def test_the_mask_buffer_gives_each_step_the_masks_of_its_rows(compiler):
 def test_what_does_not_compile_is_a_value_error_at_once(compiler, spec, match):
     with pytest.raises(ValueError, match=f"(?s)^structured_outputs does not compile: .*{match}"):
         compiler.compile(spec)
+
+
+@pytest.mark.parametrize("num_requests", [3, PARALLEL_ACCEPT_MIN + 4], ids=["serial", "threads"])
+def test_a_refused_token_aborts_its_request_alone_and_frees_its_blocks(compiler, num_requests):
+    """The scheduler feeds every grammar its token (on llguidance's threads for a large
+    batch): a refused token aborts that request and frees its blocks, a completed grammar
+    stops its request, and the others run on."""
+    tok = compiler.tokenizer
+    kv = KVCacheManager(4 * num_requests, 4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(num_requests, 16 * num_requests, 64), kv, [0])
+    requests = []
+    for i in range(num_requests):
+        request = Request(f"r{i}", [10, 11, 12, 13, 14], SamplingParams(max_tokens=20))
+        request.grammar = compiler.compile(Spec(choice=["yes", "no"]) if i else Spec(regex="[0-9]"))
+        scheduler.add_request(request)
+        requests.append(request)
+    out = scheduler.schedule()
+    first = {text: tok.encode(text, add_special_tokens=False)[0] for text in ("y", "4", "x")}
+    tokens = {s.request_id: [first["y"]] for s in out.scheduled}
+    tokens["r0"] = [first["4"]]  # completes [0-9]
+    tokens["r1"] = [first["x"]]  # refused
+    free = kv.num_free_blocks
+    scheduler.update(out, tokens)
+    status = [r.status for r in requests]
+    assert status[:2] == [RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED]
+    assert set(status[2:]) == {RequestStatus.RUNNING}
+    assert kv.num_free_blocks == free + 2 * 2  # each: 6 tokens in blocks of 4
+    assert [r.request_id for r in scheduler.running] == [f"r{i}" for i in range(2, num_requests)]
