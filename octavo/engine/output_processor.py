@@ -162,15 +162,11 @@ class OutputProcessor:
         prompt_logprobs = None
         if group_id in self._prompt_logprobs:
             prompt_logprobs = self._group_prompt_logprobs(group_id, kind)
+        # NOTE: positional (in the fields' order): keywords cost ~0.4 us more a call.
         output = RequestOutput(
-            request_id=group_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=prompt_logprobs,
-        )
+            group_id, first.prompt, first.prompt_token_ids, completions, finished,
+            first.num_cached_tokens, prompt_logprobs,
+        )  # fmt: skip
         if finished:
             for m in members:
                 self._states.pop(m.request_id, None)
@@ -205,15 +201,11 @@ class OutputProcessor:
         if start == end and not text and (state.finish_sent or not finished):
             return None
         state.num_tokens_sent, state.finish_sent = end, finished
-        return CompletionOutput(
-            index=request.index,
-            text=text,
-            token_ids=request.output_token_ids[start:end],
-            cumulative_logprob=state.cumulative_logprob,
-            logprobs=None if state.logprobs is None else state.logprobs[start:end],
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-        )
+        logprobs = None if state.logprobs is None else state.logprobs[start:end]
+        return CompletionOutput(  # positional, as in make_output
+            request.index, text, request.output_token_ids[start:end], state.cumulative_logprob,
+            logprobs, request.status.finish_reason, request.stop_reason,
+        )  # fmt: skip
 
 
 def _no_text(token_id: int) -> None:
