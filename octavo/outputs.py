@@ -2,7 +2,8 @@
 
 Each pickles as its constructor's positional arguments (`__reduce__`) rather than as a dict
 of its fields: `octavo serve`'s engine process sends every step's outputs through a pipe,
-and at 256 streams that halves pickling and unpickling (docs/PERFORMANCE.md, session 23).
+and at 256 streams that takes a quarter to a third off pickling and about half off
+unpickling (docs/PERFORMANCE.md, session 23).
 A new field must be added to `__reduce__` too (tests/unit/test_outputs.py checks).
 """
 
