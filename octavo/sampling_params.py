@@ -312,13 +312,15 @@ class SamplingParams:
         keep = self.truncate_prompt_tokens
         return max_model_len if keep == -1 else keep
 
-    @property
-    def samples_from_settings_alone(self) -> bool:
-        """Whether the sampler's metadata for this request follows from its settings alone,
-        whatever tokens it has: no min_tokens (EOS is banned until then), bad words or
-        penalties. A seed's noise, which the runner keys by the number of outputs, and a
-        structured output's mask, which follows its grammar, are made each step apart."""
-        return self.min_tokens == 0 and not self.bad_words and not self.has_penalties
+    def samples_from_settings_alone(self, num_output_tokens: int) -> bool:
+        """Whether the sampler's metadata for this request follows from its settings alone
+        from now on, whatever tokens come, given `num_output_tokens` earlier outputs: no bad
+        words or penalties, and min_tokens reached (EOS is banned until then). A seed's
+        noise, which the runner keys by the number of outputs, and a structured output's
+        mask, which follows its grammar, are made each step apart."""
+        return (
+            num_output_tokens >= self.min_tokens and not self.bad_words and not self.has_penalties
+        )
 
     @property
     def has_penalties(self) -> bool:

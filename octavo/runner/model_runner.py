@@ -416,7 +416,7 @@ class ModelRunner:
                 md = replace(md, seeded_rows=seeded_rows(params, counts, seeded))
         else:
             md = self._build_sampling_metadata(so, rows, params)
-            reuse = all(p.samples_from_settings_alone for p in params)
+            reuse = all(r[1].samples_from_settings_alone(r[2]) for r in rows)
             self._reusable_md = (params, md) if reuse else None
         if structured:
             requests = {s.request_id: s.request for s in so.scheduled}

@@ -5,8 +5,6 @@ reuse it too; only their grammars' masks are made each step."""
 
 from __future__ import annotations
 
-import pytest
-
 from octavo import SamplingParams, StructuredOutputsParams
 from octavo.runner.sampler import Sampler, SamplingMetadata
 
@@ -62,7 +60,7 @@ def run(llm, prompt_ids, monkeypatch, reuse: bool, first=FIRST, later=LATER) -> 
     with monkeypatch.context() as patch:
         patch.setattr(SamplingMetadata, "build", classmethod(counted))
         if not reuse:
-            patch.setattr(SamplingParams, "samples_from_settings_alone", False)
+            patch.setattr(SamplingParams, "samples_from_settings_alone", lambda p, n: False)
         # The same random stream, and prompts computed in full, for each run.
         patch.setattr(engine.runner, "sampler", Sampler(seed=0))
         engine.kv.reset_prefix_cache()
@@ -89,15 +87,22 @@ def test_reused_sampling_metadata_samples_as_metadata_built_each_step(
     assert builds <= builds_each_step // 2
 
 
-@pytest.mark.parametrize(
-    "p",
-    [
-        SamplingParams(temperature=0, max_tokens=6, min_tokens=4),  # EOS banned at first
-        params(0.9, 6, repetition_penalty=1.2),
-    ],
-    ids=["min_tokens", "penalties"],
-)
-def test_rows_that_read_their_tokens_build_metadata_each_step(llm, chat_prompt_ids, monkeypatch, p):
+def test_rows_that_read_their_tokens_build_metadata_each_step(llm, chat_prompt_ids, monkeypatch):
+    p = params(0.9, 6, repetition_penalty=1.2)
     tokens, builds = run(llm, chat_prompt_ids, monkeypatch, reuse=True, first=[p, p], later=[])
-    assert all(4 <= len(t) <= 6 for t in tokens)
-    assert builds >= max(len(t) for t in tokens)
+    assert [len(t) for t in tokens] == [6, 6]
+    assert builds >= 6
+
+
+def test_min_tokens_rows_reuse_their_metadata_once_past_it(llm, chat_prompt_ids, monkeypatch):
+    """A stop id is banned until min_tokens: the metadata is built each step until then, and
+    reused after, sampling as metadata built each step does."""
+    first = [
+        params(0.8, 16, min_tokens=5, stop_token_ids=[12345]),
+        params(0, 16, min_tokens=3, stop_token_ids=[12345]),
+    ]
+    ref, builds_each_step = run(llm, chat_prompt_ids, monkeypatch, False, first=first, later=[])
+    tokens, builds = run(llm, chat_prompt_ids, monkeypatch, reuse=True, first=first, later=[])
+    assert tokens == ref and [len(t) for t in tokens] == [16, 16]
+    assert builds_each_step == 16
+    assert builds == 6  # before the 1st to the 6th token: then 5 outputs, min_tokens reached

@@ -159,7 +159,8 @@ def test_has_penalties_only_when_a_penalty_changes_logits(kwargs, expected):
         ({"temperature": 0.7, "top_k": 5, "top_p": 0.9, "min_p": 0.1, "logprobs": 3}, True),
         ({"logit_bias": {1: 2.0}, "allowed_token_ids": [1, 2], "stop": ["x"]}, True),
         ({"seed": 1}, True),  # the runner renews its noise seed each step
-        ({"min_tokens": 2}, False),
+        ({"min_tokens": 4}, False),  # EOS is banned for 1 more token
+        ({"min_tokens": 3}, True),  # from here on EOS is allowed
         ({"bad_words": ["no"]}, False),
         ({"frequency_penalty": 0.5}, False),
         ({"structured_outputs": StructuredOutputsParams(regex="a+")}, True),  # mask each step
@@ -168,8 +169,9 @@ def test_has_penalties_only_when_a_penalty_changes_logits(kwargs, expected):
 def test_sampling_follows_from_the_settings_alone_unless_it_reads_the_tokens_so_far(
     kwargs, expected
 ):
-    """The runner reuses such rows' sampling metadata from step to step."""
-    assert SamplingParams(**kwargs).samples_from_settings_alone is expected
+    """The runner reuses such rows' sampling metadata from step to step (here with three
+    earlier outputs)."""
+    assert SamplingParams(**kwargs).samples_from_settings_alone(3) is expected
 
 
 def test_clone_is_deep_and_equal():
