@@ -311,6 +311,8 @@ class Scheduler:
             child.index = index
             group.append(child)
         parent.sampling_params = params.for_sample(0)
+        self._host_token_readers.discard(parent)  # n = 1 now: it stays if it reads its tokens
+        self._note_host_token_reader(parent)
         return group
 
     def fork_request(

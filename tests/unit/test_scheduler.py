@@ -261,6 +261,21 @@ def test_needs_pending_tokens_for_forks_and_penalties():
     assert not s3.needs_pending_tokens()
 
 
+@pytest.mark.parametrize(("penalty", "readers"), [(0.0, set()), (1.0, {"a", "a#1"})])
+def test_forked_samples_are_asked_for_pending_tokens_only_if_they_read_them(penalty, readers):
+    """After the fork every sample has n = 1: only penalties keep them (parent included)
+    among the requests whose pending tokens the scheduler must wait for."""
+    s = make()
+    params = SamplingParams(n=2, temperature=1.0, presence_penalty=penalty, max_tokens=9)
+    s.add_request(Request("a", list(range(6)), params))
+    out = s.schedule()
+    s.update(out, {"a": [7, 8]})
+    assert {r.request_id for r in s._host_token_readers} == readers
+    assert s.needs_pending_tokens() is False  # nothing in flight after the update
+    s.schedule()
+    assert s.needs_pending_tokens() is bool(readers)
+
+
 @pytest.mark.parametrize(
     ("words", "needs"),
     [({"cat": [1], " cat": [2]}, False), ({"big dog": [3, 4], " big dog": [5, 4]}, True)],
