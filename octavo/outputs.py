@@ -4,7 +4,8 @@ Each pickles as its constructor's positional arguments (`__reduce__`) rather tha
 of its fields: `octavo serve`'s engine process sends every step's outputs through a pipe,
 and at 256 streams that takes a quarter to a third off pickling and about half off
 unpickling (docs/PERFORMANCE.md, session 23).
-A new field must be added to `__reduce__` too (tests/unit/test_outputs.py checks).
+A new field must be added to `__reduce__` too, and to the positional calls in
+engine/output_processor.py (tests/unit/test_outputs.py checks both).
 """
 
 from __future__ import annotations

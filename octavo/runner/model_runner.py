@@ -400,7 +400,9 @@ class ModelRunner:
         decode batch). Their settings alone decide it, and the engine never changes a params
         object once it has taken the request, so the same objects give the same metadata;
         only the seeded rows' noise seeds follow their number of outputs, and are renewed,
-        and the grammars' masks follow their tokens, and are made each step.
+        and the grammars' masks follow their tokens, and are made each step. A min_tokens
+        row qualifies once it has reached min_tokens: a row's count of outputs never goes
+        down while its params object is the same.
         """
         params = [r[1] for r in rows]
         reusable = self._reusable_md

@@ -40,8 +40,24 @@ LATER = [
 ]
 
 
-def run(llm, prompt_ids, monkeypatch, reuse: bool, first=FIRST, later=LATER) -> tuple[list, int]:
-    """Each request's token ids, and how many times the run built sampling metadata."""
+class BanRecorder(Sampler):
+    """A sampler that notes each call's (row, token id) bans (min_tokens, bad words)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.bans: list[list[tuple[int, int]]] = []
+
+    def __call__(self, logits, md):
+        banned = [] if md.banned is None else list(zip(*(t.tolist() for t in md.banned)))
+        self.bans.append(sorted(banned))
+        return super().__call__(logits, md)
+
+
+def run(
+    llm, prompt_ids, monkeypatch, reuse: bool, first=FIRST, later=LATER
+) -> tuple[list, int, list]:
+    """Each request's token ids, how many times the run built sampling metadata, and the
+    bans of each sampling call."""
     builds = []
     real_build = SamplingMetadata.build.__func__
 
@@ -62,7 +78,8 @@ def run(llm, prompt_ids, monkeypatch, reuse: bool, first=FIRST, later=LATER) -> 
         if not reuse:
             patch.setattr(SamplingParams, "samples_from_settings_alone", lambda p, n: False)
         # The same random stream, and prompts computed in full, for each run.
-        patch.setattr(engine.runner, "sampler", Sampler(seed=0))
+        sampler = BanRecorder(seed=0)
+        patch.setattr(engine.runner, "sampler", sampler)
         engine.kv.reset_prefix_cache()
         for _ in first:
             admit()
@@ -72,14 +89,14 @@ def run(llm, prompt_ids, monkeypatch, reuse: bool, first=FIRST, later=LATER) -> 
                     tokens[out.request_id] = out.outputs[0].token_ids
                     if queue:
                         admit()
-    return [tokens[f"reuse-{i}"] for i in range(len(first + later))], len(builds)
+    return [tokens[f"reuse-{i}"] for i in range(len(first + later))], len(builds), sampler.bans
 
 
 def test_reused_sampling_metadata_samples_as_metadata_built_each_step(
     llm, chat_prompt_ids, monkeypatch
 ):
-    ref, builds_each_step = run(llm, chat_prompt_ids, monkeypatch, reuse=False)
-    tokens, builds = run(llm, chat_prompt_ids, monkeypatch, reuse=True)
+    ref, builds_each_step, _ = run(llm, chat_prompt_ids, monkeypatch, reuse=False)
+    tokens, builds, _ = run(llm, chat_prompt_ids, monkeypatch, reuse=True)
     assert tokens == ref
     assert [len(t) for t in tokens] == [p.max_tokens for p in FIRST + LATER]
     # a build for each step in which the batch changed, not for every step
@@ -89,7 +106,7 @@ def test_reused_sampling_metadata_samples_as_metadata_built_each_step(
 
 def test_rows_that_read_their_tokens_build_metadata_each_step(llm, chat_prompt_ids, monkeypatch):
     p = params(0.9, 6, repetition_penalty=1.2)
-    tokens, builds = run(llm, chat_prompt_ids, monkeypatch, reuse=True, first=[p, p], later=[])
+    tokens, builds, _ = run(llm, chat_prompt_ids, monkeypatch, True, first=[p, p], later=[])
     assert [len(t) for t in tokens] == [6, 6]
     assert builds >= 6
 
@@ -101,8 +118,11 @@ def test_min_tokens_rows_reuse_their_metadata_once_past_it(llm, chat_prompt_ids,
         params(0.8, 16, min_tokens=5, stop_token_ids=[12345]),
         params(0, 16, min_tokens=3, stop_token_ids=[12345]),
     ]
-    ref, builds_each_step = run(llm, chat_prompt_ids, monkeypatch, False, first=first, later=[])
-    tokens, builds = run(llm, chat_prompt_ids, monkeypatch, reuse=True, first=first, later=[])
+    ref, builds_each_step, ref_bans = run(llm, chat_prompt_ids, monkeypatch, False, first, [])
+    tokens, builds, bans = run(llm, chat_prompt_ids, monkeypatch, True, first, [])
     assert tokens == ref and [len(t) for t in tokens] == [16, 16]
+    # The stop id is never sampled, so compare the bans themselves: row 0 for its first 5
+    # tokens, row 1 for its first 3, then none.
+    assert bans == ref_bans == [[(0, 12345), (1, 12345)]] * 3 + [[(0, 12345)]] * 2 + [[]] * 11
     assert builds_each_step == 16
     assert builds == 6  # before the 1st to the 6th token: then 5 outputs, min_tokens reached

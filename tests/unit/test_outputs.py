@@ -35,3 +35,16 @@ def test_pickle_and_copies_keep_every_field(cls):
     assert copy.deepcopy(original) == original
     shallow = copy.copy(original)
     assert shallow == original and shallow is not original
+
+
+def test_the_field_order_that_positional_calls_rely_on():
+    """OutputProcessor.make_output and _delta build these positionally (and __reduce__
+    lists them in order): a field added or moved must be added or moved there too."""
+    assert [f.name for f in dataclasses.fields(RequestOutput)] == [
+        "request_id", "prompt", "prompt_token_ids", "outputs", "finished", "num_cached_tokens",
+        "prompt_logprobs",
+    ]  # fmt: skip
+    assert [f.name for f in dataclasses.fields(CompletionOutput)] == [
+        "index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason",
+        "stop_reason",
+    ]  # fmt: skip
