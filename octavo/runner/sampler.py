@@ -162,7 +162,6 @@ class SamplingMetadata:
         eos_token_ids: list[int],
         device: torch.device,
         num_output_tokens: list[int] | None = None,
-        grammars: list[Grammar | None] | None = None,
     ) -> SamplingMetadata:
         """Builds the step's metadata; row i samples for params[i], whose sequence is
         prompt_token_ids[i] + output_token_ids[i]. EOS and stop ids are banned while a row
@@ -173,8 +172,8 @@ class SamplingMetadata:
         this one (default: len(output_token_ids[i])); with async scheduling it counts a
         token still on its way from the previous step. Penalties and bad words of several
         tokens read output_token_ids, so they need every earlier token on the host
-        (`SamplingParams.needs_output_token_ids`). `grammars[i]` is row i's structured
-        output grammar (None without one), which has taken every earlier token.
+        (`SamplingParams.needs_output_token_ids`). Structured outputs' bans follow their
+        grammars, not the tokens: the runner adds them each step (`GrammarMasks`).
         """
         if not len(params) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError("params, prompt_token_ids and output_token_ids differ in length")
@@ -192,8 +191,6 @@ class SamplingMetadata:
         shaped = [(row, p) for row, p in enumerate(params) if p.logit_bias or p.allowed_token_ids]
         if shaped:
             md._build_logit_shaping(shaped, device)
-        if grammars is not None and any(g is not None for g in grammars):
-            md.grammar_bans = GrammarMasks(vocab_size, device).bans(grammars)
         if any(p.has_penalties for p in params):
             md.penalties = _build_penalties(
                 params, prompt_token_ids, output_token_ids, vocab_size, device

@@ -4,6 +4,7 @@ checked against an independent numpy / plain-Python reference."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from octavo.engine.structured_output import bitmask_width, outside_of_bitmask
 from octavo.runner.sampler import (
+    GrammarMasks,
     Sampler,
     SamplingMetadata,
     apply_filters,
@@ -334,6 +336,11 @@ class FixedGrammar:
         row.copy_(torch.tensor(np.array(words, dtype=np.uint32).view(np.int32)))
 
 
+def with_grammars(md: SamplingMetadata, grammars) -> SamplingMetadata:
+    """The metadata with the grammars' bans added, as the runner adds them each step."""
+    return replace(md, grammar_bans=GrammarMasks(md.vocab_size, CPU).bans(grammars))
+
+
 @given(st.integers(1, 100), st.integers(0, 2**32 - 1))
 def test_outside_of_bitmask_unpacks_one_bit_per_token(vocab, seed):
     words = np.random.default_rng(seed).integers(0, 2**32, (3, bitmask_width(vocab)))
@@ -357,14 +364,13 @@ def test_grammar_bans_keep_each_row_to_its_grammars_tokens(monkeypatch):
     logits[:, 5] = 20.0  # everyone's favourite, which no grammar allows
     grammars = [FixedGrammar({31, 32, 69}), None, FixedGrammar({2})]
     params = [SP(temperature=0), SP(temperature=0), SP(temperature=0)]
-    md = SamplingMetadata.build(params, [[]] * 3, [[]] * 3, vocab, [], CPU, grammars=grammars)
+    md = with_grammars(build(params, vocab=vocab), grammars)
     given = logits.clone()
     greedy = Sampler()(logits, md).sampled_token_ids.tolist()
     assert greedy[0] == max((31, 32, 69), key=lambda t: logits[0, t]) and greedy[1:] == [5, 2]
     assert torch.equal(logits, given)  # the bans go on a copy (these are float32 already)
     n = 400
-    md = SamplingMetadata.build([SP(temperature=5.0)] * n, [[]] * n, [[]] * n, vocab, [], CPU,
-                                grammars=[grammars[0]] * n)  # fmt: skip
+    md = with_grammars(build([SP(temperature=5.0)] * n, vocab=vocab), [grammars[0]] * n)
     tokens = set(Sampler()(logits[0].expand(n, vocab), md).sampled_token_ids.tolist())
     assert tokens == {31, 32, 69}
     # Other bans that leave none of the grammar's tokens give way to the grammar.
@@ -372,13 +378,12 @@ def test_grammar_bans_keep_each_row_to_its_grammars_tokens(monkeypatch):
         SP(temperature=0, allowed_token_ids=[1, 2, 5]),
         SP(temperature=0, logit_bias={2: -1e30}),
     ]
-    md = SamplingMetadata.build(clash, [[]] * 2, [[]] * 2, vocab, [], CPU,
-                                grammars=[grammars[0], grammars[2]])  # fmt: skip
+    md = with_grammars(build(clash, vocab=vocab), [grammars[0], grammars[2]])
     assert Sampler()(logits[:2], md).sampled_token_ids.tolist() == [greedy[0], 2]
     for p in [SP(temperature=0, min_tokens=3, stop_token_ids=[2]),  # banned until 3 tokens
               SP(temperature=0, bad_words=["x"])]:  # fmt: skip
         p.encode_bad_words({"x": [2], " x": [2]}.__getitem__, vocab)
-        md = SamplingMetadata.build([p], [[]], [[]], vocab, [], CPU, grammars=[grammars[2]])
+        md = with_grammars(build([p], vocab=vocab), [grammars[2]])
         assert Sampler()(logits[:1], md).sampled_token_ids.tolist() == [2], p
 
 
