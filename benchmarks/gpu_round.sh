@@ -2,7 +2,8 @@
 # One round of GPU checks and timings through the device tool (the machine keeps nothing):
 #   stages: tests | e2e (tests/gpu/test_e2e_gpu.py alone) | kernels | tp06 | tp06-nopeer | tp8b
 #           | tp8b-peer | kernels-sweep | gemm | splitk | profile06 | profile8b | timeline06
-#           | timeline8b | latency | overlap | pdl | norms | prefill-sweep | splits | fused | layerk
+#           | timeline8b | runprof06 | runprof8b (the whole run's kernels by step: run_profile.py)
+#           | latency | overlap | pdl | norms | prefill-sweep | splits | fused | layerk
 #           | mixed06 | mixed8b (CUDA graphs for mixed steps: TTFT and serving, on and off)
 #           | capture (what each mixed-step graph costs at start-up)
 #           | serve (`octavo serve` end to end on the dummy Qwen3-0.6B: benchmarks/serve_smoke.py)
@@ -54,6 +55,9 @@ for stage in $stages; do
             --json "$OUT/timeline_0.6b${TAG:-}.json" 2>&1 | tee "$OUT/timeline_0.6b${TAG:-}.log" | tail -70 ;;
     timeline8b) timeout 300 python3 benchmarks/step_timeline.py --model qwen3-8b \
             --json "$OUT/timeline_8b${TAG:-}.json" 2>&1 | tee "$OUT/timeline_8b${TAG:-}.log" | tail -30 ;;
+    runprof06|runprof8b) m=qwen3-0.6b; [ "$stage" = runprof8b ] && m=qwen3-8b
+            timeout 400 python3 benchmarks/run_profile.py --model $m \
+            --json "$OUT/run_profile_$m.json" 2>&1 | tee "$OUT/run_profile_$m.log" | tail -14 ;;
     profile8b) timeout 300 python3 benchmarks/step_profile.py --model qwen3-8b \
             --json "$OUT/step_profile_8b.json" 2>&1 | tee "$OUT/step_profile_8b.log" | tail -120 ;;
     overlap) timeout 400 python3 benchmarks/overlap_probe.py --json "$OUT/overlap_probe.json" 2>&1 | tee "$OUT/overlap_probe.log" | tail -20 ;;

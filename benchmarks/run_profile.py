@@ -1,0 +1,201 @@
+"""Where the device time of the whole nano-vllm run goes: every kernel of the timed run, by the
+step that launched it (prefill or decode, and the decode batch) and by what it is (attention,
+the rest of the layers, the LM head and sampler).
+
+It answers one question: how close could the run come to its floor if all of a decode step's
+work besides attention (GEMMs, norms, activations, LM head, sampler) took only its own floor,
+max(weight bytes / B, 2 x params x batch / F), and nothing else changed? That is the most
+any faster GEMM, fusion or megakernel outside attention could give.
+
+Each step's host work runs inside a profiler annotation naming the step. A kernel belongs to
+the step whose annotation holds the runtime call that launched it (graph replays included),
+found through CUPTI's correlation ids. The run is timed once without the profiler and once
+under it, in the same process.
+
+    PYTHONPATH=. python benchmarks/run_profile.py [--model qwen3-0.6b] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from octavo import LLM, SamplingParams
+from octavo.entrypoints.bench_floor import measure_ceilings, workload_floor
+from octavo.entrypoints.bench_throughput import nanovllm_workload
+from octavo.runner.model_runner import ModelRunner
+
+BUCKETS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256)]
+CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+
+def kernel_class(name: str) -> str:
+    if "_decode" in name or "_prefill_kernel" in name:
+        return "attention"
+    return "rest"
+
+
+def step_label(so) -> str:
+    decode = so.num_batched_tokens == len(so.scheduled)
+    return f"octavo_step:{'decode' if decode else 'prefill'}:{len(so.scheduled)}"
+
+
+def annotated_runner():
+    """Wraps ModelRunner.execute_async in an annotation naming the step; returns an undo."""
+    real = ModelRunner.execute_async
+
+    def execute_async(self, so):
+        with record_function(step_label(so)):
+            return real(self, so)
+
+    ModelRunner.execute_async = execute_async
+    return lambda: setattr(ModelRunner, "execute_async", real)
+
+
+def step_annotations(events) -> list:
+    """The host's annotations of the steps (not their copies on the device's timeline)."""
+    return [e for e in events if e.device_type() == CPU and e.name().startswith("octavo_step:")]
+
+
+def attribute(events) -> tuple[dict, dict]:
+    """(device us per (step kind, batch, class), device us found in no step, per class)."""
+    steps = sorted((e.start_ns(), e.end_ns(), e.name()) for e in step_annotations(events))
+    starts = [s[0] for s in steps]
+    launch_at = {}  # correlation id -> host ns of the runtime or driver call
+    for e in events:
+        # cudaLaunchKernel, cudaGraphLaunch, cudaMemcpyAsync, Triton's cuLaunchKernelEx ...
+        if e.device_type() == CPU and e.name().startswith("cu"):
+            launch_at[e.correlation_id()] = e.start_ns()
+    totals: dict[tuple[str, int, str], float] = defaultdict(float)
+    lost: dict[str, float] = defaultdict(float)  # device us outside any step, by class
+    for e in events:
+        if e.device_type() != CUDA or e.name().startswith("octavo_step:"):
+            continue  # the annotation's copy on the device's timeline is no work
+        at = launch_at.get(e.correlation_id()) or launch_at.get(e.linked_correlation_id())
+        i = bisect.bisect_right(starts, at) - 1 if at is not None else -1
+        if i < 0 or at > steps[i][1]:
+            lost[kernel_class(e.name())] += e.duration_ns() / 1e3
+            continue
+        _, kind, batch = steps[i][2].split(":")
+        totals[(kind, int(batch), kernel_class(e.name()))] += e.duration_ns() / 1e3
+    return totals, lost
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    # nano-vllm's settings for its workload, as `octavo bench throughput --workload nanovllm`.
+    llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=16384)
+    runner = llm.engine.runner
+    w = nanovllm_workload()
+    ceil = measure_ceilings(runner.dtype)
+    fl = workload_floor(
+        runner.model, runner.hf_config, runner.dtype, [len(p) for p in w.prompts],
+        w.max_tokens, ceil,
+    )  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in w.prompts]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    plain_s = time.perf_counter() - start
+
+    # The same lengths in other tokens, so that the prefix cache holds none of them.
+    fresh = [{"prompt_token_ids": [t + 10_001 for t in p]} for p in w.prompts]
+    undo = annotated_runner()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(fresh, params, use_tqdm=False)
+        profiled_s = time.perf_counter() - start
+    undo()
+    totals, lost = attribute(prof.profiler.kineto_results.events())
+
+    bandwidth, flops = ceil.copy_bytes_per_s, ceil.matmul_flops
+    num_params = fl.weight_bytes / torch.empty((), dtype=runner.dtype).element_size()
+
+    def rest_floor_us(batch: int) -> float:
+        return 1e6 * max(fl.weight_bytes / bandwidth, 2 * num_params * batch / flops)
+
+    steps: dict[tuple[str, int], int] = defaultdict(int)
+    for e in step_annotations(prof.profiler.kineto_results.events()):
+        _, kind, batch = e.name().split(":")
+        steps[(kind, int(batch))] += 1
+    rows = []
+    groups = [("prefill", lambda k, b: k == "prefill")] + [
+        (f"decode {lo}-{hi}", lambda k, b, lo=lo, hi=hi: k == "decode" and lo <= b <= hi)
+        for lo, hi in BUCKETS
+    ]
+    for name, inside in groups:
+        n = sum(c for (k, b), c in steps.items() if inside(k, b))
+        attn = sum(us for (k, b, c), us in totals.items() if inside(k, b) and c == "attention")
+        rest = sum(us for (k, b, c), us in totals.items() if inside(k, b) and c == "rest")
+        floor = sum(c * rest_floor_us(b) for (k, b), c in steps.items() if inside(k, b))
+        rows.append(
+            {
+                "steps": name,
+                "n": n,
+                "attention_s": attn / 1e6,
+                "rest_s": rest / 1e6,
+                "rest_floor_s": floor / 1e6 if name != "prefill" else None,
+            }
+        )
+    busy = sum(r["attention_s"] + r["rest_s"] for r in rows)
+    decode_rest = sum(r["rest_s"] for r in rows if r["rest_floor_s"] is not None)
+    decode_floor = sum(r["rest_floor_s"] for r in rows if r["rest_floor_s"] is not None)
+    bound = plain_s - decode_rest + decode_floor
+    decode_attn = sum(r["attention_s"] for r in rows if r["rest_floor_s"] is not None)
+    both = bound - decode_attn + fl.kv_read_bytes / bandwidth  # attention at its KV read too
+
+    print(
+        f"{args.model}: copy {bandwidth / 1e12:.2f} TB/s, matmul {flops / 1e12:.0f} TFLOP/s; "
+        f"workload floor {fl.seconds:.2f} s"
+    )
+    print(
+        f"timed run {plain_s:.2f} s ({fl.seconds / plain_s:.1%} of the floor); under the "
+        f"profiler {profiled_s:.2f} s, device busy {busy:.2f} s in steps; outside any step: "
+        f"{ {c: round(us / 1e6, 3) for c, us in lost.items()} } s"
+    )
+    print(f"{'steps':<15}{'n':>6}{'attention s':>13}{'rest s':>9}{'rest floor s':>14}")
+    for r in rows:
+        floor = "-" if r["rest_floor_s"] is None else f"{r['rest_floor_s']:.3f}"
+        print(f"{r['steps']:<15}{r['n']:>6}{r['attention_s']:>13.3f}{r['rest_s']:>9.3f}{floor:>14}")
+    print(f"decode steps' rest: {decode_rest:.3f} s against a floor of {decode_floor:.3f} s")
+    print(
+        f"the timed run with every decode step's rest at its floor: {bound:.2f} s, "
+        f"{fl.seconds / bound:.1%} of the floor"
+    )
+    print(
+        f"and decode attention at its KV read too ({decode_attn:.3f} s -> "
+        f"{fl.kv_read_bytes / bandwidth:.3f} s): {both:.2f} s, {fl.seconds / both:.1%} of the floor"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "model": args.model,
+                    "copy_bytes_per_s": bandwidth,
+                    "matmul_flops": flops,
+                    "floor_s": fl.seconds,
+                    "plain_s": plain_s,
+                    "profiled_s": profiled_s,
+                    "device_busy_s": busy,
+                    "outside_steps_us": lost,
+                    "groups": rows,
+                    "bound_s": bound,
+                    "bound_with_attention_s": both,
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
