@@ -5,7 +5,9 @@ the rest of the layers, the LM head and sampler).
 It answers one question: how close could the run come to its floor if all of a decode step's
 work besides attention (GEMMs, norms, activations, LM head, sampler) took only its own floor,
 max(weight bytes / B, 2 x params x batch / F), and nothing else changed? That is the most
-any faster GEMM, fusion or megakernel outside attention could give.
+any faster GEMM, fusion or megakernel outside attention could give. Two more lines add decode
+attention at its KV read (KV bytes / B), then the prefill steps at their GEMMs' FLOPs / F:
+the run of a serial engine whose every kernel ran at its floor, its host gaps kept.
 
 Each step's host work runs inside a profiler annotation naming the step. A kernel belongs to
 the step whose annotation holds the runtime call that launched it (graph replays included),
@@ -27,7 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from octavo import LLM, SamplingParams
-from octavo.entrypoints.bench_floor import measure_ceilings, workload_floor
+from octavo.entrypoints.bench_floor import lm_head_weights, measure_ceilings, workload_floor
 from octavo.entrypoints.bench_throughput import nanovllm_workload
 from octavo.runner.model_runner import ModelRunner
 
@@ -153,6 +155,11 @@ def main() -> None:
     bound = plain_s - decode_rest + decode_floor
     decode_attn = sum(r["attention_s"] for r in rows if r["rest_floor_s"] is not None)
     both = bound - decode_attn + fl.kv_read_bytes / bandwidth  # attention at its KV read too
+    # and the prefill steps at their GEMMs' FLOPs (prompts use the LM head at their last token)
+    head = sum(p.numel() for p in lm_head_weights(runner.model))
+    prefill_flops = 2 * ((num_params - head) * sum(map(len, w.prompts)) + head * len(w.prompts))
+    prefill_s = rows[0]["attention_s"] + rows[0]["rest_s"]
+    every = both - prefill_s + prefill_flops / flops
 
     print(
         f"{args.model}: copy {bandwidth / 1e12:.2f} TB/s, matmul {flops / 1e12:.0f} TFLOP/s; "
@@ -176,6 +183,10 @@ def main() -> None:
         f"and decode attention at its KV read too ({decode_attn:.3f} s -> "
         f"{fl.kv_read_bytes / bandwidth:.3f} s): {both:.2f} s, {fl.seconds / both:.1%} of the floor"
     )
+    print(
+        f"and the prefill steps at their GEMM FLOPs too ({prefill_s:.3f} s -> "
+        f"{prefill_flops / flops:.3f} s): {every:.2f} s, {fl.seconds / every:.1%} of the floor"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -191,6 +202,7 @@ def main() -> None:
                     "groups": rows,
                     "bound_s": bound,
                     "bound_with_attention_s": both,
+                    "bound_with_prefill_s": every,
                 },
                 f,
                 indent=1,
