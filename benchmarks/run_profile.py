@@ -15,6 +15,7 @@ found through CUPTI's correlation ids. The run is timed once without the profile
 under it, in the same process.
 
     PYTHONPATH=. python benchmarks/run_profile.py [--model qwen3-0.6b] [--json out.json]
+        [--decode-config block_n=64,num_stages=3]
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def kernel_class(name: str) -> str:
 
 def step_label(so) -> str:
     decode = so.num_batched_tokens == len(so.scheduled)
-    return f"octavo_step:{'decode' if decode else 'prefill'}:{len(so.scheduled)}"
+    context = sum(s.num_computed_tokens + s.num_new_tokens for s in so.scheduled)
+    return f"octavo_step:{'decode' if decode else 'prefill'}:{len(so.scheduled)}:{context}"
 
 
 def annotated_runner():
@@ -84,7 +86,7 @@ def attribute(events) -> tuple[dict, dict]:
         if i < 0 or at > steps[i][1]:
             lost[kernel_class(e.name())] += e.duration_ns() / 1e3
             continue
-        _, kind, batch = steps[i][2].split(":")
+        _, kind, batch, _ = steps[i][2].split(":")
         totals[(kind, int(batch), kernel_class(e.name()))] += e.duration_ns() / 1e3
     return totals, lost
 
@@ -93,7 +95,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--decode-config",
+        default=None,
+        help="the decode kernel's knobs, e.g. block_n=64,num_stages=3",
+    )
     args = parser.parse_args()
+    if args.decode_config:  # before the engine captures its graphs
+        from octavo.kernels import decode_attention
+
+        knobs = dict(kv.split("=") for kv in args.decode_config.split(","))
+        default = decode_attention.default_decode_config
+        decode_attention.default_decode_config = lambda d: (
+            default(d) | {k: int(v) for k, v in knobs.items()}
+        )
     # nano-vllm's settings for its workload, as `octavo bench throughput --workload nanovllm`.
     llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=16384)
     runner = llm.engine.runner
@@ -127,9 +142,11 @@ def main() -> None:
         return 1e6 * max(fl.weight_bytes / bandwidth, 2 * num_params * batch / flops)
 
     steps: dict[tuple[str, int], int] = defaultdict(int)
+    contexts: dict[tuple[str, int], int] = defaultdict(int)  # positions attended, summed
     for e in step_annotations(prof.profiler.kineto_results.events()):
-        _, kind, batch = e.name().split(":")
+        _, kind, batch, context = e.name().split(":")
         steps[(kind, int(batch))] += 1
+        contexts[(kind, int(batch))] += int(context)
     rows = []
     groups = [("prefill", lambda k, b: k == "prefill")] + [
         (f"decode {lo}-{hi}", lambda k, b, lo=lo, hi=hi: k == "decode" and lo <= b <= hi)
@@ -140,6 +157,7 @@ def main() -> None:
         attn = sum(us for (k, b, c), us in totals.items() if inside(k, b) and c == "attention")
         rest = sum(us for (k, b, c), us in totals.items() if inside(k, b) and c == "rest")
         floor = sum(c * rest_floor_us(b) for (k, b), c in steps.items() if inside(k, b))
+        kv = sum(c for (k, b), c in contexts.items() if inside(k, b)) * fl.kv_bytes_per_token
         rows.append(
             {
                 "steps": name,
@@ -147,6 +165,7 @@ def main() -> None:
                 "attention_s": attn / 1e6,
                 "rest_s": rest / 1e6,
                 "rest_floor_s": floor / 1e6 if name != "prefill" else None,
+                "kv_read_s": kv / bandwidth if name != "prefill" else None,
             }
         )
     busy = sum(r["attention_s"] + r["rest_s"] for r in rows)
@@ -170,10 +189,17 @@ def main() -> None:
         f"profiler {profiled_s:.2f} s, device busy {busy:.2f} s in steps; outside any step: "
         f"{ {c: round(us / 1e6, 3) for c, us in lost.items()} } s"
     )
-    print(f"{'steps':<15}{'n':>6}{'attention s':>13}{'rest s':>9}{'rest floor s':>14}")
+    print(
+        f"{'steps':<15}{'n':>6}{'attention s':>13}{'KV read s':>11}{'rest s':>9}"
+        f"{'rest floor s':>14}"
+    )
     for r in rows:
         floor = "-" if r["rest_floor_s"] is None else f"{r['rest_floor_s']:.3f}"
-        print(f"{r['steps']:<15}{r['n']:>6}{r['attention_s']:>13.3f}{r['rest_s']:>9.3f}{floor:>14}")
+        kv = "-" if r["kv_read_s"] is None else f"{r['kv_read_s']:.3f}"
+        print(
+            f"{r['steps']:<15}{r['n']:>6}{r['attention_s']:>13.3f}{kv:>11}{r['rest_s']:>9.3f}"
+            f"{floor:>14}"
+        )
     print(f"decode steps' rest: {decode_rest:.3f} s against a floor of {decode_floor:.3f} s")
     print(
         f"the timed run with every decode step's rest at its floor: {bound:.2f} s, "
