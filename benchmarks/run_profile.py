@@ -15,7 +15,7 @@ found through CUPTI's correlation ids. The run is timed once without the profile
 under it, in the same process.
 
     PYTHONPATH=. python benchmarks/run_profile.py [--model qwen3-0.6b] [--json out.json]
-        [--decode-config block_n=64,num_stages=3]
+        [--decode-config block_n=64,num_stages=3] [--unfused-decode]
 """
 
 from __future__ import annotations
@@ -100,7 +100,16 @@ def main() -> None:
         default=None,
         help="the decode kernel's knobs, e.g. block_n=64,num_stages=3",
     )
+    parser.add_argument(
+        "--unfused-decode",
+        action="store_true",
+        help="decode steps store K/V in a kernel of their own, not in the attention kernel",
+    )
     args = parser.parse_args()
+    if args.unfused_decode:
+        from octavo.attention.triton_backend import TritonAttentionBackend
+
+        TritonAttentionBackend.decodes_from_qkv = False
     if args.decode_config:  # before the engine captures its graphs
         from octavo.kernels import decode_attention
 
