@@ -30,8 +30,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from octavo import LLM, SamplingParams
-from octavo.entrypoints.bench_floor import lm_head_weights, measure_ceilings, workload_floor
-from octavo.entrypoints.bench_throughput import nanovllm_workload
+from octavo.entrypoints.bench_floor import lm_head_weights
+from octavo.entrypoints.bench_throughput import measured_floor, nanovllm_workload
 from octavo.runner.model_runner import ModelRunner
 
 BUCKETS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256)]
@@ -122,11 +122,7 @@ def main() -> None:
     llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=16384)
     runner = llm.engine.runner
     w = nanovllm_workload()
-    ceil = measure_ceilings(runner.dtype)
-    fl = workload_floor(
-        runner.model, runner.hf_config, runner.dtype, [len(p) for p in w.prompts],
-        w.max_tokens, ceil,
-    )  # fmt: skip
+    fl, ceil = measured_floor(llm, w)
     prompts = [{"prompt_token_ids": p} for p in w.prompts]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)

@@ -21,8 +21,7 @@ import torch
 
 from octavo import LLM, SamplingParams
 from octavo.engine.engine import Engine
-from octavo.entrypoints.bench_floor import measure_ceilings, workload_floor
-from octavo.entrypoints.bench_throughput import nanovllm_workload
+from octavo.entrypoints.bench_throughput import measured_floor, nanovllm_workload
 from octavo.runner.model_runner import PendingOutput
 
 BUCKETS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256)]
@@ -36,13 +35,8 @@ def main() -> None:
     args = parser.parse_args()
     # nano-vllm's settings for its workload, as `octavo bench throughput --workload nanovllm`.
     llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=16384)
-    runner = llm.engine.runner
     w = nanovllm_workload()
-    ceilings = measure_ceilings(runner.dtype)
-    fl = workload_floor(
-        runner.model, runner.hf_config, runner.dtype, [len(p) for p in w.prompts],
-        w.max_tokens, ceilings,
-    )
+    fl, ceilings = measured_floor(llm, w)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
 

@@ -164,7 +164,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     w = nanovllm_workload() if args.workload == "nanovllm" else cpu_workload(vocab, args.num_prompts)
     print(f"{'engine':<22}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
     results = [_report(run_octavo(llm, w, args.progress))]
-    floor = _floor(llm, w) if llm.engine.runner.device.type == "cuda" else None
+    floor = measured_floor(llm, w) if llm.engine.runner.device.type == "cuda" else None
     report: dict = {}
     if floor is not None:
         fl, ceil = floor
@@ -225,7 +225,8 @@ def _sizes(ceil) -> str:
     return f" (best of {rates})"
 
 
-def _floor(llm, w: Workload):
+def measured_floor(llm, w: Workload):
+    """(the workload's floor, the ceilings it was measured with) on the engine's device."""
     from octavo.entrypoints.bench_floor import measure_ceilings, workload_floor
 
     runner = llm.engine.runner
