@@ -142,7 +142,10 @@ class SamplingParams:
 
     def _validate_sampling(self) -> None:
         self.n = _as_int("n", self.n, f"an integer in [1, {MAX_N}]", lo=1, hi=MAX_N)
-        self.temperature = _as_float("temperature", self.temperature, "a number >= 0", lo=0)
+        # The sampler divides float32 logits by it: beyond float32 it would be inf, and a
+        # banned -inf logit over inf is NaN, which no ban or grammar survives.
+        allowed = f"a number in [0, {FLOAT32_MAX:.4g}] (float32's range)"
+        self.temperature = _as_float("temperature", self.temperature, allowed, lo=0, hi=FLOAT32_MAX)
         self.top_p = _as_float("top_p", self.top_p, "a number in (0, 1]", hi=1)
         _check(self.top_p > 0, "top_p", "a number in (0, 1]", self.top_p)
         if self.top_k is not None:
