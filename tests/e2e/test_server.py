@@ -536,6 +536,26 @@ def test_n_gives_n_choices(server):
     assert r.json()["usage"]["completion_tokens"] == 8
 
 
+def test_null_means_the_default_as_openai_clients_send_it(server):
+    """openai-python sends null for a parameter set to None (n=None, stream=None); a field
+    with a default takes it, and completions' max_tokens null still means no limit."""
+    body = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 3, "n": None, "stream": None,
+            "echo": None, "stream_options": None, "ignore_eos": None, "temperature": None}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] <= 3
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "n": None, "logprobs": None, "stream": None, "add_generation_prompt": None}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    near_full = _long_prompt(server.ctx.max_model_len - 3)
+    unlimited = {"model": MODEL, "prompt": near_full, "max_tokens": None, "ignore_eos": True}
+    r = httpx.post(server.url + "/v1/completions", json=unlimited, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3  # not the default 16: up to the context
+
+
 # ---- cancellation, failures, errors ---------------------------------------------------
 
 
@@ -642,6 +662,7 @@ ERROR_CASES = {
         "/v1/completions",
         {"prompt": "hi", "prompt_logprobs": 1, "stream": True},
     ),
+    "temperature beyond float32": (400, "/v1/completions", {"prompt": "hi", "temperature": 1e39}),
     "best_of 0": (400, "/v1/completions", {"prompt": "hi", "best_of": 0}),
     "best_of below n": (400, "/v1/completions", {"prompt": "hi", "best_of": 1, "n": 3}),
     "unknown chat model": (

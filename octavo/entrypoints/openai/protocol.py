@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 def random_id(prefix: str) -> str:
@@ -42,13 +42,39 @@ class ErrorResponse(BaseModel):
 # ---- requests -----------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class NullMeansDefault(BaseModel):
+    """A request body in which null, for a field that has a default and cannot be None,
+    means that default: OpenAI's spec types such fields "or null", and its clients send
+    null for a parameter the caller set to None (`n=None`, `stream=None`), as vLLM accepts.
+    Fields that can be None keep their null (completions' `max_tokens`: no limit)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls_with_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+
+        def keep(name: str, value: Any) -> bool:
+            field = fields.get(name)
+            if value is not None or field is None or field.is_required():
+                return True
+            return _accepts_none(field.annotation)
+
+        return {k: v for k, v in data.items() if keep(k, v)}
+
+
+def _accepts_none(annotation: Any) -> bool:
+    return annotation is None or type(None) in getattr(annotation, "__args__", ())
+
+
+class StreamOptions(NullMeansDefault):
     model_config = ConfigDict(strict=True)
 
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(NullMeansDefault):
     """The sampling fields that completions and chat completions share."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
