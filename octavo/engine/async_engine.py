@@ -210,6 +210,11 @@ class AsyncEngine:
         return self.engine.scheduler_config.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids the model knows: [0, vocab_size)."""
+        return self.engine.vocab_size
+
+    @property
     def stats(self) -> dict[str, int | float]:
         """`Engine.get_stats()` as of the last step (a snapshot: reading it is thread-safe)."""
         return self._stats

@@ -58,7 +58,9 @@ class EngineProcess(AsyncEngine):
     """An AsyncEngine whose Engine lives in a child process. Build it with `start_process`,
     then use it as an AsyncEngine (`call` is not available: the Engine is not here)."""
 
-    def __init__(self, process, conn, max_model_len: int, stats: dict, tokenizer) -> None:
+    def __init__(
+        self, process, conn, max_model_len: int, vocab_size: int, stats: dict, tokenizer
+    ) -> None:
         # NOTE: AsyncEngine.__init__ is not called: it needs the Engine, which is not here.
         self.engine = None
         self._process = process
@@ -66,6 +68,7 @@ class EngineProcess(AsyncEngine):
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands for the writer
         self._writer: threading.Thread | None = None
         self._max_model_len = max_model_len
+        self._vocab_size = vocab_size
         self._tokenizer = tokenizer
         self._init_streams()
         self._prompt_ids: dict[str, list[int]] = {}  # by engine id, of requests with a consumer
@@ -100,8 +103,8 @@ class EngineProcess(AsyncEngine):
         if message[0] == "failed":
             process.join()
             raise message[1]
-        _, max_model_len, stats = message
-        return cls(process, conn, max_model_len, stats, tokenizer.result())
+        _, max_model_len, vocab_size, stats = message
+        return cls(process, conn, max_model_len, vocab_size, stats, tokenizer.result())
 
     # ---- what the server reads --------------------------------------------------------
 
@@ -112,6 +115,10 @@ class EngineProcess(AsyncEngine):
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
 
     @property
     def is_running(self) -> bool:
@@ -270,7 +277,8 @@ def _engine_process_main(conn, options: dict) -> None:
     except BaseException as e:  # noqa: BLE001 - raised again in the server process
         conn.send(("failed", e if isinstance(e, ValueError) else RuntimeError(repr(e))))
         return
-    conn.send(("ready", engine.scheduler_config.max_model_len, engine.get_stats()))
+    max_model_len = engine.scheduler_config.max_model_len
+    conn.send(("ready", max_model_len, engine.vocab_size, engine.get_stats()))
     conn = _Pipe(conn)
     live: dict = {}  # request id -> Request
     announced: set[str] = set()  # requests whose prompt ids the server has

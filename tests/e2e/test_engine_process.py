@@ -267,7 +267,7 @@ def _server_side_of_a_pipe() -> tuple[EngineProcess, multiprocessing.connection.
     """An EngineProcess over a real pipe whose far end the test plays (no engine process)."""
     conn, far_end = multiprocessing.Pipe()
     alive = types.SimpleNamespace(is_alive=lambda: True, exitcode=None, join=lambda timeout: None)
-    return EngineProcess(alive, conn, 64, {}, tokenizer=None), far_end
+    return EngineProcess(alive, conn, 64, 100, {}, tokenizer=None), far_end
 
 
 async def _collect(stream):

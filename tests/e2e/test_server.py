@@ -528,8 +528,14 @@ def test_truncate_prompt_tokens_lets_a_long_prompt_in(server):
 
 
 def test_n_gives_n_choices(server):
-    body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 4, "n": 2, "temperature": 1,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[6],
+        "max_tokens": 4,
+        "n": 2,
+        "temperature": 1,
+        "ignore_eos": True,
+    }
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
     assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
@@ -539,13 +545,29 @@ def test_n_gives_n_choices(server):
 def test_null_means_the_default_as_openai_clients_send_it(server):
     """openai-python sends null for a parameter set to None (n=None, stream=None); a field
     with a default takes it, and completions' max_tokens null still means no limit."""
-    body = {"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 3, "n": None, "stream": None,
-            "echo": None, "stream_options": None, "ignore_eos": None, "temperature": None}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[7],
+        "max_tokens": 3,
+        "n": None,
+        "stream": None,
+        "echo": None,
+        "stream_options": None,
+        "ignore_eos": None,
+        "temperature": None,
+    }
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] <= 3
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "n": None, "logprobs": None, "stream": None, "add_generation_prompt": None}
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "n": None,
+        "logprobs": None,
+        "stream": None,
+        "add_generation_prompt": None,
+    }
     r = httpx.post(server.url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["logprobs"] is None
@@ -684,6 +706,19 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, c
     _assert_error(r, status)
     assert metrics(server)["octavo_requests_total{outcome=error}"] == errors_before + 1
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
+
+
+def test_every_prompts_ids_are_checked_before_any_prompt_runs(server, monkeypatch):
+    """With the engine in its own process, a prompt the engine refused last let the others
+    stream first under a 200 (a race); the server refuses the whole request up front."""
+    runs = []
+    generate = server.ctx.generate
+    monkeypatch.setattr(server.ctx, "generate", lambda *a: runs.append(a) or generate(*a))
+    body = {"model": MODEL, "prompt": [[5, 6, 7]] * 4 + [[10**9]], "stream": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    _assert_error(r, 400)
+    assert r.json()["error"]["param"] == "prompt" and "1000000000" in r.text
+    assert runs == []
 
 
 def test_prompt_longer_than_the_context_is_a_400(server, client):

@@ -98,6 +98,16 @@ class ServingContext:
                 code="model_not_found",
             )
 
+    def check_token_ids(self, prompt_ids: list[int], param: str = "prompt") -> None:
+        """A 400 unless every id is in the model's vocabulary. Checked before any prompt of
+        a request reaches the engine, which would refuse that prompt alone: the others
+        could already have streamed under a 200."""
+        vocab = self.engine.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            message = f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
+            raise OpenAIError(message, param=param)
+
     def prompt_tokens_kept(self, req: SamplingRequest) -> int | None:
         """How many prompt tokens vLLM's truncate_prompt_tokens keeps (None: all), so that
         prompts are cut before the context is checked; a bad value is a 400 naming it."""
