@@ -219,8 +219,8 @@ class Engine:
             return self._finish(so, self._launch(so))
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self.scheduler.needs_pending_tokens():
-            outputs = self._finish(*self._in_flight)
-            self._in_flight = None
+            in_flight, self._in_flight = self._in_flight, None  # finished once, even if it fails
+            outputs = self._finish(*in_flight)
         so = self.scheduler.schedule()
         launched = None if so.is_empty else (so, self._launch(so))
         if self._in_flight is not None:
@@ -234,6 +234,10 @@ class Engine:
             except Exception:
                 if launched is not None:  # it may read the failed step's tokens: drop it
                     self._fail(launched[0])
+                # Requests the step in flight finished have no output if `sample` failed:
+                # release them (abort_request forgets a finished group), as failed.
+                done = [s.request.group_id for s in in_flight[0].scheduled if s.request.is_finished]
+                self.abort_request(list(dict.fromkeys(done)))
                 raise
         if launched is not None:  # no step was in flight: sample now (if not done above)
             try:

@@ -32,8 +32,13 @@ def summary(outputs):
     """What a completion says, without its log-prob values (see `logprob_values`)."""
     return [
         [
-            (c.token_ids, c.text, c.finish_reason, c.stop_reason,
-             None if c.logprobs is None else [sorted(d) for d in c.logprobs])
+            (
+                c.token_ids,
+                c.text,
+                c.finish_reason,
+                c.stop_reason,
+                None if c.logprobs is None else [sorted(d) for d in c.logprobs],
+            )
             for c in o.outputs
         ]
         for o in outputs
@@ -153,3 +158,75 @@ def test_async_failed_step_aborts_its_requests_and_the_engine_goes_on(
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
     ref, outs = generate_both(llm, prompts_of(chat_prompt_ids[:2]), GREEDY)
     assert_same(outs, ref)
+
+
+PENALIZED = SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=8, ignore_eos=True)
+
+
+def test_a_step_that_failed_while_finished_early_is_not_finished_again(
+    llm, chat_prompt_ids, monkeypatch
+):
+    """A request with a penalty needs its tokens on the host, so the step in flight is
+    finished before the next is scheduled. When that failed, the step stayed in flight, and
+    the next step() finished it again: its failure aborted an innocent request launched
+    meanwhile."""
+    from octavo.runner.model_runner import PendingOutput
+
+    engine = llm.engine
+    ref = llm.generate(prompts_of(chat_prompt_ids[1:2]), GREEDY, use_tqdm=False)
+    with scheduling(llm, True):
+        engine.add_request(chat_prompt_ids[0], PENALIZED, "early-0")
+        engine.step()  # its prefill in flight
+        failing = engine._in_flight[1]
+        real = PendingOutput.result
+
+        def result(self):
+            if self is failing:
+                raise RuntimeError("device fault")
+            return real(self)
+
+        monkeypatch.setattr(PendingOutput, "result", result)
+        with pytest.raises(RuntimeError, match="device fault"):
+            engine.step()
+        engine.add_request(chat_prompt_ids[1], GREEDY, "early-1")  # innocent
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished |= {o.request_id: o for o in engine.step() if o.finished}
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+    assert list(finished) == ["early-1"]
+    assert_same([finished["early-1"]], ref)
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+def test_a_failed_sample_of_the_next_step_releases_the_requests_that_finished(
+    llm, chat_prompt_ids, monkeypatch
+):
+    """The next step samples after the step in flight has taken its tokens; when that
+    sampling failed, a request that had just finished made no output and its id stayed in
+    use for good."""
+    from octavo.runner.model_runner import PendingOutput
+
+    engine = llm.engine
+    with scheduling(llm, True):
+        short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        engine.add_request(chat_prompt_ids[0], short, "sample-0")
+        engine.add_request(chat_prompt_ids[1], GREEDY, "sample-1")
+        engine.step()
+        engine.step()  # sample-0's last token is sampled in the step now in flight
+        in_flight = engine._in_flight[1]
+        real = PendingOutput.sample
+
+        def sample(self):
+            if self is not in_flight:  # the step launched next
+                raise RuntimeError("mask fault")
+            return real(self)
+
+        monkeypatch.setattr(PendingOutput, "sample", sample)
+        with pytest.raises(RuntimeError, match="mask fault"):
+            engine.step()
+        monkeypatch.setattr(PendingOutput, "sample", real)
+        assert engine.outputs.members("sample-0") == []
+        assert not engine.has_unfinished_requests()
+        assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+        engine.add_request(chat_prompt_ids[0], short, "sample-0")  # the id is free again
+        engine.abort_request("sample-0")
