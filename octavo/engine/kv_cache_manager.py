@@ -63,8 +63,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Finds the longest cached prefix of a request that is not admitted yet.
 
-        Fills `request.block_hashes` for every full block of `all_token_ids` and counts the
-        lookup in `stats`. Does not take references: pass the blocks to `allocate_slots`.
+        Fills `request.block_hashes` for every full block of `all_token_ids`. Does not take
+        references, nor count the lookup (a request that waits for blocks looks up again each
+        step): pass the blocks to `allocate_slots`, which counts it once admitted.
 
         Returns:
             (hit blocks in order, number of hit tokens); ([], 0) with prefix caching off,
@@ -76,7 +77,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         self._hash_full_blocks(request, request.num_tokens // self.block_size)
-        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+        if not self._looks_up(request):
             return [], 0
         # NOTE: the last token is always recomputed, even when the whole prompt is cached:
         # the model needs it as input to produce the next token's logits.
@@ -87,10 +88,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.stats.prefix_cache_queries += request.num_tokens
-        self.stats.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
+
+    def _looks_up(self, request: Request) -> bool:
+        """Whether admission reads the prefix cache for this request."""
+        if not self.enable_prefix_caching:
+            return False
+        return request.sampling_params.prompt_logprobs is None or bool(request.output_token_ids)
 
     def allocate_slots(
         self,
@@ -104,8 +108,9 @@ class KVCacheManager:
         Args:
             request: the request; `num_computed_tokens` excludes `new_computed_blocks`.
             num_new_tokens: tokens to be computed this step.
-            new_computed_blocks: prefix hits from `get_computed_blocks` (admission only);
-                they are referenced and become the front of the block table.
+            new_computed_blocks: prefix hits from `get_computed_blocks` (admission only,
+                [] for none); they are referenced and become the front of the block table,
+                and the lookup is counted in `stats`.
 
         Returns:
             True on success; False, changing nothing, if too few blocks are free.
@@ -130,6 +135,9 @@ class KVCacheManager:
             return False
         request_id = request.request_id
         if request_id not in self._block_tables:
+            if new_computed_blocks is not None and self._looks_up(request):
+                self.stats.prefix_cache_queries += request.num_tokens
+                self.stats.prefix_cache_hits += len(hits) * self.block_size
             self.pool.touch(hits)
             table = self._block_tables[request_id] = list(hits)
             self._block_ids[request_id] = [block.block_id for block in hits]

@@ -201,6 +201,23 @@ def test_allocate_slots_short_for_a_running_request_changes_nothing():
     assert state(kv, a) == before
 
 
+def test_a_lookup_counts_once_when_admitted_not_at_each_refusal():
+    """A request at the head of the queue looks up the cache at every step until blocks
+    are free; the stats count its tokens once, when it is admitted."""
+    kv = KVCacheManager(4, 4)
+    a = make_request("a", list(range(9)))
+    admit(kv, a)  # 3 of 4 blocks
+    b = make_request("b", list(range(8)) + [7, 7, 7, 7, 7, 7, 7, 7])  # 2 hits + 2 new blocks
+    for _ in range(3):
+        hits, num_hit = kv.get_computed_blocks(b)
+        assert num_hit == 8 and not kv.allocate_slots(b, b.num_tokens - num_hit, hits)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (9, 0)
+    kv.free(a)  # a finishes: its blocks stay cached, and free
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, b.num_tokens - num_hit, hits)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (9 + 16, 8)
+
+
 def test_prefix_caching_off_never_hits_or_counts():
     kv = KVCacheManager(8, 4, enable_prefix_caching=False)
     a = make_request("a", list(range(9)))
@@ -302,13 +319,13 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _admit(self, request: Request) -> None:
         hits, num_hit = self.kv.get_computed_blocks(request)
-        self.queries += request.num_tokens
-        self.hits += num_hit
         assert num_hit == len(hits) * BS < request.num_tokens
         for i, block in enumerate(hits):
             assert self.written[block.block_id] == request.all_token_ids[i * BS : (i + 1) * BS]
         before = state(self.kv, request, *self.running, *self.waiting)
         if self.kv.allocate_slots(request, request.num_tokens - num_hit, hits):
+            self.queries += request.num_tokens  # a lookup counts once it is admitted
+            self.hits += num_hit
             request.num_computed_tokens = num_hit
             self._compute(request)
             self.running.append(request)
