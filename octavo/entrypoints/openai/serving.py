@@ -103,8 +103,8 @@ class ServingContext:
         a request reaches the engine, which would refuse that prompt alone: the others
         could already have streamed under a 200."""
         vocab = self.engine.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
+        if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):  # C, not Python
+            bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             message = f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
             raise OpenAIError(message, param=param)
 

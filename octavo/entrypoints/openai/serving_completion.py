@@ -134,8 +134,9 @@ def _prompt_ids(
                 raise OpenAIError(str(e), param="prompt") from None
         if not p:
             raise OpenAIError("a prompt must have at least one token", param="prompt")
-        ctx.check_token_ids(p)
-        result.append(list(p if keep_last is None else p[-keep_last:]))
+        kept = list(p if keep_last is None else p[-keep_last:])
+        ctx.check_token_ids(kept)
+        result.append(kept)
     return result
 
 
