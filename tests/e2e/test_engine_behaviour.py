@@ -198,7 +198,8 @@ def test_a_plain_prompt_gets_the_special_tokens_its_tokenizer_adds(llm, chat_pro
         llm.engine.tokenizer = tokenizer
     assert out.prompt_token_ids == [bos, *plain]
     assert chat.prompt_token_ids.count(bos) == chat_prompt_ids[0].count(bos)  # the template's
-    assert _prompt_ids(types.SimpleNamespace(tokenizer=with_bos), "Hello there") == [[bos, *plain]]
+    ctx = types.SimpleNamespace(tokenizer=with_bos, check_token_ids=lambda ids: None)
+    assert _prompt_ids(ctx, "Hello there") == [[bos, *plain]]
 
 
 def test_finish_reasons(llm, chat_prompt_ids):
