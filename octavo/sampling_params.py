@@ -16,6 +16,7 @@ MAX_LOGIT_BIAS = 100.0  # the largest logit bias (OpenAI's range is [-100, 100])
 BAN_LOGIT_BIAS = -1e20  # a logit bias at or below this bans its token (-inf)
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 FLOAT32_MAX = 3.4028234663852886e38
+MAX_TEMPERATURE = 1e38  # log2(e) / 1e38 = 1.44e-38, above float32's smallest normal 1.18e-38
 
 
 class RequestOutputKind(enum.Enum):
@@ -142,10 +143,13 @@ class SamplingParams:
 
     def _validate_sampling(self) -> None:
         self.n = _as_int("n", self.n, f"an integer in [1, {MAX_N}]", lo=1, hi=MAX_N)
-        # The sampler divides float32 logits by it: beyond float32 it would be inf, and a
-        # banned -inf logit over inf is NaN, which no ban or grammar survives.
-        allowed = f"a number in [0, {FLOAT32_MAX:.4g}] (float32's range)"
-        self.temperature = _as_float("temperature", self.temperature, allowed, lo=0, hi=FLOAT32_MAX)
+        # The sampler scales float32 logits by log2(e) / temperature, which must stay a
+        # normal float32: at 0 (a flushed subnormal) or inf a banned -inf logit becomes NaN,
+        # which no ban or grammar survives.
+        allowed = f"a number in [0, {MAX_TEMPERATURE:.0e}]"
+        self.temperature = _as_float(
+            "temperature", self.temperature, allowed, lo=0, hi=MAX_TEMPERATURE
+        )
         self.top_p = _as_float("top_p", self.top_p, "a number in (0, 1]", hi=1)
         _check(self.top_p > 0, "top_p", "a number in (0, 1]", self.top_p)
         if self.top_k is not None:

@@ -225,6 +225,9 @@ class Engine:
         launched = None if so.is_empty else (so, self._launch(so))
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
+            # Its requests not finished yet: they finish, or are preempted, in it (taken
+            # now, so that no id reused since an earlier finish can be hit below).
+            live = [s.request for s in in_flight[0].scheduled if not s.request.is_finished]
             # A step with structured outputs samples once its grammars have taken the
             # finished step's tokens, while its own forward pass runs on the device; the
             # finished step's text and outputs are made after that.
@@ -234,10 +237,10 @@ class Engine:
             except Exception:
                 if launched is not None:  # it may read the failed step's tokens: drop it
                     self._fail(launched[0])
-                # Requests the step in flight finished have no output if `sample` failed:
-                # release them (abort_request forgets a finished group), as failed.
-                done = [s.request.group_id for s in in_flight[0].scheduled if s.request.is_finished]
-                self.abort_request(list(dict.fromkeys(done)))
+                # If `sample` failed, the step in flight's tokens are appended but have no
+                # text or output: abort its requests (a finished group is just forgotten),
+                # so that none finishes without an output or runs on with a gap in its text.
+                self.abort_request(list(dict.fromkeys(r.group_id for r in live)))
                 raise
         if launched is not None:  # no step was in flight: sample now (if not done above)
             try:

@@ -230,3 +230,89 @@ def test_a_failed_sample_of_the_next_step_releases_the_requests_that_finished(
         assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
         engine.add_request(chat_prompt_ids[0], short, "sample-0")  # the id is free again
         engine.abort_request("sample-0")
+
+
+def test_a_failed_sample_spares_a_request_that_reused_an_aborted_id(
+    llm_factory, chat_prompt_ids, monkeypatch
+):
+    """Only the step in flight's own requests are released: not a waiting request that
+    took the id of one aborted while that step ran."""
+    from octavo.runner.model_runner import PendingOutput
+
+    llm = llm_factory(max_num_seqs=2)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with scheduling(llm, True):
+        for i, request_id in enumerate(["reuse-0", "reuse-a", "reuse-1"]):
+            engine.add_request(chat_prompt_ids[i], params, request_id)
+        engine.step()
+        engine.step()  # reuse-a decodes in the step in flight; reuse-1 waits
+        engine.abort_request("reuse-a")
+        engine.add_request(chat_prompt_ids[3], params, "reuse-a")  # waits behind reuse-1
+        in_flight = engine._in_flight[1]
+        real = PendingOutput.sample
+        monkeypatch.setattr(PendingOutput, "sample", lambda p: real(p) if p is in_flight else 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            engine.step()
+        monkeypatch.setattr(PendingOutput, "sample", real)
+        assert not engine.scheduler.requests["reuse-a"].is_finished
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished |= {o.request_id: o for o in engine.step() if o.finished}
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+    assert len(finished["reuse-a"].outputs[0].token_ids) == 10
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
+
+
+def test_a_failed_sample_aborts_a_request_preempted_in_its_step(
+    llm_factory, chat_prompt_ids, monkeypatch
+):
+    """A request of the step in flight that the next schedule preempts gets its token, and
+    no text for it if the next step's sampling fails: it is aborted, not run on with a gap
+    in its text."""
+    from octavo.runner.model_runner import PendingOutput
+
+    llm = llm_factory(num_kv_blocks=14, enable_prefix_caching=False)
+    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    victims, target = [], []
+    real_schedule, real_launch = engine.scheduler.schedule, engine._launch
+    real_sample = PendingOutput.sample
+
+    def schedule():
+        so = real_schedule()
+        if not victims and engine._in_flight is not None and not so.is_empty:
+            sampled = {s.request_id for s in engine._in_flight[0].scheduled if s.sample}
+            victims.extend(r for r in so.preempted_request_ids if r in sampled)
+        return so
+
+    def launch(so):
+        pending = real_launch(so)
+        if victims and not target:
+            target.append(pending)
+        return pending
+
+    def sample(self):
+        if target and self is target[0]:
+            raise RuntimeError("mask fault")
+        return real_sample(self)
+
+    with scheduling(llm, True):
+        for i, prompt in enumerate(chat_prompt_ids[:4]):
+            engine.add_request(prompt, params, f"gap-{i}")
+        monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+        monkeypatch.setattr(engine, "_launch", launch)
+        monkeypatch.setattr(PendingOutput, "sample", sample)
+        finished = {}
+        with pytest.raises(RuntimeError, match="mask fault"):
+            while True:
+                finished |= {o.request_id: o for o in engine.step() if o.finished}
+        monkeypatch.undo()
+        assert victims and all(v not in engine.scheduler.requests for v in victims)
+        while engine.has_unfinished_requests():
+            finished |= {o.request_id: o for o in engine.step() if o.finished}
+        finished |= {o.request_id: o for o in engine.step() if o.finished}
+    assert not set(victims) & set(finished)
+    for out in finished.values():  # every text is its tokens' text
+        assert out.outputs[0].text == tokenizer.decode(out.outputs[0].token_ids)
+    assert engine.kv.num_free_blocks == engine.kv.num_total_blocks

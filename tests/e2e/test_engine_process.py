@@ -35,7 +35,10 @@ def served(llm):  # llm: the embedded model, only so that it is known to be inst
 
 
 def test_completions_match_the_engine_in_this_process(served, llm):
-    server, _ = served
+    server, engine = served
+    # What the server checks requests against comes over the pipe at start-up.
+    assert engine.vocab_size == llm.engine.vocab_size != engine.max_model_len
+    assert engine.max_model_len == llm.engine.scheduler_config.max_model_len
     prompts = ["The capital of France is", [1, 504, 3458, 282]]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for prompt in prompts:

@@ -708,16 +708,17 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, client, c
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text
 
 
-def test_every_prompts_ids_are_checked_before_any_prompt_runs(server, monkeypatch):
+@pytest.mark.parametrize("bad", [10**9, -1])
+def test_every_prompts_ids_are_checked_before_any_prompt_runs(server, monkeypatch, bad):
     """With the engine in its own process, a prompt the engine refused last let the others
     stream first under a 200 (a race); the server refuses the whole request up front."""
     runs = []
     generate = server.ctx.generate
     monkeypatch.setattr(server.ctx, "generate", lambda *a: runs.append(a) or generate(*a))
-    body = {"model": MODEL, "prompt": [[5, 6, 7]] * 4 + [[10**9]], "stream": True}
+    body = {"model": MODEL, "prompt": [[5, 6, 7]] * 4 + [[8, bad]], "stream": True}
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     _assert_error(r, 400)
-    assert r.json()["error"]["param"] == "prompt" and "1000000000" in r.text
+    assert r.json()["error"]["param"] == "prompt" and f"id {bad} is outside" in r.text
     assert runs == []
 
 

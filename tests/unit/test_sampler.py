@@ -518,3 +518,13 @@ def test_logprobs_are_raw_log_softmax_with_sampled_token_first_and_ranks():
 def test_build_refuses_lists_of_different_lengths():
     with pytest.raises(ValueError, match="differ in length"):
         SamplingMetadata.build([SP()], [[1]], [[], []], 10, [], CPU)
+
+
+def test_the_largest_temperature_keeps_bans():
+    """At MAX_TEMPERATURE sampling is uniform over the allowed tokens: a banned logit stays
+    -inf (over an inf temperature it was NaN, and the bans broke)."""
+    from octavo.sampling_params import MAX_TEMPERATURE
+
+    params = [SP(temperature=MAX_TEMPERATURE, seed=s, allowed_token_ids=[3, 7]) for s in range(64)]
+    tokens = Sampler()(randn(64, 50, seed=4), build(params)).sampled_token_ids.tolist()
+    assert set(tokens) == {3, 7}

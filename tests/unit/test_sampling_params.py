@@ -12,7 +12,7 @@ from octavo.sampling_params import MAX_N, SamplingParams, SamplingType, Structur
 
 BAD_VALUES = [
     ("n", [0, -1, MAX_N + 1, 1.5, "1", True, None]),
-    ("temperature", [-0.1, -1, "1", True, None, math.nan, math.inf, 1e39]),  # float32: inf
+    ("temperature", [-0.1, -1, "1", True, None, math.nan, math.inf, 1.1e38]),  # > MAX_TEMPERATURE
     ("top_p", [0, 0.0, -0.5, 1.01, 2, "0.5", True, math.nan]),
     ("top_k", [-2, -10, 1.5, "3", True]),
     ("min_p", [-0.1, 1.1, "0.1", True, math.nan]),
