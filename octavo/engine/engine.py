@@ -225,9 +225,6 @@ class Engine:
         launched = None if so.is_empty else (so, self._launch(so))
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
-            # Its requests not finished yet: they finish, or are preempted, in it (taken
-            # now, so that no id reused since an earlier finish can be hit below).
-            live = [s.request for s in in_flight[0].scheduled if not s.request.is_finished]
             # A step with structured outputs samples once its grammars have taken the
             # finished step's tokens, while its own forward pass runs on the device; the
             # finished step's text and outputs are made after that.
@@ -237,10 +234,6 @@ class Engine:
             except Exception:
                 if launched is not None:  # it may read the failed step's tokens: drop it
                     self._fail(launched[0])
-                # If `sample` failed, the step in flight's tokens are appended but have no
-                # text or output: abort its requests (a finished group is just forgotten),
-                # so that none finishes without an output or runs on with a gap in its text.
-                self.abort_request(list(dict.fromkeys(r.group_id for r in live)))
                 raise
         if launched is not None:  # no step was in flight: sample now (if not done above)
             try:
@@ -286,7 +279,14 @@ class Engine:
                     self.outputs.process_prompt_logprobs(item.request, *found)
         updated = self.scheduler.update(so, result.sampled_token_ids)
         if after_update is not None:
-            after_update()
+            try:
+                after_update()
+            except Exception:
+                # The tokens are appended but have no text or output yet: abort their
+                # requests (a finished group is just forgotten), so that none finishes
+                # without an output or runs on (preempted, say) with a gap in its text.
+                self.abort_request(list(dict.fromkeys(r.group_id for r in updated)))
+                raise
         self.stats.num_generated_tokens += len(updated)
         groups: dict[str, RequestOutputKind] = {}
         all_logprobs = result.logprobs
