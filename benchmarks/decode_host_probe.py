@@ -47,11 +47,11 @@ PROMPT_LEN, MAX_TOKENS = 64, 128
 
 # "module:attribute path": what --breakdown times (a missing one is skipped)
 BREAKDOWN = [
-    "octavo.engine.scheduler:Scheduler.schedule",
+    "octavo.core.scheduler:Scheduler.schedule",
     "octavo.runner.model_runner:ModelRunner.execute_async",
-    "octavo.engine.scheduler:Scheduler.update",
+    "octavo.core.scheduler:Scheduler.update",
     "octavo.engine.structured_output:Grammar.accept",
-    "octavo.engine.scheduler:accept_tokens",
+    "octavo.core.scheduler:accept_tokens",
     "octavo.runner.sampler:SamplingMetadata.build",
     "octavo.runner.sampler:GrammarMasks.bans",
     "octavo.runner.sampler:fill_bitmasks",

@@ -125,7 +125,7 @@ def run_server(setting: str, args: argparse.Namespace, port: int) -> dict:
         prelude = f"sys.setswitchinterval({setting.split('=')[1]}); "
     elif setting == "scan":
         prelude = (
-            "from octavo.engine.kv_cache_manager import KVCacheManager as K; "
+            "from octavo.core.kv_cache_manager import KVCacheManager as K; "
             "K.num_shared_block_refs = property("
             "lambda self: sum(b.ref_cnt - 1 for b in self.pool.blocks if b.ref_cnt > 1)); "
         )

@@ -27,7 +27,7 @@ from typing import Any
 
 from octavo.engine.engine import Engine, request_id_list
 from octavo.engine.gc_heap import frozen_gc_heap
-from octavo.engine.request import Request
+from octavo.core.request import Request
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 

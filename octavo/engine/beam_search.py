@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Literal
 
 from tqdm.auto import tqdm
 
-from octavo.engine.request import Request, RequestStatus
+from octavo.core.request import Request, RequestStatus
 from octavo.outputs import Logprob
 from octavo.sampling_params import SamplingParams
 

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from octavo.config import CacheConfig, SchedulerConfig
-from octavo.engine.kv_cache_manager import KVCacheManager
+from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.engine.output_processor import OutputProcessor
-from octavo.engine.request import Request, RequestStatus
-from octavo.engine.scheduler import Scheduler, SchedulerOutput
+from octavo.core.request import Request, RequestStatus
+from octavo.core.scheduler import Scheduler, SchedulerOutput
 from octavo.engine.structured_output import Grammar, GrammarCompiler
 from octavo.model.tokenizer import encode_text
 from octavo.outputs import RequestOutput

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from octavo.engine.detokenizer import IncrementalDetokenizer
-from octavo.engine.request import Request, RequestStatus
+from octavo.core.request import Request, RequestStatus
 from octavo.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from octavo.runner.model_runner import TokenLogprobs
 from octavo.sampling_params import RequestOutputKind

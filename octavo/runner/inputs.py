@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from octavo.attention.backend import AttentionMetadata
-from octavo.engine.scheduler import ScheduledRequest
+from octavo.core.scheduler import ScheduledRequest
 from octavo.runner.sampler import to_device
 
 if TYPE_CHECKING:

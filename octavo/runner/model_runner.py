@@ -13,7 +13,7 @@ import torch
 
 from octavo.attention.backend import AttentionMetadata, build_metadata, get_attention_backend
 from octavo.attention.layer import bind_kv_caches
-from octavo.engine.scheduler import SchedulerOutput
+from octavo.core.scheduler import SchedulerOutput
 from octavo.model.hf_config import get_head_dim
 from octavo.model.layers import Linear
 from octavo.model.loader import load_model

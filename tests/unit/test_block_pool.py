@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from octavo.engine.block_pool import BlockPool, hash_block_tokens
+from octavo.core.block_pool import BlockPool, hash_block_tokens
 
 
 def ids(blocks):

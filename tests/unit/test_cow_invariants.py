@@ -19,8 +19,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from octavo.engine.kv_cache_manager import KVCacheManager
-from octavo.engine.request import Request, RequestStatus
+from octavo.core.kv_cache_manager import KVCacheManager
+from octavo.core.request import Request, RequestStatus
 from octavo.sampling_params import SamplingParams
 
 BS = 4

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from octavo.engine.scheduler import ScheduledRequest
+from octavo.core.scheduler import ScheduledRequest
 from octavo.runner.cuda_graph import CudaGraphRunner, GraphShape, mixed_capture_sizes
 from octavo.runner.inputs import InputBuilder
 

@@ -10,9 +10,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from octavo.engine.block_pool import hash_block_tokens
-from octavo.engine.kv_cache_manager import KVCacheManager
-from octavo.engine.request import Request
+from octavo.core.block_pool import hash_block_tokens
+from octavo.core.kv_cache_manager import KVCacheManager
+from octavo.core.request import Request
 from octavo.sampling_params import SamplingParams
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from octavo.config import SchedulerConfig
-from octavo.engine.kv_cache_manager import KVCacheManager
-from octavo.engine.request import Request, RequestStatus
-from octavo.engine.scheduler import Scheduler
+from octavo.core.kv_cache_manager import KVCacheManager
+from octavo.core.request import Request, RequestStatus
+from octavo.core.scheduler import Scheduler
 from octavo.sampling_params import SamplingParams, StructuredOutputsParams
 
 BS = 4

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from octavo.config import SchedulerConfig
-from octavo.engine.kv_cache_manager import KVCacheManager
-from octavo.engine.request import Request, RequestStatus
-from octavo.engine.scheduler import Scheduler
+from octavo.core.kv_cache_manager import KVCacheManager
+from octavo.core.request import Request, RequestStatus
+from octavo.core.scheduler import Scheduler
 from octavo.engine.structured_output import (
     PARALLEL_ACCEPT_MIN,
     GrammarCompiler,

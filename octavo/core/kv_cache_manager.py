@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from octavo.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
-from octavo.engine.request import Request
+from octavo.core.block_pool import BlockPool, KVBlock, hash_block_tokens
+from octavo.core.request import Request
 
 
 @dataclass

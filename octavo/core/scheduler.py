@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from octavo.config import SchedulerConfig
-from octavo.engine.kv_cache_manager import KVCacheManager
-from octavo.engine.request import Request, RequestStatus
+from octavo.core.kv_cache_manager import KVCacheManager
+from octavo.core.request import Request, RequestStatus
 from octavo.engine.structured_output import accept_tokens
 from octavo.sampling_params import SamplingParams
 
