@@ -1,10 +1,9 @@
 """One projection y = x @ w.T through cuBLASLt, with an algorithm of our choosing.
 
-torch's `F.linear` runs cuBLAS's first heuristic pick for the shape. At a few rows that pick
-can be slow: on an H200, Qwen3-0.6B's o_proj (1024 x 2048) takes 13.3 us at one row with it
-and 6.1 us with cuBLASLt's fifth candidate (benchmarks/cublaslt_probe.py, docs/PERFORMANCE.md
-session 15). `runner/gemm_tuning.py` times the candidates at start-up and keeps the winners;
-this file only binds the C API, through ctypes, to the libcublasLt that torch has loaded.
+torch's `F.linear` runs cuBLAS's first heuristic pick for the shape, and at a few rows another
+candidate can be much faster (see docs/PERFORMANCE.md). `runner/gemm_tuning.py` times the
+candidates at start-up and keeps the winners; this file only binds the C API, through ctypes,
+to the libcublasLt that torch has loaded.
 
 Column-major view of the row-major tensors (cuBLAS's convention):
 

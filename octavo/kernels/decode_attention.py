@@ -1,16 +1,15 @@
 """Decode attention (one query token per sequence) over the paged KV cache: flash-decoding.
 
 Decode is memory-bound: every step reads each sequence's whole K/V once, and does only
-~2 * group flops per KV element loaded. Two ideas keep the GPU busy:
+~2 * group flops per KV element loaded. Four ideas keep the GPU busy:
 
 1. GQA grouping. One program owns all GROUP query heads of one KV head, so each KV chunk is
    loaded once for the heads that share it. The heads are the M rows of a tl.dot, padded to 16
-   (the smallest MMA tile). Why tl.dot rather than broadcast-multiply-and-sum: the padded rows
-   cost tensor-core cycles that are free here (tens of times more headroom than bandwidth),
-   while a sum over head_dim on CUDA cores costs cross-lane shuffles per score and G times the
+   (the smallest MMA tile). The padded rows cost tensor-core cycles that a memory-bound kernel
+   has to spare, while a sum over head_dim on CUDA cores would cost shuffles and G times the
    FMA work per loaded byte; one code path also serves every group size, including 1.
 
-2. Split-K. With few sequences (batch 1, long context) B * KVH programs cannot fill 132 SMs,
+2. Split-K. With few sequences (batch 1, long context) B * KVH programs cannot fill the SMs,
    so each sequence's context is cut into num_splits equal parts (rounded to BLOCK_N) that run
    in parallel; each writes its partial output and log-sum-exp, and a second small kernel
    combines them. With one split the first kernel writes the output directly.
@@ -22,9 +21,9 @@ num_splits depends only on the batch size and the block-table width (the largest
 table can describe), never on this step's lengths, so a CUDA graph captured for a padded batch
 launches the same grid on every replay. A sequence with seq_len 0 gets zeros.
 
-3. Longest first. With many sequences there is one split each, and contexts differ (100 to
-   2k positions in one batch); the GPU starts programs in grid order as others finish, so a
-   long sequence that starts last runs alone at the end while most SMs idle. Given `order`
+3. Longest first. With many sequences there is one split each, and contexts differ in
+   length; the GPU starts programs in grid order as others finish, so a long sequence that
+   starts last runs alone at the end while most SMs idle. Given `order`
    (the sequences sorted by length, longest first, made on the host with the step's inputs),
    grid row i runs sequence order[i], with its KV heads next to each other in the grid.
 
@@ -255,9 +254,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: i
     allowed. Depends on shapes only (CUDA-graph safe). A power of two, at most MAX_SPLITS.
 
     NOTE: the best count also depends on the step's actual lengths, which a CUDA graph cannot
-    see. At 8-48 sequences of 2k-8k, more splits ran 6-11% faster alone, but a graph per
-    count chosen from the mean context changed a step by -6% to +1% end to end with spread
-    lengths, and lost 1-11% with equal ones (docs/PERFORMANCE.md, session 17)."""
+    see; choosing it from the step's mean context did not pay end to end (see
+    docs/PERFORMANCE.md)."""
     programs = max(num_seqs * num_kv_heads, 1)
     wanted = triton.cdiv(2 * sms, programs)
     by_length = max(max_context // MIN_SPLIT_LEN, 1)
@@ -268,8 +266,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: i
 def default_decode_config(head_dim: int) -> dict[str, int]:
     """Chunk length and launch knobs of the split kernel."""
     if head_dim <= 128:
-        # H100 sweep (docs/results/gpu/kernels_sweep.json): 95% of copy bandwidth on mixed
-        # contexts at batch 256, against 92% with block_n 64; 3 stages of 128 hurt at 1 x 8k.
+        # 128-position chunks keep more of the copy bandwidth on mixed contexts than 64, and
+        # 3 stages hurt a single long context (see docs/PERFORMANCE.md).
         return {"block_n": 128, "num_warps": 4, "num_stages": 2}
     return {"block_n": 32, "num_warps": 4, "num_stages": 2}
 

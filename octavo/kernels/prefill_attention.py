@@ -132,7 +132,7 @@ def default_prefill_config(head_dim: int, group_pad: int) -> dict[str, int]:
     if head_dim <= 64:
         cfg = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
     elif head_dim <= 128:
-        # H100 sweep (docs/results/gpu/kernels_sweep.json): 1.2-1.4x the 128 x 64 x 8-warp tile.
+        # Faster than the 128 x 64 tile with 8 warps in the kernel sweep (docs/PERFORMANCE.md).
         cfg = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
     else:
         cfg = {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}

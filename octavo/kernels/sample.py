@@ -9,10 +9,10 @@
         the running sum of exp(logits[v] / T - M) passes what is left of target
 
 Token v comes out with probability softmax(logits / T)[v], and a row's token depends only on
-its logits and its seed. One uniform per row: the exponential race (Gumbel-max) this
-replaced drew one per vocabulary entry, and at B = 256, V = 152k drawing them was most of its
-122 us (docs/PERFORMANCE.md). Pass 1 reads the logits once, in their own dtype; pass 2 reads
-one chunk per row again. A row with T = 0 takes the argmax, ties to the smallest index.
+its logits and its seed. One uniform per row, where an exponential race (Gumbel-max) draws one
+per vocabulary entry and spends most of its time drawing them at large batches (see
+docs/PERFORMANCE.md). Pass 1 reads the logits once, in their own dtype; pass 2 reads one chunk
+per row again. A row with T = 0 takes the argmax, ties to the smallest index.
 
 The two passes sum the same terms in different orders, so in fp32 they can disagree in the
 last bits. If what is left of target lands in that sliver at the end of chunk c, the scan
