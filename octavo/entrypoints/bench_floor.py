@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Buffer sizes of the copy ceiling, in bytes. A copy moves at a higher rate the larger it is,
-# since a launch's ramp and tail are a smaller share: on the H200, 1 GiB read ~2.5% below
-# 4 GiB (docs/PERFORMANCE.md). The ceiling is the best rate over the sizes that fit.
+# Buffer sizes of the copy ceiling, in bytes. A larger copy moves at a higher rate, since a
+# launch's ramp and tail are a smaller share of it; the ceiling is the best rate that fits.
 COPY_SIZES = (1 << 30, 1 << 31, 1 << 32)
 
 
@@ -54,8 +53,8 @@ def _time_cuda(fn, repeats: int) -> float:
 
 def copy_sizes(free_bytes: int, spare: int = 1 << 30) -> list[int]:
     """The copy buffers to time: the smallest of COPY_SIZES always, each larger one only if
-    its source and destination fit in `free_bytes` with `spare` bytes left over (beside an
-    engine's KV cache, an 80 GB card has ~8 GB free)."""
+    its source and destination fit in `free_bytes` with `spare` bytes left over (an engine's
+    KV cache leaves little free)."""
     return [s for s in COPY_SIZES if s == COPY_SIZES[0] or 2 * s + spare <= free_bytes]
 
 
