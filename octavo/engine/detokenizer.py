@@ -15,8 +15,8 @@ After an emission the window slides (prefix_offset = read_offset, read_offset = 
 each step decodes a few tokens, never the whole output. Plain Python, no torch.
 
 For a Rust-backed HF tokenizer, the same two decodes a token run inside the `tokenizers`
-library's `DecodeStream` (one call a token, ~5x faster than two `tokenizer.decode` calls from
-Python): its window rule is the one above. The Python loop takes over for good where the
+library's `DecodeStream` (one call a token, much cheaper than two `tokenizer.decode` calls
+from Python): its window rule is the one above. The Python loop takes over for good where the
 stream cannot follow (a window that would grow without bound, a prefix the decoder rewrote).
 """
 

@@ -8,10 +8,9 @@ The event loop never waits on the pipe: a long prompt fills the pipe's buffer un
 process reads it between two steps, so a writer thread sends the commands.
 
 Why a process: an Engine on a thread of the server's process shares the GIL with the event
-loop, which spends ~60 us of Python on every streamed chunk. With a decode step of ~1.5 ms and
-~20 streams open, the loop alone holds the GIL about as long as the GPU takes for a step, and
-the engine waits for it (docs/PERFORMANCE.md, session 13). vLLM runs its engine core in a
-process of its own for the same reason.
+loop, which runs Python for every streamed chunk. With many streams open the loop alone holds
+the GIL about as long as the GPU takes for a step, and the engine waits for it (see
+docs/PERFORMANCE.md). vLLM runs its engine core in a process of its own for the same reason.
 
 The engine process builds the Engine itself (`build_engine(**options)`; spawned, so CUDA is
 set up there only) and runs the same loop as AsyncEngine's thread. Outputs cross the pipe

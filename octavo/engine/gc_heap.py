@@ -1,9 +1,8 @@
 """Keeps Python's garbage collector off the startup heap while an engine loop runs.
 
-A full collection walks every tracked object. After torch, transformers and a model are
-loaded that is ~500k objects, and one such pause took 0.26-0.28 s in the middle of a GPU run,
-with the device idle behind it (docs/PERFORMANCE.md). vLLM freezes its startup heap the same
-way.
+A full collection walks every tracked object, and after torch, transformers and a model are
+loaded there are hundreds of thousands: the device idles behind the pause (see
+docs/PERFORMANCE.md). vLLM freezes its startup heap the same way.
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ def frozen_gc_heap(collect_first: bool = False) -> Iterator[None]:
         whole block. Costs a full collection: for blocks that last, like the server's loop.
 
     NOTE: blocks nest on purpose (the server's loop and LLM.generate may share a process, in
-    either order); an inner block changes nothing. Unfreezing also gives back what a library
-    froze before (the GPU machine's imports freeze a few hundred objects): they are alive,
-    so a later full collection only walks them again.
+    either order); an inner block changes nothing. Unfreezing also unfreezes what a library
+    froze earlier, which costs only a later collection's walk over those live objects.
     """
     global _blocks_open
     with _lock:
