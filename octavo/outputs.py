@@ -1,10 +1,9 @@
 """What LLM.generate returns: vLLM's RequestOutput and CompletionOutput.
 
 Each pickles as its constructor's positional arguments (`__reduce__`) rather than as a dict
-of its fields: `octavo serve`'s engine process sends every step's outputs through a pipe,
-and at 256 streams that takes a quarter to a third off pickling and about half off
-unpickling (docs/PERFORMANCE.md, session 23).
-A new field must be added to `__reduce__` too, and to the positional calls in
+of its fields, which is cheaper both ways: `octavo serve`'s engine process sends every step's
+outputs through a pipe (see docs/PERFORMANCE.md).
+NOTE: a new field must be added to `__reduce__` too, and to the positional calls in
 engine/output_processor.py (tests/unit/test_outputs.py checks both).
 """
 

@@ -346,8 +346,8 @@ class SamplingParams:
         """The settings of completion `index` of an n > 1 request: n = 1 and, with a seed,
         seed + index, as vLLM gives them. So the n samples are reproducible and differ from
         each other, and sample i is what an n = 1 request with seed + i would draw."""
-        # NOTE: a shallow copy: the engine never changes a request's lists and dicts, and
-        # with a vocabulary-wide allowed_token_ids a deep one costs ~25 ms per sample.
+        # NOTE: a shallow copy: the engine never changes a request's lists and dicts, and a
+        # deep copy of a vocabulary-wide allowed_token_ids would be slow for every sample.
         child = copy.copy(self)
         child.n = 1
         if self.seed is not None:
