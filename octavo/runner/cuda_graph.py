@@ -1,9 +1,9 @@
 """CUDA graphs: capture a ladder of step shapes, pad a step up to the nearest, replay.
 
 A step of a small model is hundreds of tiny kernels; launching them one by one from Python
-costs more than running them (~0.45 ms a layer on an H200, docs/PERFORMANCE.md). A captured
-graph replays them all in one launch, over static buffers whose addresses never change: each
-step copies its inputs into the front of those buffers and pads the rest.
+costs more than running them (see docs/PERFORMANCE.md). A captured graph replays them all in
+one launch, over static buffers whose addresses never change: each step copies its inputs
+into the front of those buffers and pads the rest.
 
 Two ladders, each padded differently (runner/inputs.py):
 
@@ -140,7 +140,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Captures every shape, sharing one memory pool: an eager warm-up run, then the
-        capture (1.3 s for Qwen3-8B's 24 mixed shapes on an H200)."""
+        capture."""
         start = time.perf_counter()
         for shape in self.shapes():
             self._fill_padding(shape)

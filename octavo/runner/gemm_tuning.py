@@ -1,8 +1,7 @@
 """Measured GEMM algorithms for the projections that CUDA graphs capture.
 
 At the row counts of decode steps a projection is latency-bound, and cuBLAS's first heuristic
-pick (what `F.linear` runs) is sometimes well off the best it has: on an H200, Qwen3-0.6B's
-o_proj takes 13.3 us at one row against 6.1 us with another of cuBLASLt's algorithms. At
+pick (what `F.linear` runs) is sometimes well off the best it has (see docs/PERFORMANCE.md). At
 start-up, before graph capture, `tune_linears` times `F.linear` against cuBLASLt's candidates
 for each distinct projection and row count, and hands each winner to the projections of that
 shape: their `forward` runs it while a CUDA graph captures (kernels/cublaslt.py). Eager steps
@@ -38,8 +37,8 @@ logger = logging.getLogger(__name__)
 ENABLED = os.environ.get("OCTAVO_LT_GEMMS", "1") != "0"
 MAX_ROWS = 64  # above this a projection's time grows with its rows; cuBLAS's pick holds
 MARGIN = 0.03  # a candidate must beat F.linear by this fraction
-# cuBLASLt's first 4 heuristic algorithms, each also with K split 2, 4 and 8: in a sweep of 16
-# (benchmarks/cublaslt_probe.py) every winner by more than 3% was among these.
+# cuBLASLt's first 4 heuristic algorithms, each also with K split 2, 4 and 8: a wider sweep
+# found no winner worth having outside these.
 CANDIDATES = 4
 
 
