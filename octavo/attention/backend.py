@@ -1,7 +1,10 @@
-"""The attention backend interface and the metadata every backend reads.
+"""The attention backend interface, the metadata every backend reads, and the spec of a layer.
 
-A backend does two things per layer and step: write the new K/V into their slots of the
-paged cache, then attend each query token over its sequence's cached context.
+A backend takes one layer's qkv projection for one step and does everything up to the
+attention output: split it into q, k and v, normalize the q/k heads (if the layer has
+norms), rotate q and k, write the new K/V into their slots of the paged cache, then attend
+each query token over its sequence's cached context. The backend picks how: the torch backend
+does each step in torch, the Triton backend fuses them into one or two kernels.
 
     block_table[seq] = [7, 2, 9]      block_size = 4
     token 9 of seq -> logical block 9 // 4 = 2 -> physical 9 -> slot 9 * 4 + 9 % 4 = 37
@@ -13,6 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -48,6 +52,47 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True, eq=False)
+class AttentionSpec:
+    """What one layer's attention computes, besides its KV cache.
+
+        qkv [T, (H + 2 * KVH) * D] = | q: H * D | k: KVH * D | v: KVH * D |
+        q, k -> RMSNorm over each head (q_norm, k_norm; both or neither) -> rotary
+
+    NOTE: `rotary_emb`, `q_norm` and `k_norm` are the model's own modules, held by reference:
+    the model keeps them as its attributes, so their parameters keep their checkpoint names,
+    and a backend reads their current tensors at each call.
+
+    Attributes:
+        rotary_emb: `forward(positions [T], q [T, H * D], k [T, KVH * D])` -> rotated (q, k),
+            and `cos_sin_cache` [max_position, D] float32 (cos | sin halves).
+        q_norm, k_norm: RMSNorm over head_dim (`weight` [D], `eps`), or None.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float  # softmax scale, usually head_dim ** -0.5
+    rotary_emb: nn.Module
+    q_norm: nn.Module | None = None
+    k_norm: nn.Module | None = None
+
+    def __post_init__(self) -> None:
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("q_norm and k_norm must be given together, or neither")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def qkv_sizes(self) -> tuple[int, int, int]:
+        """Widths of q, k and v in a qkv row."""
+        kv_size = self.num_kv_heads * self.head_dim
+        return self.num_heads * self.head_dim, kv_size, kv_size
+
+
 class AttentionBackend(ABC):
     """Computes attention over the paged KV cache.
 
@@ -57,12 +102,28 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
-    # True if `attend` exists: attention over K/V that an earlier kernel already stored
-    # (the fused rotary kernel writes them on CUDA).
-    attends_stored_kv: bool = False
-    # True if `decode_from_qkv` exists: a pure-decode step straight from the qkv projection,
-    # q/k norm, rotary and the K/V store included (one Triton kernel on CUDA).
-    decodes_from_qkv: bool = False
+
+    @abstractmethod
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:
+        """One layer's attention from its qkv projection: split, q/k norm, rotary, the K/V
+        store, attention. What the `Attention` layer calls.
+
+        Args:
+            qkv: [T, (H + 2 * KVH) * D] output of the fused projection (rows may be strided).
+            positions: [T] int64 position of each token in its sequence.
+            kv_cache: this layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim].
+            md: the step's metadata, shared by all layers.
+            spec: the layer's head counts, scale, rotary and q/k norms.
+        Returns:
+            [T, num_heads, head_dim] attention output.
+        """
 
     @abstractmethod
     def forward(
@@ -74,7 +135,8 @@ class AttentionBackend(ABC):
         md: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Store k/v of the new tokens in the cache, then attend.
+        """Store k/v of the new tokens in the cache, then attend: the attention of
+        `forward_qkv` once q and k are normalized and rotated.
 
         Args:
             q: [T, num_heads, head_dim] queries of the new tokens.

@@ -5,72 +5,48 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from octavo.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 
 
 class Attention(nn.Module):
-    """Paged attention of one transformer layer.
+    """Paged attention of one transformer layer, from the qkv projection to its output.
 
-    The model runner binds `kv_cache` ([2, num_blocks, block_size, num_kv_heads, head_dim])
-    and `backend` after allocating the cache; the model only passes q/k/v and metadata.
+    The model passes its rotary embedding and optional per-head q/k norms at construction;
+    the layer keeps them in `spec` by reference, not as submodules, so their parameters stay
+    the model's (and keep their checkpoint names). The model runner binds `kv_cache`
+    ([2, num_blocks, block_size, num_kv_heads, head_dim]) and `backend` after allocating the
+    cache; the backend picks how to compute (see AttentionBackend.forward_qkv).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        rotary_emb: nn.Module,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
+        # A frozen dataclass is a plain attribute to nn.Module: nothing here is registered.
+        self.spec = AttentionSpec(
+            num_heads, num_kv_heads, head_dim, scale, rotary_emb, q_norm, k_norm
+        )
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+        self, qkv: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
-        """q: [T, H*D], k/v: [T, KVH*D] -> [T, H*D]."""
+        """qkv: [T, (H + 2 * KVH) * D], positions: [T] -> [T, H * D].
+
+        Raises RuntimeError if the model runner has not bound a KV cache yet.
+        """
         if self.kv_cache is None or self.backend is None:
             raise RuntimeError("Attention used before the model runner bound a KV cache")
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, self.kv_cache, md, self.scale)
-        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
-
-    @property
-    def attends_stored_kv(self) -> bool:
-        """Whether the model may write this step's K/V itself and call `attend_stored`."""
-        return self.backend is not None and self.backend.attends_stored_kv
-
-    @property
-    def decodes_from_qkv(self) -> bool:
-        """Whether the model may hand a pure-decode step's qkv to `decode_from_qkv`."""
-        return self.backend is not None and self.backend.decodes_from_qkv
-
-    def decode_from_qkv(
-        self,
-        qkv: torch.Tensor,
-        md: AttentionMetadata,
-        cos_sin_cache: torch.Tensor,
-        q_norm: torch.Tensor | None,
-        k_norm: torch.Tensor | None,
-        eps: float,
-    ) -> torch.Tensor:
-        """qkv [B, (H + 2 * KVH) * D] of a pure-decode step -> [B, H*D]: norm, rotary, the
-        K/V store and attention in the backend (see TritonAttentionBackend.decode_from_qkv)."""
-        if self.kv_cache is None or self.backend is None:
-            raise RuntimeError("Attention used before the model runner bound a KV cache")
-        out = self.backend.decode_from_qkv(
-            qkv, self.kv_cache, md, self.scale, self.num_heads, cos_sin_cache, q_norm, k_norm,
-            eps,
-        )  # fmt: skip
-        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
-
-    def attend_stored(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D], with this step's K/V already in `kv_cache` -> [T, H*D]."""
-        if self.kv_cache is None or self.backend is None:
-            raise RuntimeError("Attention used before the model runner bound a KV cache")
-        out = self.backend.attend(q, self.kv_cache, md, self.scale)
-        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        out = self.backend.forward_qkv(qkv, positions, self.kv_cache, md, self.spec)
+        return out.reshape(out.shape[0], self.spec.num_heads * self.spec.head_dim)
 
 
 def bind_kv_caches(

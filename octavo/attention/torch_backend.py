@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from octavo.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 
 DECODE_GROUPS = 4  # length groups of a decode step (see TorchAttentionBackend._decode)
 
@@ -34,6 +34,28 @@ def gather_kv(
     blocks = kv_cache[:, block_table[:num_blocks].long()]  # [2, nb, bs, KVH, D]
     blocks = blocks.flatten(1, 2)[:, :seq_len]  # [2, seq_len, KVH, D]
     return blocks[0], blocks[1]
+
+
+def split_qkv(
+    qkv: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v heads of a qkv projection, q and k normalized (if the layer has norms) and
+    rotated: what the Triton backend's fused kernels do before attention, through the spec's
+    own modules (which pick their kernel by device).
+
+    qkv: [T, (H + 2 * KVH) * D], positions: [T] -> q [T, H, D], k and v [T, KVH, D].
+    """
+    num_tokens = qkv.shape[0]
+    q, k, v = qkv.split(spec.qkv_sizes, dim=-1)  # [T, H * D], [T, KVH * D], [T, KVH * D]
+    if spec.q_norm is not None and spec.k_norm is not None:
+        q = spec.q_norm(q.view(num_tokens, -1, spec.head_dim)).view(num_tokens, -1)
+        k = spec.k_norm(k.view(num_tokens, -1, spec.head_dim)).view(num_tokens, -1)
+    q, k = spec.rotary_emb(positions, q, k)
+    return (
+        q.view(num_tokens, spec.num_heads, spec.head_dim),
+        k.view(num_tokens, spec.num_kv_heads, spec.head_dim),
+        v.contiguous().view(num_tokens, spec.num_kv_heads, spec.head_dim),
+    )
 
 
 @dataclass(frozen=True)
@@ -75,6 +97,18 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan: _DecodePlan | None = None
         self._workspace: torch.Tensor | None = None
 
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:
+        """See AttentionBackend.forward_qkv: `split_qkv`, then `forward`."""
+        q, k, v = split_qkv(qkv, positions, spec)
+        return self.forward(q, k, v, kv_cache, md, spec.scale)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -84,6 +118,7 @@ class TorchAttentionBackend(AttentionBackend):
         md: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        """See AttentionBackend.forward."""
         write_kv_cache(k, v, kv_cache, md.slot_mapping[: md.num_tokens])
         q = q[: md.num_tokens]
         if md.is_all_decode:

@@ -1,7 +1,14 @@
-"""Attention on CUDA through Triton kernels: store K/V, then decode or prefill/extend.
+"""Attention on CUDA through Triton kernels, from the qkv projection to the attention output.
 
-    forward(q, k, v, kv_cache, md)
-      store_kv             new k/v -> their slots                  (octavo/kernels/store_kv.py)
+    forward_qkv(qkv, positions, kv_cache, md, spec)
+      max_query_len == 1:  decode_attention_qkv: q/k norm, rotary, the K/V store and
+                           split-K decode attention in one kernel   (decode_attention.py)
+      otherwise:           qk_norm_rope_store: q/k norm, rotary, k/v into their slots
+                           (rope.py), then `attend`
+    forward(q, k, v, kv_cache, md)      q/k already normalized and rotated
+      store_kv             new k/v -> their slots                  (store_kv.py)
+      then `attend`
+    attend(q, kv_cache, md)             this step's K/V already in the cache
       max_query_len == 1:  decode_attention, split-K over the KV   (decode_attention.py)
       otherwise:           prefill_attention, causal, paged prefix (prefill_attention.py);
                            decode rows mixed into the batch go here too
@@ -16,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from octavo.attention.backend import AttentionBackend, AttentionMetadata
+from octavo.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from octavo.kernels.decode_attention import decode_attention, decode_attention_qkv
 from octavo.kernels.prefill_attention import prefill_attention
+from octavo.kernels.rope import qk_norm_rope_store
 from octavo.kernels.store_kv import store_kv
 
 
@@ -27,14 +35,47 @@ class TritonAttentionBackend(AttentionBackend):
 
     NOTE: for CUDA-graph decode, pad the batch and keep `block_tables` at a fixed width: the
     number of KV splits is chosen from the token count and `block_tables.shape[1]`, and a
-    padding sequence with seq_len 0 produces zeros. Its padding tokens still go through
-    `store_kv`, so their `slot_mapping` entries must name a slot no real sequence reads (e.g. a
+    padding sequence with seq_len 0 produces zeros. Its padding tokens still go through the
+    K/V store, so their `slot_mapping` entries must name a slot no real sequence reads (e.g. a
     reserved block).
     """
 
     name = "triton"
-    attends_stored_kv = True
+    # Pure-decode steps run `decode_attention_qkv`, one kernel from qkv to the output. False
+    # sends them through `qk_norm_rope_store` and `attend` instead, as other steps go (the
+    # same results, two kernels; benchmarks switch it to compare the two).
     decodes_from_qkv = True
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:
+        """See AttentionBackend.forward_qkv. Returns [T, H, D] in qkv's dtype (T of a
+        decode step is qkv's rows, else `md.num_tokens`)."""
+        cos_sin_cache = spec.rotary_emb.cos_sin_cache  # [max_position, D] float32
+        q_weight = k_weight = None
+        eps = 1e-6  # read only with norm weights
+        if spec.q_norm is not None and spec.k_norm is not None:
+            q_weight, k_weight, eps = spec.q_norm.weight, spec.k_norm.weight, spec.q_norm.eps
+        slot_mapping = md.slot_mapping[: qkv.shape[0]]
+        if md.is_all_decode and self.decodes_from_qkv:
+            # NOTE: the kernel rotates at position seq_len - 1, not `positions`: the same in a
+            # step of one new token per sequence, CUDA-graph padding rows included
+            # (runner/inputs.py).
+            return decode_attention_qkv(
+                qkv, kv_cache, md.seq_lens, md.block_tables, slot_mapping, cos_sin_cache,
+                spec.scale, spec.num_heads, q_weight, k_weight, eps, order=md.decode_order,
+            )  # fmt: skip
+        # q [T, H, D] comes back; k and v go straight into their cache slots.
+        q = qk_norm_rope_store(
+            qkv, positions, cos_sin_cache, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+            kv_cache, slot_mapping, q_weight, k_weight, eps=eps,
+        )  # fmt: skip
+        return self.attend(q, kv_cache, md, spec.scale)
 
     def forward(
         self,
@@ -69,23 +110,3 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             num_seqs=md.num_seqs,
         )
-
-    def decode_from_qkv(
-        self,
-        qkv: torch.Tensor,
-        kv_cache: torch.Tensor,
-        md: AttentionMetadata,
-        scale: float,
-        num_heads: int,
-        cos_sin_cache: torch.Tensor,
-        q_norm: torch.Tensor | None,
-        k_norm: torch.Tensor | None,
-        eps: float,
-    ) -> torch.Tensor:
-        """A pure-decode step (md.is_all_decode) from qkv [B, (H + 2 * KVH) * D]: q/k norm
-        (if given) and rotary at position seq_len - 1, the K/V store and attention, in one
-        kernel (`decode_attention_qkv`). Returns [B, H, D]."""
-        return decode_attention_qkv(
-            qkv, kv_cache, md.seq_lens, md.block_tables, md.slot_mapping[: qkv.shape[0]],
-            cos_sin_cache, scale, num_heads, q_norm, k_norm, eps, order=md.decode_order,
-        )  # fmt: skip

@@ -47,7 +47,12 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention: fused qkv projection, optional q/k norm, rope, paged attention."""
+    """Self-attention: fused qkv projection, then paged attention (which applies the optional
+    q/k norm and rope, see octavo/attention/backend.py), then the output projection.
+
+    q_norm, k_norm and rotary_emb are attributes of this module, so their parameters keep the
+    checkpoint's names (`self_attn.q_norm.weight`); `attn` holds them by reference.
+    """
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
@@ -68,67 +73,17 @@ class LlamaAttention(nn.Module):
             get_rope_scaling(config),
             getattr(config, "rope_freq_factors", None),
         )
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
-
-    def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        x = norm(x.view(num_tokens, -1, self.head_dim))  # [T, heads, D]
-        return x.view(num_tokens, -1)  # [T, heads * D]
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+            self.rotary_emb, self.q_norm, self.k_norm,
+        )  # fmt: skip
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 * KVH) * D]
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        if qkv.is_cuda and md.is_all_decode and self.attn.decodes_from_qkv:
-            # One Triton kernel: q/k norm, rotary, the K/V store and attention.
-            # NOTE: it rotates at position seq_len - 1, not `positions`: the same in a step of
-            # one new token per sequence, CUDA-graph padding rows included (runner/inputs.py).
-            norms, eps = self._norms()
-            cos_sin = self.rotary_emb.cos_sin_cache
-            return self.o_proj(self.attn.decode_from_qkv(qkv, md, cos_sin, *norms, eps))
-        if qkv.is_cuda and self.attn.attends_stored_kv:
-            # One Triton kernel: q/k norm, rotary, and k/v into their cache slots.
-            q = self._fused_qk_store(qkv, positions, md)  # [T, H, D]
-            return self.o_proj(self.attn.attend_stored(q, md))
-        if qkv.is_cuda:  # q/k norm and rotary in one Triton kernel
-            q, k = self._fused_qk(qkv, positions)  # [T, H, D], [T, KVH, D]
-            v = qkv[:, q_size + kv_size :]  # a strided view: the Triton backend takes it
-        else:
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self._norm_heads(q, self.q_norm), self._norm_heads(k, self.k_norm)
-            q, k = self.rotary_emb(positions, q, k)
-            v = v.contiguous()
-        out = self.attn(q, k, v, md)  # [T, H * D]
+        out = self.attn(qkv, positions, md)  # [T, H * D]
         return self.o_proj(out)  # [T, hidden]
-
-    def _norms(self) -> tuple[tuple[torch.Tensor | None, torch.Tensor | None], float]:
-        if self.q_norm is not None and self.k_norm is not None:
-            return (self.q_norm.weight, self.k_norm.weight), self.q_norm.eps
-        return (None, None), 1e-6
-
-    def _fused_qk(
-        self, qkv: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        from octavo.kernels.rope import qk_norm_rope
-
-        norms, eps = self._norms()
-        return qk_norm_rope(
-            qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
-            self.head_dim, *norms, eps=eps,
-        )
-
-    def _fused_qk_store(
-        self, qkv: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
-    ) -> torch.Tensor:
-        from octavo.kernels.rope import qk_norm_rope_store
-
-        norms, eps = self._norms()
-        return qk_norm_rope_store(
-            qkv, positions, self.rotary_emb.cos_sin_cache, self.num_heads, self.num_kv_heads,
-            self.head_dim, self.attn.kv_cache, md.slot_mapping[: qkv.shape[0]], *norms, eps=eps,
-        )
 
 
 class LlamaMLP(nn.Module):

@@ -108,6 +108,24 @@ def test_greedy_tokens_match_hf_generate(pair):
     assert PagedRunner(ours, cfg).greedy(0, ids, 10, eos_ids(hf)) == hf_greedy(hf, ids, 10)
 
 
+def test_attention_reads_the_models_own_rope_and_norms(pair):
+    """Each Attention layer holds the rotary embedding and q/k norms of its block by
+    reference: their parameters keep HF's names (`self_attn.q_norm.weight`), so the loader
+    fills the very tensors attention reads, and the layer registers no parameter of its own."""
+    hf, ours, _ = pair
+    hf_params = dict(hf.named_parameters())
+    for i, block in enumerate(ours.model.layers):
+        attn = block.self_attn
+        assert list(attn.attn.named_parameters()) == []
+        assert attn.attn.spec.rotary_emb is attn.rotary_emb
+        assert attn.attn.spec.q_norm is attn.q_norm and attn.attn.spec.k_norm is attn.k_norm
+        if attn.q_norm is not None:
+            for name in ("q_norm", "k_norm"):
+                want = hf_params[f"model.layers.{i}.self_attn.{name}.weight"]
+                assert torch.equal(getattr(attn, name).weight, want)
+    assert not any(".attn." in name for name, _ in ours.named_parameters())
+
+
 def test_llama3_rope_scaling_changes_the_result(tmp_path):
     """Guards the llama3 case itself: with plain rope, the logits would not match."""
     hf, _, cfg = _build("llama3_rope", tmp_path)

@@ -1,20 +1,23 @@
 """The torch attention backend against the loop-only float32 `reference_attention` and against
 per-sequence causal attention: batched decode (length groups, the per-step plan shared by
 all layers, the reused gather workspace) and the prefill loop (with and without a cached
-prefix), on random inputs of mixed lengths, with and without grouped-query heads."""
+prefix), on random inputs of mixed lengths, with and without grouped-query heads; and the
+`Attention` layer's path from the qkv projection (split, q/k norm, rotary) into it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from octavo.attention.backend import build_metadata
+from octavo.attention.backend import AttentionSpec, build_metadata
+from octavo.attention.layer import Attention, bind_kv_caches
 from octavo.attention.torch_backend import (
     TorchAttentionBackend,
     _attend,
     gather_kv,
     reference_attention,
 )
+from octavo.model.layers import RMSNorm, RotaryEmbedding
 
 BLOCK_SIZE = 4
 
@@ -94,3 +97,81 @@ def test_prefill_writes_the_new_keys_and_values_into_their_slots():
     flat = cache.view(2, -1, 2, 16)
     torch.testing.assert_close(flat[0, md.slot_mapping], k)
     torch.testing.assert_close(flat[1, md.slot_mapping], v)
+
+
+# ---------------------------------------------------------------- from the qkv projection
+
+
+def _rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, heads, D] normalized over D, written out rather than through RMSNorm."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("query_lens,seq_lens", [([1, 1, 1], [5, 17, 2]), ([3, 8, 1], [11, 8, 20])])
+@torch.no_grad()
+def test_attention_layer_splits_normalizes_rotates_then_attends(qk_norm, query_lens, seq_lens):
+    """Attention(qkv, positions, md) equals the reference on q/k/v split out of qkv, each
+    q/k head RMS-normalized (Qwen3) and rotated at its position; the cache gets the rotated
+    k and the untouched v."""
+    heads, kv_heads, dim, eps = 6, 2, 16, 1e-6
+    md, cache, _ = _case(query_lens, seq_lens, heads, kv_heads, dim)
+    rope = RotaryEmbedding(dim, 64, 10000.0)
+    norms = (RMSNorm(dim, eps), RMSNorm(dim, eps)) if qk_norm else (None, None)
+    for norm in norms:
+        if norm is not None:
+            norm.weight.data.normal_(1, 0.3)
+    layer = Attention(heads, kv_heads, dim, 0.25, rope, *norms)
+    bind_kv_caches(layer, [cache], TorchAttentionBackend())
+    t = md.num_tokens
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * dim)
+    positions = torch.tensor(
+        [s - q + j for q, s in zip(query_lens, seq_lens, strict=True) for j in range(q)]
+    )
+
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    q, k, v = q.reshape(t, heads, dim), k.reshape(t, kv_heads, dim), v.reshape(t, kv_heads, dim)
+    if qk_norm:
+        q = _rms_norm_heads(q, norms[0].weight.detach(), eps)
+        k = _rms_norm_heads(k, norms[1].weight.detach(), eps)
+    q, k = rope(positions, q.reshape(t, -1), k.reshape(t, -1))
+    q, k = q.view(t, heads, dim), k.view(t, kv_heads, dim)
+    want_cache = cache.clone()
+    ref = reference_attention(q, k, v, want_cache, md, 0.25)
+
+    out = layer(qkv, positions, md)
+    assert out.shape == (t, heads * dim)
+    torch.testing.assert_close(out.view(t, heads, dim), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache, want_cache, rtol=1e-6, atol=1e-6)
+
+
+@torch.no_grad()
+def test_attention_layer_holds_its_rope_and_norms_by_reference():
+    """The layer registers none of the modules it is given (the model owns them and their
+    checkpoint names), and attends with their current weights."""
+    rope, q_norm, k_norm = RotaryEmbedding(16, 64, 10000.0), RMSNorm(16), RMSNorm(16)
+    layer = Attention(4, 2, 16, 0.25, rope, q_norm, k_norm)
+    assert list(layer.named_parameters()) == [] and list(layer.named_buffers()) == []
+    assert list(layer.children()) == []
+    assert layer.spec.q_norm is q_norm and layer.spec.rotary_emb is rope
+    md, cache, _ = _case([2], [2], 4, 2)
+    bind_kv_caches(layer, [cache], TorchAttentionBackend())
+    qkv, positions = torch.randn(2, 8 * 16), torch.arange(2)
+    before = layer(qkv, positions, md)
+    q_norm.weight.data.mul_(2)
+    assert not torch.allclose(layer(qkv, positions, md), before)
+
+
+def test_spec_takes_both_norms_or_neither():
+    rope = RotaryEmbedding(16, 64, 10000.0)
+    with pytest.raises(ValueError, match="q_norm and k_norm"):
+        AttentionSpec(4, 2, 16, 0.25, rope, q_norm=RMSNorm(16))
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        AttentionSpec(6, 4, 16, 0.25, rope)
+
+
+def test_attention_layer_without_a_bound_cache_raises():
+    layer = Attention(4, 2, 16, 0.25, RotaryEmbedding(16, 64, 10000.0))
+    md, _, _ = _case([1], [1], 4, 2)
+    with pytest.raises(RuntimeError, match="before the model runner bound a KV cache"):
+        layer(torch.randn(1, 8 * 16), torch.zeros(1, dtype=torch.int64), md)
