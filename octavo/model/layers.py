@@ -9,6 +9,11 @@ checkpoint tensors, each into its own row range:
 
 A tensor-parallel version would narrow `loaded_weight` to its rank's slice in the same
 loaders; this file implements world size 1.
+
+RMSNorm and SiluAndMul pick their kernel by the input's device, in one `if x.is_cuda` each:
+on CUDA one Triton kernel (octavo/kernels, imported there, so the CPU path never imports
+Triton), elsewhere the torch code, which is that kernel's reference. Attention's paths are
+not chosen here or in the model but by its backend (octavo/attention).
 """
 
 from __future__ import annotations
@@ -155,7 +160,7 @@ class SiluAndMul(nn.Module):
     """SwiGLU's gate: x [T, 2 * I] -> silu(x[:, :I]) * x[:, I:], [T, I]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
+        if x.is_cuda:  # one Triton kernel for the split, the silu and the product
             from octavo.kernels.activation import silu_and_mul
 
             return silu_and_mul(x)
