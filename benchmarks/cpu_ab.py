@@ -5,7 +5,7 @@ while, and each records how busy the *other* processes kept the cores while it r
 cores and 2 OpenMP threads, one busy foreign process slows every parallel op several-fold, so
 a run with foreign load is reported as such rather than silently averaged in.
 
-    git worktree add --detach /tmp/old 7ff253d
+    git worktree add --detach /tmp/old main      # the tree to compare against
     python benchmarks/cpu_ab.py /tmp/old . --pairs 3 --out /tmp/ab
 """
 
@@ -62,7 +62,8 @@ def run(tree: str, json_path: str) -> dict:
     if child.returncode:
         raise RuntimeError(f"{cmd} failed:\n{stdout}")
     other = max(busy_jiffies() - b0 - last, 0) / HZ / elapsed
-    octavo, hf = json.load(open(json_path))["results"]
+    with open(json_path) as f:
+        octavo, hf = json.load(f)["results"]
     return {
         "octavo_tok_s": octavo["tok_per_s"],
         "hf_tok_s": hf["tok_per_s"],
@@ -93,7 +94,9 @@ def main() -> None:
             print(json.dumps(r), flush=True)
     with open(f"{args.out}/summary.json", "w") as f:
         json.dump(rows, f, indent=2)
-    print(f"{'pair':<5}{'code':<13}{'octavo tok/s':>13}{'HF tok/s':>10}{'ratio':>8}{'other load':>11}")
+    print(
+        f"{'pair':<5}{'code':<13}{'octavo tok/s':>13}{'HF tok/s':>10}{'ratio':>8}{'other load':>11}"
+    )
     for r in rows:
         print(
             f"{r['pair']:<5}{r['code']:<13}{r['octavo_tok_s']:>13.1f}{r['hf_tok_s']:>10.1f}"

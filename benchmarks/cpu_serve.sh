@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Issue "server" measurement on the CPU: `octavo bench serve` at two Poisson request rates
-# against `octavo serve` (the embedded model), then against `transformers serve` on the same
-# GGUF file (HF's OpenAI-compatible server), where it runs. JSON lands in docs/results/serve/.
-#   [SERVERS="octavo hf"] bash benchmarks/cpu_serve.sh [rate1 rate2]
+# Serving on the CPU against the peer: `octavo bench serve` at two Poisson request rates (32
+# requests of 64 words, 64 output tokens each) against `octavo serve` with the embedded model,
+# then against `transformers serve` on the same weights (HF's OpenAI-compatible server, with
+# continuous batching), in one run. JSON lands in $OUT (default docs/results/cpu/serve/).
+#   [SERVERS="octavo hf"] [OUT=dir] bash benchmarks/cpu_serve.sh [rate1 rate2]
 set -u
 cd "$(dirname "$0")/.."
 rates=${*:-0.5 2}
-out=docs/results/serve
+out=${OUT:-docs/results/cpu/serve}
 mkdir -p "$out"
 gguf=$(python -c "from octavo.model.embedded import embedded_model_path; print(embedded_model_path())")
 common=(--num-prompts 32 --input-len 64 --max-tokens 64 --seed 0)

@@ -1,21 +1,21 @@
-"""Times the Triton attention kernels at Qwen3-0.6B shapes on the GPU, against the copy ceiling.
+"""The Triton attention kernels at Qwen3-0.6B shapes on the GPU, against their floors: decode
+and store_kv against the copy ceiling measured in the same run (bytes moved / time), prefill
+in TFLOP/s beside torch's own kernels on the same problem.
 
-    PYTHONPATH=. python benchmarks/gpu_kernels.py [--sweep] [--json out.json]
+    python benchmarks/gpu_kernels.py [--sweep] [--only decode|prefill|store] [--json out.json]
 
 Rows (H=16, KVH=8, D=128, bf16, pages of 16):
-  decode  256 x 1k context, 1 x 8k, 16 x 4k  -> KV bytes read / time vs. a measured copy
-  prefill 8 x 1k new tokens (no prefix), 1 x 1k new behind a 7k prefix -> TFLOP/s (and torch
-          SDPA's flash kernel on the same dense problem as a yardstick; torch's FlashAttention-2
-          varlen forward on every case, over contiguous K/V or the paged cache)
-  store_kv 8k tokens
+  decode  256 x 1k context, 256 / 128 / 64 x mixed contexts (100-2048), 1 x 8k, 16 x 4k
+          -> KV bytes read / time against the copy ceiling
+  prefill 8 x 1k new tokens (no prefix), 1 x 1k new behind a 7k prefix, a 16k-token step
+          drawn like the nano-vllm workload's (at 16 and at 32 query heads) -> TFLOP/s, with
+          torch SDPA's flash kernel on the same dense problem as a yardstick, and torch's
+          FlashAttention-2 varlen forward and cuDNN's ragged attention where they apply
+  store_kv 8k tokens -> bytes written / time against the copy ceiling
 
-Floors (METHOD.md's two numbers, H100 SXM, ~3.0 TB/s copy, ~700 dense bf16 TFLOP/s):
-  decode 256 x 1k reads 1.07 GB of K/V -> ~360 us; 1 x 8k reads 33.5 MB -> ~11 us + launches;
-  prefill 8 x 1k does 34.4 GFLOP (causal) -> ~50 us; K/V bytes are negligible there.
-
-Times are do_bench medians (the L2 is flushed before each repetition, so the 33 MB of the 8k
-decode is read from HBM). Each kernel is checked against the torch backend first. --sweep
-also times the tile configs and split counts listed below and marks the fastest.
+Times are do_bench medians (the L2 is flushed before each repetition, so an 8k decode reads
+its 33 MB from HBM). Each kernel is checked against the torch backend first. --sweep also
+times the tile configs and split counts listed below and marks the fastest.
 """
 
 from __future__ import annotations

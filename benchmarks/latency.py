@@ -1,8 +1,13 @@
-"""Single-request latency (BENCHMARKS.md section 2): a 512-token prompt, 256 greedy output
-tokens; time per output token against the weight-read floor W / B.
+"""Single-request latency on the GPU (BENCHMARKS.md section 2): one prompt of 512 random token
+ids, 256 greedy output tokens, dummy weights; time to the first token (TTFT) and per output
+token after it (TPOT), against the weight-read floor W / B per token (W: the bytes of every
+weight a forward pass reads; B: the device's copy bandwidth, measured in the same process).
 
     python benchmarks/latency.py --model qwen3-8b [--enforce-eager] [--json out.json]
         [--profile] [--trace]
+
+`--profile` then decodes once more under cProfile (where the host's time goes), `--trace`
+under torch.profiler (the device's busy time and its idle gaps between kernels).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 
 import torch
 
-from octavo import LLM, SamplingParams
+from octavo import LLM, RequestOutputKind, SamplingParams
 from octavo.entrypoints.bench_floor import measure_ceilings, weights_read_per_step
 
 
@@ -48,7 +53,12 @@ def main() -> None:
     )
     rng = random.Random(0)
     prompt = [rng.randint(0, 10000) for _ in range(args.prompt_len)]
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+    )
     # Warm up on other tokens of the same length: with the timed prompt itself, the prefix
     # cache would answer all but its last token and TTFT would not measure a prefill.
     warm = [rng.randint(10_001, 20_000) for _ in range(args.prompt_len)]
@@ -57,14 +67,13 @@ def main() -> None:
     engine = llm.engine
     torch.cuda.synchronize()
     start = time.perf_counter()
-    request = engine.add_request(prompt, params)
-    first = None
-    while not request.is_finished:
-        engine.step()
-        if first is None and request.output_token_ids:
-            first = time.perf_counter()
+    request_id = add(engine, prompt, params)
+    finished, _ = step_until(engine, request_id, first_token=True)
+    first = time.perf_counter()
+    if not finished:
+        step_until(engine, request_id)
     end = time.perf_counter()
-    tpot = (end - first) / (args.output_len - 1)
+    tpot = (end - first) / max(args.output_len - 1, 1)
 
     runner = engine.runner
     params_ = weights_read_per_step(runner.model)
@@ -79,7 +88,7 @@ def main() -> None:
         "copy_bytes_per_s": ceilings.copy_bytes_per_s,
         "floor_s_per_token": floor,
         "tpot_over_floor": tpot / floor,
-        "cuda_graphs": runner.graph_runner is not None,
+        "cuda_graphs": not args.enforce_eager,
     }
     print(
         f"{args.model}: TTFT {report['ttft_s'] * 1e3:.1f} ms, TPOT {tpot * 1e3:.2f} ms, "
@@ -102,20 +111,37 @@ def main() -> None:
                 json.dump({**report, "trace": trace}, f, indent=2)
 
 
+def add(engine, prompt: list[int], params: SamplingParams) -> str:
+    request_id = f"latency-{time.monotonic_ns()}"
+    engine.add_request(prompt, params, request_id)
+    return request_id
+
+
+def step_until(engine, request_id: str, first_token: bool = False) -> tuple[bool, int]:
+    """Steps the engine until the request's output brings its first token (`first_token`) or
+    says it finished; returns (finished, steps). The request must ask for DELTA outputs."""
+    steps = 0
+    while True:
+        outputs = engine.step()
+        steps += 1
+        for out in outputs:
+            if out.request_id == request_id and (
+                out.finished or (first_token and out.outputs[0].token_ids)
+            ):
+                return out.finished, steps
+
+
 def profile_decode(engine, prompt: list[int], params: SamplingParams) -> None:
     """The same single-request decode under cProfile (after the timed run, so it is not slowed)."""
     import cProfile
     import pstats
 
-    request = engine.add_request(prompt, params)
-    engine.step()  # the prefill, outside the profile
+    request_id = add(engine, prompt, params)
+    step_until(engine, request_id, first_token=True)  # the prefill, outside the profile
     profiler = cProfile.Profile()
-    steps = 0
     start = time.perf_counter()
     profiler.enable()
-    while not request.is_finished:
-        engine.step()
-        steps += 1
+    _, steps = step_until(engine, request_id)
     profiler.disable()
     print(
         f"under cProfile: {steps} steps, {(time.perf_counter() - start) / steps * 1e3:.2f} ms a step"
@@ -129,18 +155,15 @@ def trace_decode(engine, prompt: list[int], params: SamplingParams) -> dict:
     sat idle: each gap between two device operations, grouped by the operations around it."""
     from torch.profiler import ProfilerActivity, profile
 
-    request = engine.add_request(prompt, params)
-    while not request.output_token_ids:  # the prefill, outside the trace
-        engine.step()
+    request_id = add(engine, prompt, params)
+    finished, _ = step_until(engine, request_id, first_token=True)  # the prefill, outside
+    if finished:
+        raise SystemExit("--trace needs --output-len of 3 or more")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        steps, start = 0, time.perf_counter()
-        while not request.is_finished:
-            engine.step()
-            steps += 1
+        start = time.perf_counter()
+        _, steps = step_until(engine, request_id)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    if steps == 0:
-        raise SystemExit("--trace needs --output-len of 3 or more")
     spans = sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()

@@ -9,13 +9,17 @@ any faster GEMM, fusion or megakernel outside attention could give. Two more lin
 attention at its KV read (KV bytes / B), then the prefill steps at their GEMMs' FLOPs / F:
 the run of a serial engine whose every kernel ran at its floor, its host gaps kept.
 
-Each step's host work runs inside a profiler annotation naming the step. A kernel belongs to
-the step whose annotation holds the runtime call that launched it (graph replays included),
-found through CUPTI's correlation ids. The run is timed once without the profiler and once
-under it, in the same process.
+Each `engine.step()` call runs inside a profiler annotation, and the shape of the step it
+schedules (and launches) is kept. A kernel belongs to the step whose annotation holds the
+runtime call that launched it (graph replays included), found through CUPTI's correlation
+ids. The run is timed once without the profiler, then once under it with other prompt tokens
+of the same lengths (so the prefix cache holds none of them), in the same process.
 
-    PYTHONPATH=. python benchmarks/run_profile.py [--model qwen3-0.6b] [--json out.json]
+    python benchmarks/run_profile.py [--model qwen3-0.6b] [--json out.json]
         [--decode-config block_n=64,num_stages=3] [--unfused-decode]
+
+`--decode-config` overrides the decode attention kernel's tile; `--unfused-decode` makes
+decode steps store K/V with a kernel of their own instead of inside the attention kernel.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ import time
 from collections import defaultdict
 
 import torch
+from step_timeline import describe
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from octavo import LLM, SamplingParams
 from octavo.entrypoints.bench_floor import lm_head_weights
 from octavo.entrypoints.bench_throughput import measured_floor, nanovllm_workload
-from octavo.runner.model_runner import ModelRunner
 
 BUCKETS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256)]
 CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
@@ -44,22 +48,29 @@ def kernel_class(name: str) -> str:
     return "rest"
 
 
-def step_label(so) -> str:
-    decode = so.num_batched_tokens == len(so.scheduled)
-    context = sum(s.num_computed_tokens + s.num_new_tokens for s in so.scheduled)
-    return f"octavo_step:{'decode' if decode else 'prefill'}:{len(so.scheduled)}:{context}"
+def annotate_steps(engine):
+    """Runs each `engine.step()` call inside a profiler annotation `octavo_step:<i>` and keeps
+    the shape of the step scheduled in call i (None if it scheduled nothing): with or without
+    async scheduling, the kernels a call launches are those of the step it schedules.
+    Returns (shapes, undo)."""
+    shapes: list[dict | None] = []
+    real_step, real_schedule = engine.step, engine.scheduler.schedule
 
+    def schedule():
+        so = real_schedule()
+        shapes[-1] = None if so.is_empty else describe(so)
+        return so
 
-def annotated_runner():
-    """Wraps ModelRunner.execute_async in an annotation naming the step; returns an undo."""
-    real = ModelRunner.execute_async
+    def step():
+        shapes.append(None)
+        with record_function(f"octavo_step:{len(shapes) - 1}"):
+            return real_step()
 
-    def execute_async(self, so):
-        with record_function(step_label(so)):
-            return real(self, so)
+    def undo():
+        engine.step, engine.scheduler.schedule = real_step, real_schedule
 
-    ModelRunner.execute_async = execute_async
-    return lambda: setattr(ModelRunner, "execute_async", real)
+    engine.step, engine.scheduler.schedule = step, schedule
+    return shapes, undo
 
 
 def step_annotations(events) -> list:
@@ -67,7 +78,12 @@ def step_annotations(events) -> list:
     return [e for e in events if e.device_type() == CPU and e.name().startswith("octavo_step:")]
 
 
-def attribute(events) -> tuple[dict, dict]:
+def step_key(shape: dict) -> tuple[str, int]:
+    """(prefill or decode, batch) of a step's shape from `describe`."""
+    return ("decode" if shape["tokens"] == shape["seqs"] else "prefill"), shape["seqs"]
+
+
+def attribute(events, shapes: list[dict | None]) -> tuple[dict, dict]:
     """(device us per (step kind, batch, class), device us found in no step, per class)."""
     steps = sorted((e.start_ns(), e.end_ns(), e.name()) for e in step_annotations(events))
     starts = [s[0] for s in steps]
@@ -83,11 +99,11 @@ def attribute(events) -> tuple[dict, dict]:
             continue  # the annotation's copy on the device's timeline is no work
         at = launch_at.get(e.correlation_id()) or launch_at.get(e.linked_correlation_id())
         i = bisect.bisect_right(starts, at) - 1 if at is not None else -1
-        if i < 0 or at > steps[i][1]:
+        shape = shapes[int(steps[i][2].split(":")[1])] if i >= 0 and at <= steps[i][1] else None
+        if shape is None:
             lost[kernel_class(e.name())] += e.duration_ns() / 1e3
             continue
-        _, kind, batch, _ = steps[i][2].split(":")
-        totals[(kind, int(batch), kernel_class(e.name()))] += e.duration_ns() / 1e3
+        totals[(*step_key(shape), kernel_class(e.name()))] += e.duration_ns() / 1e3
     return totals, lost
 
 
@@ -132,13 +148,15 @@ def main() -> None:
 
     # The same lengths in other tokens, so that the prefix cache holds none of them.
     fresh = [{"prompt_token_ids": [t + 10_001 for t in p]} for p in w.prompts]
-    undo = annotated_runner()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        llm.generate(fresh, params, use_tqdm=False)
-        profiled_s = time.perf_counter() - start
-    undo()
-    totals, lost = attribute(prof.profiler.kineto_results.events())
+    shapes, undo = annotate_steps(llm.engine)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            llm.generate(fresh, params, use_tqdm=False)
+            profiled_s = time.perf_counter() - start
+    finally:
+        undo()
+    totals, lost = attribute(prof.profiler.kineto_results.events(), shapes)
 
     bandwidth, flops = ceil.copy_bytes_per_s, ceil.matmul_flops
     num_params = fl.weight_bytes / torch.empty((), dtype=runner.dtype).element_size()
@@ -148,10 +166,10 @@ def main() -> None:
 
     steps: dict[tuple[str, int], int] = defaultdict(int)
     contexts: dict[tuple[str, int], int] = defaultdict(int)  # positions attended, summed
-    for e in step_annotations(prof.profiler.kineto_results.events()):
-        _, kind, batch, context = e.name().split(":")
-        steps[(kind, int(batch))] += 1
-        contexts[(kind, int(batch))] += int(context)
+    for shape in shapes:
+        if shape is not None:
+            steps[step_key(shape)] += 1
+            contexts[step_key(shape)] += shape["context"]
     rows = []
     groups = [("prefill", lambda k, b: k == "prefill")] + [
         (f"decode {lo}-{hi}", lambda k, b, lo=lo, hi=hi: k == "decode" and lo <= b <= hi)

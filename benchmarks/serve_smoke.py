@@ -1,8 +1,9 @@
 """`octavo serve` end to end on a dummy model: start the server, send concurrent completions of
 token-id prompts, check every one comes back with its tokens, and stop the server.
 
-A check, not a benchmark: on the GPU it covers the server's engine thread, which builds the
-model, captures the CUDA graphs and steps the engine (AsyncEngine.build).
+A check more than a benchmark: on the GPU it covers the engine process that `octavo serve`
+spawns, which builds the model, captures the CUDA graphs and steps the engine. It prints how
+long the server took to answer /health (its start-up) and the slowest completion.
 
     python benchmarks/serve_smoke.py [--model qwen3-0.6b] [--port 8041] [--requests 16]
 """
@@ -51,8 +52,18 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     base = f"http://127.0.0.1:{args.port}"
-    command = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", "--model", args.model,
-               "--load-format", "dummy", "--port", str(args.port)]
+    command = [
+        sys.executable,
+        "-m",
+        "octavo.entrypoints.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--load-format",
+        "dummy",
+        "--port",
+        str(args.port),
+    ]
     server = subprocess.Popen(command)
     try:
         start = time.perf_counter()

@@ -1,13 +1,18 @@
 """Where the nano-vllm workload's time goes on the GPU, step by step, against each step's floor.
 
-With async scheduling a step's tokens reach the host once the device has finished it, so the
-time between two such arrivals is the device time of a step (when the device is the
-bottleneck) and the host's wait in between says whether it is (a wait near zero means the
-host is the bottleneck). Steps are grouped: prefill (any step computing more tokens than
+    python benchmarks/step_timeline.py [--model qwen3-0.6b] [--json out.json] [--profile-prefill]
+
+The workload runs through `LLM.generate` as `octavo bench throughput --workload nanovllm` runs
+it, with each `engine.step()` call timed. With async scheduling a call launches one step and
+then waits for the previous step's tokens, so the time between two calls' ends is the device
+time of a step (when the device is the bottleneck), and the host's wait inside a call (its
+time in `torch.cuda.Event.synchronize`) says whether it is: a wait near zero means the host
+is the bottleneck. Steps are grouped: prefill (any step computing more tokens than
 sequences) and decode steps by batch size. A decode step's floor reads its KV and every
 weight once: (sum of context lengths x KV bytes per token + weight bytes) / copy bandwidth.
 
-    PYTHONPATH=. python benchmarks/step_timeline.py [--model qwen3-0.6b] [--json out.json]
+Also printed: Python's garbage collections, the CUDA caching allocator's retries and Triton
+compiles during the timed run (each would stall the steps it lands in).
 """
 
 from __future__ import annotations
@@ -20,11 +25,128 @@ import time
 import torch
 
 from octavo import LLM, SamplingParams
-from octavo.engine.engine import Engine
 from octavo.entrypoints.bench_throughput import measured_floor, nanovllm_workload
-from octavo.runner.model_runner import PendingOutput
 
 BUCKETS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256)]
+
+
+def describe(so) -> dict:
+    """A scheduled step's shape: sequences, tokens computed, positions attended.
+    NOTE: the one place that reads the scheduler's output (octavo/core)."""
+    return {
+        "seqs": len(so.scheduled),
+        "tokens": so.num_batched_tokens,
+        "context": sum(s.num_computed_tokens + s.num_new_tokens for s in so.scheduled),
+    }
+
+
+class StepRecorder:
+    """Times every `engine.step()` call of an engine and records, for each launched step,
+    when its tokens reached the host, the host's wait for them and the host time of the call
+    that launched it (less its waits). Undo with `close()`."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.records: list[dict] = []
+        self._in_flight: dict | None = None
+        self._scheduled: list = []
+        self._wait = 0.0
+        real_step, real_schedule = engine.step, engine.scheduler.schedule
+        real_sync = torch.cuda.Event.synchronize
+        self._undo = (real_step, real_schedule, real_sync)
+        recorder = self
+
+        def schedule():
+            so = real_schedule()
+            recorder._scheduled.append(so)
+            return so
+
+        def synchronize(event):
+            start = time.perf_counter()
+            real_sync(event)
+            recorder._wait += time.perf_counter() - start
+
+        def step():
+            recorder._wait, recorder._scheduled = 0.0, []
+            start = time.perf_counter()
+            outputs = real_step()
+            recorder._after_step(start, time.perf_counter())
+            return outputs
+
+        engine.step, engine.scheduler.schedule = step, schedule
+        torch.cuda.Event.synchronize = synchronize
+
+    def _after_step(self, start: float, end: float) -> None:
+        launched = [describe(so) for so in self._scheduled if not so.is_empty]
+        for info in launched:
+            info["host"] = end - start - self._wait
+        if self.engine.async_scheduling:
+            # The step in flight before this call finished in it; this call's step is in flight.
+            finished, self._in_flight = self._in_flight, (launched[-1] if launched else None)
+            finished = [finished] if finished is not None else []
+        else:
+            finished = launched
+        for info in finished:
+            self.records.append({**info, "done": end, "wait": self._wait})
+
+    def close(self) -> None:
+        real_step, real_schedule, real_sync = self._undo
+        self.engine.step, self.engine.scheduler.schedule = real_step, real_schedule
+        torch.cuda.Event.synchronize = real_sync
+
+
+class GcWatch:
+    """Python's garbage collections while active: generation, ms, objects tracked (full
+    collections only) and the step they landed in."""
+
+    def __init__(self, records: list) -> None:
+        self.records = records
+        self.collections: list[dict] = []
+        self.seconds = 0.0
+        self._start = 0.0
+        self._tracked: int | None = None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            # Objects the collector sees (not frozen), counted for full collections only;
+            # the count itself walks them all, and its time lands in that step.
+            self._tracked = len(gc.get_objects()) if info["generation"] == 2 else None
+            self._start = time.perf_counter()
+            return
+        ms = 1e3 * (time.perf_counter() - self._start)
+        self.seconds += ms / 1e3
+        # NOTE: no gc.get_freeze_count() here: it walks every frozen object (500k once
+        # LLM.generate freezes the heap), which cost ~5 s over a run's ~130 collections.
+        self.collections.append(
+            {
+                "generation": info["generation"],
+                "ms": ms,
+                "tracked": self._tracked,
+                "step": len(self.records),
+            }
+        )
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def report(self) -> None:
+        print(f"Python GC during the timed run: {1e3 * self.seconds:.1f} ms")
+        for generation in range(3):
+            ms = [c["ms"] for c in self.collections if c["generation"] == generation]
+            print(
+                f"  generation {generation}: {len(ms)} collections, {sum(ms):.1f} ms, "
+                f"longest {max(ms, default=0):.1f} ms"
+            )
+        for c in sorted(self.collections, key=lambda c: -c["ms"])[:3]:
+            tracked = "" if c["tracked"] is None else f": {c['tracked']} objects tracked"
+            print(
+                f"  a {c['ms']:.1f} ms collection of generation {c['generation']} at step "
+                f"{c['step']}{tracked}"
+            )
+
+
+ALLOCATOR_STATS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
 
 
 def main() -> None:
@@ -40,89 +162,30 @@ def main() -> None:
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)
 
-    records: list[dict] = []
-    waits: list[float] = []
-    launches: dict[int, float] = {}  # id(scheduler output) -> host seconds in schedule + launch
-    real_result, real_finish = PendingOutput.result, Engine._finish
-    sched_type = type(llm.engine.scheduler)
-    real_schedule, real_launch = sched_type.schedule, Engine._launch
-    scheduled_at = [0.0]
-
-    def schedule(self):
-        scheduled_at[0] = time.perf_counter()
-        return real_schedule(self)
-
-    def launch(self, so):
-        out = real_launch(self, so)
-        launches[id(so)] = time.perf_counter() - scheduled_at[0]
-        return out
-
-    def result(self):
-        start = time.perf_counter()
-        out = real_result(self)
-        waits.append(time.perf_counter() - start)
-        return out
-
-    def finish(self, so, pending):
-        out = real_finish(self, so, pending)
-        records.append({
-            "done": time.perf_counter(),
-            "wait": waits[-1],
-            "host": launches.pop(id(so), 0.0),
-            "seqs": len(so.scheduled),
-            "tokens": so.num_batched_tokens,
-            "context": sum(s.num_computed_tokens + s.num_new_tokens for s in so.scheduled),
-        })
-        return out
-
-    PendingOutput.result, Engine._finish = result, finish
-    sched_type.schedule, Engine._launch = schedule, launch
     compiled = triton_variants()
-    gc_seconds = [0.0, 0.0]  # total, start of the collection in progress
-    collections: list[dict] = []  # each: generation, ms, objects tracked (full ones), step
-    tracked: list[int | None] = [None]
-
-    def on_gc(phase, info):
-        if phase == "start":
-            # Objects the collector sees (not frozen), counted for full collections only;
-            # the count itself walks them all, and its time lands in that step.
-            tracked[0] = len(gc.get_objects()) if info["generation"] == 2 else None
-            gc_seconds[1] = time.perf_counter()
-            return
-        ms = 1e3 * (time.perf_counter() - gc_seconds[1])
-        gc_seconds[0] += ms / 1e3
-        # NOTE: no gc.get_freeze_count() here: it walks every frozen object (500k once
-        # LLM.generate freezes the heap), which cost ~5 s over a run's ~130 collections.
-        collections.append({"generation": info["generation"], "ms": ms, "tracked": tracked[0],
-                            "step": len(records)})
-
-    gc.callbacks.append(on_gc)
     memory = torch.cuda.memory_stats()
-    print(f"before the timed run: {len(gc.get_objects())} objects tracked by the collector, "
-          f"{gc.get_freeze_count()} frozen")
+    print(
+        f"before the timed run: {len(gc.get_objects())} objects tracked by the collector, "
+        f"{gc.get_freeze_count()} frozen"
+    )
+    recorder = StepRecorder(llm.engine)
+    gc_watch = GcWatch(recorder.records)
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False)
-    total = time.perf_counter() - start
-    gc.callbacks.remove(on_gc)
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False)
+    finally:
+        total = time.perf_counter() - start
+        gc_watch.close()
+        recorder.close()
     after = torch.cuda.memory_stats()
-    allocator = {k: after.get(k, 0) - memory.get(k, 0)
-                 for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")}
-    print(f"Python GC during the timed run: {1e3 * gc_seconds[0]:.1f} ms; "
-          f"CUDA caching allocator: {allocator}")
-    for generation in range(3):
-        ms = [c["ms"] for c in collections if c["generation"] == generation]
-        print(f"  generation {generation}: {len(ms)} collections, {sum(ms):.1f} ms, "
-              f"longest {max(ms, default=0):.1f} ms")
-    for c in sorted(collections, key=lambda c: -c["ms"])[:3]:
-        tracked_note = "" if c["tracked"] is None else f": {c['tracked']} objects tracked"
-        print(f"  a {c['ms']:.1f} ms collection of generation {c['generation']} at step "
-              f"{c['step']}{tracked_note}")
-    compiled = {k: n - compiled.get(k, 0) for k, n in triton_variants().items()}
-    PendingOutput.result, Engine._finish = real_result, real_finish
-    sched_type.schedule, Engine._launch = real_schedule, real_launch
-    new_variants = {k: n for k, n in compiled.items() if n}
+    allocator = {k: after.get(k, 0) - memory.get(k, 0) for k in ALLOCATOR_STATS}
+    new_variants = {k: n - compiled.get(k, 0) for k, n in triton_variants().items()}
+    new_variants = {k: n for k, n in new_variants.items() if n}
+    gc_watch.report()
+    print(f"CUDA caching allocator: {allocator}")
     print(f"Triton kernel variants compiled during the timed run: {new_variants or 'none'}")
 
+    records = recorder.records
     previous = start
     for r in records:
         r["seconds"], previous = r["done"] - previous, r["done"]
@@ -134,8 +197,10 @@ def main() -> None:
     for lo, hi in BUCKETS:
         groups[f"decode {lo}-{hi}"] = [r for r in decode if lo <= r["seqs"] <= hi]
     print(f"{args.model}: {total:.2f} s, {len(records)} steps, workload floor {fl.seconds:.2f} s")
-    print(f"{'steps':<14}{'n':>6}{'seconds':>9}{'ms/step':>9}{'floor ms':>10}{'of floor':>9}"
-          f"{'host wait ms':>13}")
+    print(
+        f"{'steps':<14}{'n':>6}{'seconds':>9}{'ms/step':>9}{'floor ms':>10}{'of floor':>9}"
+        f"{'host wait ms':>13}"
+    )
     summary = {}
     for name, rs in groups.items():
         if not rs:
@@ -145,23 +210,35 @@ def main() -> None:
         wait = sum(r["wait"] for r in rs) / len(rs)
         summary[name] = {"steps": len(rs), "seconds": secs, "floor_s": floor, "mean_wait_s": wait}
         ratio = f"{floor / secs:.0%}" if name != "prefill" else "-"
-        print(f"{name:<14}{len(rs):>6}{secs:>9.2f}{1e3 * secs / len(rs):>9.2f}"
-              f"{1e3 * floor / len(rs):>10.2f}{ratio:>9}{1e3 * wait:>13.2f}")
-    print("first steps: tokens, seqs, ms since the previous, host ms (schedule + launch), "
-          "wait ms")
+        print(
+            f"{name:<14}{len(rs):>6}{secs:>9.2f}{1e3 * secs / len(rs):>9.2f}"
+            f"{1e3 * floor / len(rs):>10.2f}{ratio:>9}{1e3 * wait:>13.2f}"
+        )
+    print("first steps: tokens, seqs, ms since the previous, host ms of its call, wait ms")
     for r in records[:12]:
-        print(f"  {r['tokens']:>6} {r['seqs']:>4} {1e3 * r['seconds']:>8.2f} "
-              f"{1e3 * r['host']:>8.2f} {1e3 * r['wait']:>8.2f}")
+        print(
+            f"  {r['tokens']:>6} {r['seqs']:>4} {1e3 * r['seconds']:>8.2f} "
+            f"{1e3 * r['host']:>8.2f} {1e3 * r['wait']:>8.2f}"
+        )
     if args.profile_prefill:
         profile_prefill(llm, w)
     if args.json:
-        steps = [{k: r[k] for k in ("tokens", "seqs", "context", "seconds", "host", "wait")}
-                 for r in records]
+        keys = ("tokens", "seqs", "context", "seconds", "host", "wait")
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "seconds": total, "groups": summary,
-                       "new_triton_variants": new_variants, "gc_seconds": gc_seconds[0],
-                       "gc_collections": collections,
-                       "allocator": allocator, "steps": steps}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model,
+                    "seconds": total,
+                    "groups": summary,
+                    "new_triton_variants": new_variants,
+                    "gc_seconds": gc_watch.seconds,
+                    "gc_collections": gc_watch.collections,
+                    "allocator": allocator,
+                    "steps": [{k: r[k] for k in keys} for r in records],
+                },
+                f,
+                indent=1,
+            )
 
 
 def triton_variants() -> dict[str, int]:

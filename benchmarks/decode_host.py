@@ -1,27 +1,28 @@
-"""The host's share of a short-context decode step: median ms per decode step of the whole
-batch, where the host's Python work per row, not the device, bounds the step.
+"""Short-context decode steps on the GPU, where the host's Python work per row, not the
+device, bounds the step: median ms per decode step of the whole batch, and the host's own
+share of it.
 
-    PYTHONPATH=. python benchmarks/decode_host_probe.py --tokenizer DIR [--batches 16 64 256]
-        [--json out.json]
+    python benchmarks/decode_host.py [--tokenizer PATH] [--batches 16 64 256]
+        [--structured integer|string] [--breakdown] [--json out.json]
 
-Dummy Qwen3-0.6B weights with the tokenizer's vocabulary, 64-id prompts, 128 tokens each at
-temperature 1 (no seed; `--seeded`: a seed for each request), two ways:
+Dummy Qwen3-0.6B weights with a real tokenizer's vocabulary (`--tokenizer`: an HF tokenizer
+directory or a GGUF file; default the embedded SmolLM2's, 49,152 tokens), 64-id prompts, 128
+tokens each at temperature 1 (no seed; `--seeded`: a seed for each request), two ways:
 - `plain`: `LLM.generate` without detokenization (outputs made once, at the end);
 - `stream`: `Engine.add_request` with DELTA outputs and detokenization, as a server streams.
 
-Each also reports the median step less its waits for the device (CUDA events): the host's
-own work. A step whose host work is shorter than its device work waits; one whose host work
-is longer is bound by the host.
+Each also reports the median step less its waits for the device (the time the engine spends
+in `torch.cuda.Event.synchronize`): the host's own work. A step whose host work is shorter
+than its device work waits; one whose host work is longer is bound by the host.
 
 `--structured integer|string` gives every request a JSON schema (an array of at least 500
 such items, so that nothing ends early; inside a string nearly every token is allowed, the
-costlier mask). `--breakdown` also prints the host ms a step spent in each of a few engine
-functions (those this tree has), from the last run of each mode. The functions nest: a
-structured step samples after the engine feeds its grammars, outside
-`ModelRunner.execute_async`; a plain step samples inside it.
+costlier mask). `--breakdown` also prints the host ms a step spent in each of the engine
+functions listed in BREAKDOWN (those this tree has; a missing one is skipped), from the last
+run of each mode. The functions nest.
 
-To compare two source trees, run it once with each on PYTHONPATH: it uses only the public
-`LLM` and `Engine` API.
+To compare two source trees, run it once with each on PYTHONPATH: the timing itself uses only
+the public `LLM` and `Engine` API.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from pathlib import Path
 from typing import Self
 
 import torch
-from transformers import AutoTokenizer
 
 import octavo
 from octavo import LLM, SamplingParams
 from octavo.engine.builder import resolve_model
+from octavo.model.tokenizer import load_tokenizer
 from octavo.sampling_params import RequestOutputKind
 
 PROMPT_LEN, MAX_TOKENS = 64, 128
@@ -105,13 +106,13 @@ class Timers:
             setattr(owner, attr, raw)
 
 
-def make_llm(tokenizer_dir: str) -> LLM:
-    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+def make_llm(tokenizer: str) -> LLM:
+    vocab = len(load_tokenizer(tokenizer))
     config = json.loads((Path(resolve_model("qwen3-0.6b")) / "config.json").read_text())
     config["vocab_size"] = vocab
     model_dir = tempfile.mkdtemp()
     (Path(model_dir) / "config.json").write_text(json.dumps(config))
-    return LLM(model_dir, load_format="dummy", tokenizer=tokenizer_dir, max_model_len=512)
+    return LLM(model_dir, load_format="dummy", tokenizer=tokenizer, max_model_len=512)
 
 
 def step_times(
@@ -177,7 +178,11 @@ def _spec(kind: str | None):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokenizer", required=True, help="an HF tokenizer directory")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="an HF tokenizer directory or a GGUF file (default: the embedded model's)",
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
@@ -186,8 +191,8 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="host ms in engine functions")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    llm = make_llm(args.tokenizer)
-    vocab = llm.engine.runner.vocab_size
+    llm = make_llm(args.tokenizer or resolve_model(None))
+    vocab = llm.engine.vocab_size
     rng = random.Random(0)
     rows = []
     for batch in args.batches:
