@@ -22,8 +22,12 @@ INTERPRET = os.environ.get("OCTAVO_TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
 
-from octavo.attention.backend import AttentionMetadata, build_metadata
-from octavo.attention.torch_backend import reference_attention, write_kv_cache
+from octavo.attention.backend import AttentionMetadata, AttentionSpec, build_metadata
+from octavo.attention.torch_backend import (
+    TorchAttentionBackend,
+    reference_attention,
+    write_kv_cache,
+)
 from octavo.attention.triton_backend import TritonAttentionBackend
 from octavo.kernels.decode_attention import (
     MAX_SPLITS,
@@ -32,6 +36,7 @@ from octavo.kernels.decode_attention import (
 )
 from octavo.kernels.prefill_attention import prefill_attention
 from octavo.kernels.store_kv import store_kv
+from octavo.model.layers import RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -389,16 +394,107 @@ def test_backend_extend_replays_in_a_cuda_graph():
 
 @pytest.mark.skipif(INTERPRET, reason="synchronization checks need a GPU")
 def test_backend_never_synchronizes_with_the_host():
-    """Neither the decode nor the extend path reads the device from the host (no .item())."""
+    """Neither the decode nor the extend path reads the device from the host (no .item()),
+    from q/k/v or from the qkv projection, fused decode on and off."""
     backend = TritonAttentionBackend()
     mixed = make_batch([1, 300, 1], [500, 300, 9], 8, 2, 128, 16, torch.bfloat16)
     decode = make_batch([1, 1, 1], [500, 3000, 9], 8, 2, 128, 16, torch.bfloat16)
-    for q, k, v, cache, md in (mixed, decode):
-        backend.forward(q, k, v, cache, md, 0.1)  # compile first
+    spec = _spec(16, 8, 128, qk_norm=True, dtype=torch.bfloat16, device=DEVICE)
+
+    def run_all() -> None:
+        for q, k, v, cache, md in (mixed, decode):
+            backend.forward(q, k, v, cache, md, 0.1)
+            qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+            positions = torch.zeros(qkv.shape[0], dtype=torch.int64, device=DEVICE)
+            for fused in (True, False):
+                backend.decodes_from_qkv = fused
+                backend.forward_qkv(qkv, positions, cache, md, spec)
+
+    run_all()  # compile first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for q, k, v, cache, md in (mixed, decode):
-            backend.forward(q, k, v, cache, md, 0.1)
+        run_all()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# ---------------------------------------------------------------- from the qkv projection
+
+
+def _spec(
+    heads: int, kv_heads: int, head_dim: int, qk_norm: bool, dtype: torch.dtype, device: str
+) -> AttentionSpec:
+    """A layer's spec with Qwen3's rope (and, if qk_norm, its per-head norms with random
+    weights), its modules in `dtype` on `device` as the model holds them."""
+    torch.manual_seed(heads + head_dim)
+    rope = RotaryEmbedding(head_dim, 4096, 1_000_000.0).to(device)
+    norms = (None, None)
+    if qk_norm:
+        norms = tuple(RMSNorm(head_dim, 1e-6) for _ in range(2))
+        for norm in norms:
+            norm.weight.data.normal_(1, 0.3)
+            norm.to(device, dtype)
+    return AttentionSpec(heads, kv_heads, head_dim, head_dim**-0.5, rope, *norms)
+
+
+def _on_cpu_in_float32(spec: AttentionSpec) -> AttentionSpec:
+    """The same spec with copies of its modules on the CPU in float32 (the oracle's)."""
+    norms = [n if n is None else RMSNorm(spec.head_dim, n.eps) for n in (spec.q_norm, spec.k_norm)]
+    for copy, norm in zip(norms, (spec.q_norm, spec.k_norm), strict=True):
+        if copy is not None:
+            copy.weight.data.copy_(norm.weight.float().cpu())
+    rope = RotaryEmbedding(spec.head_dim, spec.rotary_emb.cos_sin_cache.shape[0], 1_000_000.0)
+    return dataclasses.replace(spec, rotary_emb=rope, q_norm=norms[0], k_norm=norms[1])
+
+
+# bf16 q and k are rounded once more than in the attention tests above (after the norm and
+# the rotation); a wrong norm weight or position is several times further off.
+FORWARD_QKV_TOLERANCE = 2e-2
+FORWARD_QKV_BATCHES = {
+    "decode": full_or_small(([1] * 6, [1, 17, 64, 65, 300, 129]), ([1] * 3, [1, 17, 33])),
+    "mixed": full_or_small(
+        ([1, 100, 1, 30, 7], [700, 100, 5, 94, 7]), ([1, 20, 1, 9], [40, 20, 5, 30])
+    ),
+}
+
+
+@pytest.mark.parametrize("batch", list(FORWARD_QKV_BATCHES))
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("fused_decode", [True, False])
+@torch.no_grad()
+def test_forward_qkv_matches_the_torch_backend(batch, qk_norm, fused_decode):
+    """The model's path (qkv -> q/k norm, rotary, K/V store, attention) through the Triton
+    backend's kernels equals the torch backend's float32 run of the same layer on the CPU, in
+    its output and in the cache slots it writes; a decode step through the one fused kernel
+    and through the two-kernel path (`decodes_from_qkv` off) alike."""
+    query_lens, seq_lens = FORWARD_QKV_BATCHES[batch]
+    heads, kv_heads = full_or_small((16, 8), (4, 2))
+    head_dim, block_size, dtype = full_or_small(128, 32), 16, torch.bfloat16
+    spec = _spec(heads, kv_heads, head_dim, qk_norm, dtype, DEVICE)
+    _, _, _, cache, md = make_batch(query_lens, seq_lens, kv_heads, heads // kv_heads, head_dim,
+                                    block_size, dtype)  # fmt: skip
+    num_tokens = sum(query_lens)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width + 8, device=DEVICE).to(dtype)[:, :width]  # strided rows
+    positions = torch.tensor(
+        [s - q + j for q, s in zip(query_lens, seq_lens, strict=True) for j in range(q)],
+        device=DEVICE,
+    )
+    cpu_md = build_metadata(query_lens, seq_lens, md.block_tables.tolist(), block_size)
+    want_cache = cache.float().cpu()
+    want = TorchAttentionBackend().forward_qkv(
+        qkv.float().cpu(), positions.cpu(), want_cache, cpu_md, _on_cpu_in_float32(spec)
+    )
+
+    backend = TritonAttentionBackend()
+    backend.decodes_from_qkv = fused_decode
+    got = backend.forward_qkv(qkv, positions, cache, md, spec)
+    assert got.shape == (num_tokens, heads, head_dim) and got.dtype == dtype
+    assert not got.isnan().any()
+    assert rel_err(got.cpu(), want) < FORWARD_QKV_TOLERANCE
+    slots = md.slot_mapping.cpu()
+    got_kv = cache.cpu().view(2, -1, kv_heads, head_dim)[:, slots]
+    want_kv = want_cache.view(2, -1, kv_heads, head_dim)[:, slots]
+    assert rel_err(got_kv[0], want_kv[0]) < FORWARD_QKV_TOLERANCE  # rotated (and normed) k
+    assert torch.equal(got_kv[1].float(), want_kv[1])  # v as projected
