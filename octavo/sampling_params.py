@@ -304,7 +304,7 @@ class SamplingParams:
         """Whether the sampler reads the request's earlier tokens on the host: penalties
         count them, and a bad word of several tokens matches its start against them. (A
         structured output's grammar needs them too, but its step samples later: see
-        `PendingOutput.sample`.)"""
+        `ModelRunner.sample_tokens`.)"""
         if self.has_penalties:
             return True
         entries = self.__dict__.get("_bad_words_token_ids")

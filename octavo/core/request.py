@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from octavo.engine.structured_output import Grammar
     from octavo.sampling_params import SamplingParams
+
+
+class GrammarState(Protocol):
+    """What core needs of a structured output's grammar (the engine's `Grammar`)."""
+
+    def fork(self) -> GrammarState: ...
+
+    def accept(self, token_id: int) -> bool: ...
+
+    @property
+    def is_complete(self) -> bool: ...
 
 
 class RequestStatus(enum.Enum):
@@ -76,7 +86,15 @@ class Request:
         self.block_hashes: list[int] = []
         # Structured outputs: where the output stands in its constraint (it has taken every
         # output token so far); None without one.
-        self.grammar: Grammar | None = None
+        self.grammar: GrammarState | None = None
+        # What the model runner was last told of this request (see Scheduler._make_scheduled):
+        # the block-id list and its length, and the number of output tokens; None while the
+        # runner holds no state for it.
+        self.sent_block_ids: list[int] | None = None
+        self.num_sent_blocks = 0
+        self.num_sent_outputs = 0
+        # Whether the sampler reads its output tokens (penalties, bad words): they are sent.
+        self.reads_output_tokens = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,67 +14,16 @@ N+1 while step N runs: a request that samples in step N has a pending token
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from functools import cached_property
 
 from octavo.config import SchedulerConfig
 from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.core.request import Request, RequestStatus
-from octavo.engine.structured_output import accept_tokens
+from octavo.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from octavo.core.stop import AcceptTokens, StopChecker, accept_each
 from octavo.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step: compute `num_new_tokens` tokens, which sit at positions
-    `num_computed_tokens ..` of its sequence, into the blocks `block_ids`.
-
-    NOTE: with async scheduling the last new token may be one that the previous step is
-    still sampling on the device (`input_is_pending`); `token_ids` then holds only the
-    tokens known on the host, and the runner takes the pending one from the device.
-    `block_ids` is the KV cache manager's live list: read it before the next schedule().
-    """
-
-    request_id: str
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_ids: list[int]
-    # True when this step reaches the request's last token, so it samples the next one.
-    sample: bool
-    request: Request = field(repr=False)
-    input_is_pending: bool = False
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids) + int(self.input_is_pending)
-
-    @property
-    def seq_len(self) -> int:
-        return self.num_computed_tokens + len(self.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    """A plain description of one step, passed to the model runner."""
-
-    scheduled: list[ScheduledRequest]
-    preempted_request_ids: list[str] = field(default_factory=list)
-    # (source, destination) KV blocks to copy before the forward pass (copy-on-write).
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # Requests finished since the previous step, so runner-side state can be dropped.
-    finished_request_ids: list[str] = field(default_factory=list)
-    # Whether a live request asked for prompt log-probs: else the runner looks for none.
-    scores_prompts: bool = False
-
-    @cached_property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -85,9 +34,10 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         eos_token_ids: Iterable[int] = (),
+        accept_tokens: AcceptTokens = accept_each,
     ) -> None:
         self.config = config
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stops = StopChecker(eos_token_ids, config.max_model_len, accept_tokens)
         self.kv = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -98,6 +48,10 @@ class Scheduler:
         # Requests that may need their newest token on the host before their next step
         # (see needs_pending_tokens): few, so a step need not ask every running request.
         self._host_token_readers: set[Request] = set()
+        # The requests of each step not yet updated, by step id: the output holds only ids,
+        # and an id may be reused by a new request before its step is updated.
+        self._steps: dict[int, list[Request]] = {}
+        self._step_ids = itertools.count()
 
     # ---- queue management -------------------------------------------------------------
 
@@ -112,7 +66,8 @@ class Scheduler:
 
     def _note_host_token_reader(self, request: Request) -> None:
         params = request.sampling_params
-        if params.n > 1 or params.needs_output_token_ids:
+        request.reads_output_tokens = params.needs_output_token_ids
+        if params.n > 1 or request.reads_output_tokens:
             self._host_token_readers.add(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -147,14 +102,38 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Picks this step's work. See the module docstring for the rule."""
         budget = self.config.max_num_batched_tokens
-        scheduled, preempted, budget = self._schedule_running(budget)
+        new_requests: list[NewRequestData] = []
+        scheduled, preempted, budget = self._schedule_running(budget, new_requests)
         if not preempted:
-            scheduled += self._schedule_waiting(budget)
+            scheduled += self._schedule_waiting(budget, new_requests)
         finished, self._finished_ids = self._finished_ids, []
-        copies = self.kv.take_pending_copies()
-        return SchedulerOutput(scheduled, preempted, copies, finished, bool(self._scoring_prompts))
+        step_id = next(self._step_ids)
+        requests = [self.requests[s.request_id] for s in scheduled]
+        if requests:
+            self._steps[step_id] = requests
+        structured = [r.request_id for r in requests if r.grammar is not None]
+        return SchedulerOutput(
+            step_id,
+            new_requests,
+            scheduled,
+            preempted,
+            self.kv.take_pending_copies(),
+            finished,
+            bool(self._scoring_prompts),
+            structured,
+        )
 
-    def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], list[str], int]:
+    def requests_of(self, so: SchedulerOutput) -> list[Request]:
+        """The requests a step scheduled, in its order, until `update` (or `drop_step`)."""
+        return self._steps.get(so.step_id, [])
+
+    def drop_step(self, so: SchedulerOutput) -> list[Request]:
+        """Forgets a step that will not be updated (it failed); returns its requests."""
+        return self._steps.pop(so.step_id, [])
+
+    def _schedule_running(
+        self, budget: int, new_requests: list[NewRequestData]
+    ) -> tuple[list[ScheduledRequest], list[str], int]:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         i = 0
@@ -165,7 +144,9 @@ class Scheduler:
             request = self.running[i]
             total = len(request.all_token_ids) + request.num_pending_tokens
             num_new = min(total - request.num_computed_tokens, budget)
-            if num_new == 0 or (request.num_pending_tokens and self._finishes_at(request, total)):
+            if num_new == 0 or (
+                request.num_pending_tokens and self.stops.finishes_at(request, total)
+            ):
                 # Caught up and waiting for a token from outside (beam search), or sure to
                 # finish with the token in flight: nothing to compute.
                 i += 1
@@ -178,12 +159,14 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 break  # it preempted itself: nobody after it can run either
-            scheduled.append(self._make_scheduled(request, num_new))
+            scheduled.append(self._make_scheduled(request, num_new, new_requests))
             budget -= num_new
             i += 1
         return scheduled, preempted, budget
 
-    def _schedule_waiting(self, budget: int) -> list[ScheduledRequest]:
+    def _schedule_waiting(
+        self, budget: int, new_requests: list[NewRequestData]
+    ) -> list[ScheduledRequest]:
         scheduled: list[ScheduledRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -202,7 +185,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit
             self.running.append(request)
-            scheduled.append(self._make_scheduled(request, num_new))
+            scheduled.append(self._make_scheduled(request, num_new, new_requests))
             budget -= num_new
         return scheduled
 
@@ -211,35 +194,60 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.sent_block_ids = None  # the runner drops its state of a preempted request
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        """Describes the request's share of the step and counts its tokens as computed."""
+    def _make_scheduled(
+        self, request: Request, num_new: int, new_requests: list[NewRequestData]
+    ) -> ScheduledRequest:
+        """Describes the request's share of the step (and the request itself, to a runner
+        that holds no state for it) and counts its tokens as computed."""
         start = request.num_computed_tokens
-        token_ids = request.all_token_ids[start : start + num_new]
-        sample = start + num_new == len(request.all_token_ids) + request.num_pending_tokens
+        all_token_ids = request.all_token_ids
+        num_known = len(all_token_ids)
+        pending = request.num_pending_tokens
+        token_ids = all_token_ids[start : start + num_new]
+        sample = start + num_new == num_known + pending
         request.num_computed_tokens = start + num_new
         if sample:
-            request.num_pending_tokens += 1
+            request.num_pending_tokens = pending + 1
+        outputs = request.output_token_ids
+        # NOTE: the KV cache manager's list grows in place and is replaced when an entry
+        # changes, so the list sent before, if it is the same object, needs only its tail.
+        block_ids = self.kv.get_block_ids(request.request_id)
+        if request.sent_block_ids is None:
+            new_requests.append(
+                NewRequestData(
+                    request.request_id,
+                    request.prompt_token_ids,
+                    list(outputs),
+                    request.sampling_params,
+                )
+            )
+            request.num_sent_outputs = len(outputs)
+            blocks_start, new_blocks = 0, list(block_ids)
+        elif request.sent_block_ids is block_ids:
+            blocks_start = request.num_sent_blocks
+            new_blocks = block_ids[blocks_start:] if len(block_ids) > blocks_start else []
+        else:
+            blocks_start, new_blocks = 0, list(block_ids)
+        request.sent_block_ids, request.num_sent_blocks = block_ids, len(block_ids)
+        new_outputs: list[int] = []
+        if request.reads_output_tokens and request.num_sent_outputs < len(outputs):
+            new_outputs = outputs[request.num_sent_outputs :]
+            request.num_sent_outputs = len(outputs)
         return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=token_ids,
-            num_computed_tokens=start,
-            block_ids=self.kv.get_block_ids(request.request_id),
-            sample=sample,
-            request=request,
-            input_is_pending=len(token_ids) < num_new,
+            request.request_id,
+            token_ids,
+            start,
+            sample,
+            len(token_ids) < num_new,
+            num_known - len(request.prompt_token_ids) + pending,
+            blocks_start,
+            new_blocks,
+            new_outputs,
         )
-
-    def _finishes_at(self, request: Request, num_tokens: int) -> bool:
-        """True if the request surely finishes once it has `num_tokens` tokens (max_tokens
-        or the context limit). Asked with its pending tokens counted: another step for it
-        would compute a token nobody reads."""
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and num_tokens - len(request.prompt_token_ids) >= max_tokens:
-            return True
-        return num_tokens >= self.config.max_model_len
 
     def needs_pending_tokens(self) -> bool:
         """True if some running request cannot be scheduled before its pending token is on
@@ -257,17 +265,16 @@ class Scheduler:
     def update(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
     ) -> list[Request]:
-        """Appends the step's sampled tokens (forking n > 1 requests at their first token)
-        and applies the token-level stop rules. Returns the requests that got a new token,
-        new forks and finished ones included.
+        """Appends the step's sampled tokens, forking n > 1 requests at their first token.
+        Returns the requests that got a new token, new forks included; the engine then
+        decides their stops (`self.stops`) and finishes them.
 
         NOTE: a request preempted after this step was scheduled still gets its token (it
         was sampled from its whole context); one finished or aborted meanwhile does not.
         """
         updated: list[Request] = []
-        constrained: list[tuple[Request, int]] = []  # (request, token) for its grammar
-        for item in output.scheduled:
-            request = item.request
+        requests = self._steps.pop(output.step_id, ())
+        for item, request in zip(output.scheduled, requests, strict=True):
             if item.sample:
                 request.num_pending_tokens -= 1
             if request.is_finished:
@@ -275,29 +282,15 @@ class Scheduler:
             tokens = sampled_token_ids.get(item.request_id)
             if not tokens:
                 continue
-            group = self._fork(request, tokens) if request.awaits_fork else [request]
-            for member, token in zip(group, tokens, strict=True):
-                member.append_output_token(token)
-                updated.append(member)
-                status = self.check_stop(member)
-                if status is not None:
-                    self.finish_request(member.request_id, status)
-                elif member.grammar is not None:
-                    constrained.append((member, token))
-        if constrained:
-            self._advance_grammars(constrained)
+            if request.awaits_fork:
+                group = self._fork(request, tokens)
+                for member, token in zip(group, tokens, strict=True):
+                    member.append_output_token(token)
+                updated += group
+            else:
+                request.append_output_token(tokens[0])
+                updated.append(request)
         return updated
-
-    def _advance_grammars(self, constrained: list[tuple[Request, int]]) -> None:
-        """Feeds structured outputs' grammars their new tokens: a request stops once its
-        grammar is complete (only EOS could follow), and is aborted if the grammar refuses
-        the token (the sampler's mask allowed only tokens it takes, so that is a bug)."""
-        accepted = accept_tokens([r.grammar for r, _ in constrained], [t for _, t in constrained])
-        for (request, _), ok in zip(constrained, accepted, strict=True):
-            if not ok:
-                self.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
-            elif request.grammar.is_complete:
-                self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _fork(self, parent: Request, tokens: list[int]) -> list[Request]:
         """Splits an n > 1 request into n sequences sharing the prompt's KV blocks; the
@@ -311,6 +304,7 @@ class Scheduler:
             child.index = index
             group.append(child)
         parent.sampling_params = params.for_sample(0)
+        parent.sent_block_ids = None  # the runner takes it anew, with its new params
         self._host_token_readers.discard(parent)  # n = 1 now: it stays if it reads its tokens
         self._note_host_token_reader(parent)
         return group
@@ -348,19 +342,3 @@ class Scheduler:
         self.kv.fork(parent, child)
         self.running.append(child)
         return child
-
-    def check_stop(self, request: Request) -> RequestStatus | None:
-        """EOS, stop token ids, max_tokens and the context limit (stop strings need text
-        and are checked by the engine's detokenizer)."""
-        params = request.sampling_params
-        num_output = len(request.output_token_ids)
-        last = request.output_token_ids[-1]
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and last in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:
-                request.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
-        if self._finishes_at(request, len(request.all_token_ids)):
-            return RequestStatus.FINISHED_LENGTH
-        return None

@@ -25,9 +25,9 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from octavo.core.request import Request
 from octavo.engine.engine import Engine, request_id_list
 from octavo.engine.gc_heap import frozen_gc_heap
-from octavo.core.request import Request
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 

@@ -304,7 +304,7 @@ def beam_search(
                         bar.update(1)
     except BaseException:
         _release(engine, instances, beams)
-        engine.kv.reset_prefix_cache()  # blocks cached by a failed step may hold garbage
+        engine.reset_prefix_cache()  # blocks cached by a failed step may hold garbage
         raise
     finally:
         bar.close()
@@ -336,18 +336,12 @@ def _add_prompts(
 def _step(engine: Engine, beams: dict[str, _Beam]) -> bool:
     """One forward pass over every beam that is behind; stores the reports of the beams
     that reached their last token. False if nothing could be scheduled."""
-    so = engine.scheduler.schedule()
-    if so.is_empty:
+    reports = engine.report_step()
+    if reports is None:
         return False
-    result = engine.runner.execute(so)
-    engine.scheduler.update(so, {})  # advances num_computed_tokens, appends nothing
-    engine.stats.num_steps += 1
-    engine.stats.num_tokens_computed += so.num_batched_tokens
-    for item in so.scheduled:
-        entries = result.logprobs.get(item.request_id)
-        if item.sample and entries:
-            # entries[0]: the (greedy) sampled token, then the top-K by raw log-prob.
-            beams[item.request_id].report = entries[0][1:]
+    for request_id, entries in reports.items():
+        # entries: the (greedy) sampled token, then the top-K by raw log-prob.
+        beams[request_id].report = entries[1:]
     return True
 
 
@@ -383,13 +377,13 @@ def _apply(
             live.append(parent)
             continue
         child_id = f"{inst.root.request_id}.{next(new_ids)}"
-        request = engine.scheduler.fork_request(parent.request, child_id)
-        request.append_output_token(cand.token_id)
+        request = engine.fork_sequence(parent.request, child_id)
+        engine.append_token(request, cand.token_id)
         logprobs = parent.logprobs + [step_logprobs[id(parent)]]
         live.append(beams.setdefault(child_id, _Beam(request, cand.cum_logprob, logprobs)))
     for cand in extends:
         beam = cand.beam
-        beam.request.append_output_token(cand.token_id)
+        engine.append_token(beam.request, cand.token_id)
         beam.cum_logprob = cand.cum_logprob
         beam.logprobs.append(step_logprobs[id(beam)])
         beam.report = None
@@ -398,7 +392,7 @@ def _apply(
 
 def _drop(engine: Engine, dropped: list[_Beam], beams: dict[str, _Beam]) -> None:
     for beam in dropped:
-        engine.scheduler.finish_request(beam.request.request_id, RequestStatus.FINISHED_STOPPED)
+        engine.finish_sequence(beam.request)
         beams.pop(beam.request.request_id, None)
 
 

@@ -13,12 +13,12 @@ from octavo.engine.engine import Engine
 from octavo.model.embedded import embedded_model_path
 from octavo.model.hf_config import load_hf_config
 from octavo.model.tokenizer import eos_token_ids, load_tokenizer
-from octavo.runner.model_runner import ModelRunner, kv_bytes_per_block
+from octavo.runner import kv_setup
+from octavo.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CPU_DEFAULT_KV_BYTES = 1 << 30
 _LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -67,33 +67,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-def num_kv_blocks_for(
-    cache: CacheConfig, runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int
-) -> int:
-    """Sizes the block pool from the budget in CacheConfig. On CUDA the budget is
-    `gpu_memory_utilization` of the GPU minus what is in use after loading the model (by us
-    and others) and the peak activations of a profiling pass at the largest step."""
-    if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks
-    per_block = kv_bytes_per_block(runner.hf_config, cache.block_size, runner.dtype)
-    if cache.kv_cache_memory is not None:
-        budget = cache.kv_cache_memory
-    elif runner.device.type == "cuda":
-        activations = runner.profile_activation_bytes(max_num_batched_tokens, max_num_seqs)
-        free, total = torch.cuda.mem_get_info(runner.device)
-        budget = int(total * cache.gpu_memory_utilization) - (total - free) - activations
-        # CUDA graphs and the allocator's fragmentation need some room too.
-        budget -= 1 << 30
-    else:
-        budget = _CPU_DEFAULT_KV_BYTES
-    num_blocks = budget // per_block
-    if num_blocks < 1:
-        raise ValueError(
-            f"the KV cache budget ({budget} bytes) is smaller than one block ({per_block} bytes)"
-        )
-    return num_blocks
-
-
 def build_engine(
     model: str | None = None,
     tokenizer: str | None = None,
@@ -133,20 +106,23 @@ def build_engine(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     tok = load_tokenizer(tokenizer or model_path)
+    config_eos = getattr(hf_config, "eos_token_id", None)
+    eos = eos_token_ids(tok, config_eos) if tok is not None else _as_list(config_eos)
     runner = ModelRunner(
         model_path, hf_config, torch_dtype, dev, block_size, load_format, seed,
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
         cuda_graph_max_tokens=cuda_graph_max_tokens,
-    )
-    num_blocks = num_kv_blocks_for(cache, runner, max_num_batched_tokens, max_num_seqs)
+        eos_token_ids=eos,
+    )  # fmt: skip
+    # Size the KV cache (profiling a step on CUDA), then allocate it once.
+    num_blocks = kv_setup.num_kv_blocks(runner, cache, max_num_batched_tokens, max_num_seqs)
     sched = SchedulerConfig(
         max_num_seqs,
         max_num_batched_tokens,
         _max_model_len(hf_config, max_model_len, num_blocks * block_size),
     )
-    config_eos = getattr(hf_config, "eos_token_id", None)
-    eos = eos_token_ids(tok, config_eos) if tok is not None else _as_list(config_eos)
+    runner.allocate_kv_cache(num_blocks, max_num_seqs, sched.max_model_len, max_num_batched_tokens)
     if async_scheduling is None:  # overlap pays where the device runs beside the host
         async_scheduling = dev.type == "cuda"
     return Engine(runner, tok, cache, sched, num_blocks, eos, async_scheduling)

@@ -18,18 +18,25 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.kv_cache_manager import KVCacheManager
-from octavo.engine.output_processor import OutputProcessor
 from octavo.core.request import Request, RequestStatus
-from octavo.core.scheduler import Scheduler, SchedulerOutput
-from octavo.engine.structured_output import Grammar, GrammarCompiler
+from octavo.core.sched_output import SchedulerOutput
+from octavo.core.scheduler import Scheduler
+from octavo.engine.output_processor import OutputProcessor
+from octavo.engine.structured_output import (
+    Grammar,
+    GrammarBitmaskBuilder,
+    GrammarCompiler,
+    accept_tokens,
+)
 from octavo.model.tokenizer import encode_text
 from octavo.outputs import RequestOutput
-from octavo.runner.model_runner import ModelRunner, PendingOutput
+from octavo.runner.model_runner import ModelRunner
+from octavo.runner.outputs import ModelRunnerOutput, PendingOutput, TokenLogprobs
 from octavo.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
@@ -72,24 +79,17 @@ class Engine:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.vocab_size = runner.vocab_size
-        self.eos_token_ids = eos_token_ids
-        runner.eos_token_ids = eos_token_ids
-        runner.allocate_kv_cache(
-            num_kv_blocks,
-            scheduler_config.max_num_seqs,
-            scheduler_config.max_model_len,
-            scheduler_config.max_num_batched_tokens,
-        )
         self.kv = KVCacheManager(
             num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(scheduler_config, self.kv, eos_token_ids)
+        self.scheduler = Scheduler(scheduler_config, self.kv, eos_token_ids, accept_tokens)
         self.stats = EngineStats()
         self.outputs = OutputProcessor(tokenizer)
         self.async_scheduling = async_scheduling
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # built with the first constraint
+        self._bitmasks = GrammarBitmaskBuilder(self.vocab_size, runner.device.type == "cuda")
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -216,55 +216,81 @@ class Engine:
             so = self.scheduler.schedule()
             if so.is_empty:
                 return []
-            return self._finish(so, self._launch(so))
+            return self._finish(so, self._launch(so, grammars_current=True))
         outputs: list[RequestOutput] = []
         if self._in_flight is not None and self.scheduler.needs_pending_tokens():
             in_flight, self._in_flight = self._in_flight, None  # finished once, even if it fails
             outputs = self._finish(*in_flight)
         so = self.scheduler.schedule()
-        launched = None if so.is_empty else (so, self._launch(so))
+        grammars_current = self._in_flight is None
+        launched = None if so.is_empty else (so, self._launch(so, grammars_current))
+        held = launched is not None and so.structured_request_ids and not grammars_current
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
-            # A step with structured outputs samples once its grammars have taken the
-            # finished step's tokens, while its own forward pass runs on the device; the
-            # finished step's text and outputs are made after that.
-            sample = launched[1].sample if launched is not None else None
             try:
-                outputs += self._finish(*in_flight, after_update=sample)
+                taken = self._take_tokens(*in_flight)
             except Exception:
                 if launched is not None:  # it may read the failed step's tokens: drop it
                     self._fail(launched[0])
                 raise
-        if launched is not None:  # no step was in flight: sample now (if not done above)
-            try:
-                launched[1].sample()
-            except Exception:
-                self._fail(launched[0])
-                raise
+            if held:
+                # The grammars have taken the finished step's tokens: sample the launched
+                # step, while its forward pass runs, before making the finished step's text.
+                try:
+                    self._sample_held(so)
+                except Exception:
+                    # The tokens are appended but have no text or output yet: abort their
+                    # requests, so that none finishes without an output or runs on with a
+                    # gap in its text.
+                    self.abort_request(list(dict.fromkeys(r.group_id for r in taken[1])))
+                    raise
+            outputs += self._make_outputs(*taken)
         self._in_flight = launched
         return outputs
 
-    def _launch(self, so: SchedulerOutput) -> PendingOutput:
+    def _launch(self, so: SchedulerOutput, grammars_current: bool) -> PendingOutput:
+        """Queues a step on the runner. Its structured outputs' bitmask goes with it if the
+        grammars have taken every earlier token; else the runner holds its sampling."""
         try:
+            if so.structured_request_ids and grammars_current:
+                so.grammar_bitmask = self._grammar_bitmask(so)
             return self.runner.execute_async(so)
         except Exception:
             self._fail(so)
             raise
 
+    def _sample_held(self, so: SchedulerOutput) -> None:
+        try:
+            so.grammar_bitmask = self._grammar_bitmask(so)
+            self.runner.sample_tokens(so.grammar_bitmask)
+        except Exception:
+            self._fail(so)
+            raise
+
+    def _grammar_bitmask(self, so: SchedulerOutput):
+        requests = self.scheduler.requests
+        grammars = [requests[request_id].grammar for request_id in so.structured_request_ids]
+        return self._bitmasks.build(so.structured_request_ids, grammars)
+
     def _fail(self, so: SchedulerOutput) -> None:
-        # NOTE: blocks registered in the prefix cache this step may hold garbage now.
-        self.abort_request(list({s.request.group_id: None for s in so.scheduled}))
+        # NOTE: blocks registered in the prefix cache this step may hold garbage now. A held
+        # step exists only between its launch and its sampling in one step(): when anything
+        # fails there, it is never sampled.
+        self.runner.cancel_held()
+        requests = self.scheduler.drop_step(so)
+        self.abort_request(list({r.group_id: None for r in requests}))
         self.kv.reset_prefix_cache()
 
-    def _finish(
-        self,
-        so: SchedulerOutput,
-        pending: PendingOutput,
-        after_update: Callable[[], None] | None = None,
-    ) -> list[RequestOutput]:
-        """Waits for a launched step's tokens, appends them and checks stops.
-        `after_update` runs once the tokens are appended (and fed to the grammars), before
-        their text and outputs are made."""
+    def _finish(self, so: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:
+        """Waits for a launched step's tokens, appends them, decides stops, makes outputs."""
+        return self._make_outputs(*self._take_tokens(so, pending))
+
+    def _take_tokens(
+        self, so: SchedulerOutput, pending: PendingOutput
+    ) -> tuple[ModelRunnerOutput, list[Request], list[RequestStatus | None]]:
+        """Waits for a launched step's tokens and appends them; feeds the structured
+        outputs' grammars. Returns the result, the requests that got a token, and the
+        status each token's own rules give it (see StopChecker)."""
         try:
             result = pending.result()
         except Exception:
@@ -273,37 +299,41 @@ class Engine:
         self.stats.num_steps += 1
         self.stats.num_tokens_computed += so.num_batched_tokens
         if result.prompt_logprobs:
-            for item in so.scheduled:  # the scheduled request itself: an id may be reused
+            # The scheduled request itself: an id may have been reused meanwhile.
+            for item, request in zip(so.scheduled, self.scheduler.requests_of(so), strict=True):
                 found = result.prompt_logprobs.get(item.request_id)
-                if found is not None and not item.request.is_finished:
-                    self.outputs.process_prompt_logprobs(item.request, *found)
+                if found is not None and not request.is_finished:
+                    self.outputs.process_prompt_logprobs(request, *found)
         updated = self.scheduler.update(so, result.sampled_token_ids)
-        if after_update is not None:
-            try:
-                after_update()
-            except Exception:
-                # The tokens are appended but have no text or output yet: abort their
-                # requests (a finished group is just forgotten), so that none finishes
-                # without an output or runs on (preempted, say) with a gap in its text.
-                self.abort_request(list(dict.fromkeys(r.group_id for r in updated)))
-                raise
+        statuses = self.scheduler.stops.check_tokens(updated)
+        return result, updated, statuses
+
+    def _make_outputs(
+        self,
+        result: ModelRunnerOutput,
+        updated: list[Request],
+        statuses: list[RequestStatus | None],
+    ) -> list[RequestOutput]:
+        """Text and stop strings of the new tokens; finishes the requests that stop."""
         self.stats.num_generated_tokens += len(updated)
         groups: dict[str, RequestOutputKind] = {}
         all_logprobs = result.logprobs
-        for request in updated:
+        check_text = self.scheduler.stops.check_text
+        for request, status in zip(updated, statuses, strict=True):
+            if request.is_finished:
+                continue  # aborted meanwhile
             logprobs = None
             if all_logprobs:
                 logprobs = all_logprobs.get(request.request_id) or all_logprobs.get(
                     request.group_id
                 )
-            stop = self.outputs.process_token(request, logprobs)
-            if stop is not None:
-                self._stop_at_string(request, stop)
-            finished = request.is_finished
-            if finished:
+            stop = self.outputs.process_token(request, logprobs, status)
+            status = check_text(request, status, stop)
+            if status is not None:
+                self.scheduler.finish_request(request.request_id, status)
                 self._count_outcome(request)
             kind = request.sampling_params.output_kind
-            if finished or kind is not RequestOutputKind.FINAL_ONLY:
+            if status is not None or kind is not RequestOutputKind.FINAL_ONLY:
                 groups[request.group_id] = kind  # a FINAL_ONLY group ends with a member
         return [
             self.outputs.make_output(group_id)
@@ -311,23 +341,57 @@ class Engine:
             if kind is not RequestOutputKind.FINAL_ONLY or self.outputs.is_finished(group_id)
         ]
 
-    def _stop_at_string(self, request: Request, stop: str) -> None:
-        """Finishes a request whose newest text completed the stop string `stop`."""
-        if not request.is_finished:
-            request.stop_reason = stop
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-        elif request.status is RequestStatus.FINISHED_LENGTH:
-            # The token that reached max_tokens also completed a stop string: the text was
-            # cut there, so report the stop, as vLLM does (the blocks are already free).
-            request.stop_reason = stop
-            request.status = RequestStatus.FINISHED_STOPPED
-        elif request.grammar is not None and request.grammar.is_complete:
-            request.stop_reason = stop  # it completed a stop string and the grammar at once
-
     def _count_outcome(self, request: Request) -> None:
         reason = request.status.finish_reason or "unknown"
         by_outcome = self.stats.requests_by_outcome
         by_outcome[reason] = by_outcome.get(reason, 0) + 1
+
+    # ---- sequences driven from outside (beam search) ----------------------------------
+
+    def report_step(self) -> dict[str, TokenLogprobs] | None:
+        """Runs one step in which each sequence that reaches its last token reports the
+        log-probs of its next token (the sampled one, then its params' top `logprobs`) and
+        takes none: the caller picks tokens (`append_token`). None if nothing could be
+        scheduled. Synchronous: not for use while step() has a step in flight."""
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            return None
+        try:
+            result = self.runner.execute(so)
+        except Exception:
+            self.scheduler.drop_step(so)
+            raise
+        self.scheduler.update(so, {})  # advances num_computed_tokens, appends nothing
+        self.stats.num_steps += 1
+        self.stats.num_tokens_computed += so.num_batched_tokens
+        reports = {}
+        for item in so.scheduled:
+            entries = result.logprobs.get(item.request_id)
+            if item.sample and entries:
+                reports[item.request_id] = entries[0]
+        return reports
+
+    def fork_sequence(self, parent: Request, child_id: str) -> Request:
+        """A new sequence with the parent's tokens, sharing its KV blocks (copy-on-write)."""
+        return self.scheduler.fork_request(parent, child_id)
+
+    @staticmethod
+    def append_token(request: Request, token_id: int) -> None:
+        """Gives a sequence its next token (picked by the caller from its report)."""
+        request.append_output_token(token_id)
+
+    def finish_sequence(self, request: Request) -> None:
+        """Finishes a sequence and frees its KV blocks; its tokens stay readable."""
+        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block not in use; True if the prefix cache is now empty."""
+        return self.kv.reset_prefix_cache()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The model's EOS ids (the stop rules own them)."""
+        return list(self.scheduler.stops.eos_token_ids)
 
     # ---- stats ------------------------------------------------------------------------
 

@@ -8,10 +8,10 @@ the sequence once the grammar is complete:
 
     {"type": "object", ...}  -> Grammar --mask--> sampler --token--> Grammar.accept -> ...
 
-A mask needs every earlier token accepted. With async scheduling the step after launches
-its forward pass at once and samples only once the engine has fed the grammars the finished
-step's tokens (`PendingOutput.sample`, from `Engine.step`). An n > 1 request's samples each
-get their own copy of the grammar when they fork.
+A mask needs every earlier token accepted. With async scheduling the next step launches its
+forward pass at once and the runner holds its sampling until the engine has fed the grammars
+the finished step's tokens and built the step's `GrammarBitmask` (`ModelRunner.sample_tokens`).
+An n > 1 request's samples each get their own copy of the grammar when they fork.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import logging
 
 import torch
 
+from octavo.core.sched_output import GrammarBitmask
+from octavo.runner.bitmask import bitmask_width, outside_of_bitmask
 from octavo.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -113,6 +115,31 @@ class GrammarCompiler:
         return grammar.error
 
 
+class GrammarBitmaskBuilder:
+    """Builds a step's `GrammarBitmask` beside the scheduler, in host memory kept from step
+    to step (pinned for a CUDA runner, and grown by powers of two)."""
+
+    def __init__(self, vocab_size: int, pin_memory: bool) -> None:
+        self.vocab_size = vocab_size
+        self.pin_memory = pin_memory
+        self._host: torch.Tensor | None = None  # [capacity, W] int32
+
+    def build(self, request_ids: list[str], grammars: list[Grammar]) -> GrammarBitmask:
+        """The bitmask of each request's grammar, which has taken every earlier token.
+
+        NOTE: the runner copies it to the device without waiting; the engine builds the next
+        one only after that step's tokens came back, so the buffer is free again by then.
+        """
+        num_rows = len(request_ids)
+        if self._host is None or len(self._host) < num_rows:
+            capacity = 1 << (num_rows - 1).bit_length()
+            width = bitmask_width(self.vocab_size)
+            self._host = torch.empty(capacity, width, dtype=torch.int32, pin_memory=self.pin_memory)
+        host = self._host[:num_rows]
+        fill_bitmasks(grammars, host)
+        return GrammarBitmask(request_ids, host)
+
+
 def fill_bitmasks(grammars: list[Grammar], bitmask: torch.Tensor) -> None:
     """Row i of `bitmask` ([R, W] int32, contiguous, on the CPU) gets grammars[i]'s allowed
     tokens. llguidance fills the rows on its threads; a grammar listed several times (an
@@ -132,10 +159,8 @@ def fill_bitmasks(grammars: list[Grammar], bitmask: torch.Tensor) -> None:
             bitmask[i] = bitmask[first[id(g)]]
 
 
-# From this many grammars on, accept_tokens hands them to llguidance's threads. On the H200's
-# host one grammar takes 2.5-5.5 us on this thread, and the threads ~0.15 ms plus 1.4 us
-# each: a tie at 64 rows, half the time at 256 (docs/PERFORMANCE.md, session 23). 96 sits
-# between the two, where either way costs about the same.
+# From this many grammars on, accept_tokens hands them to llguidance's threads: the threads'
+# fixed cost pays only for a large batch (docs/PERFORMANCE.md has the crossover).
 PARALLEL_ACCEPT_MIN = 96
 
 
@@ -150,21 +175,6 @@ def accept_tokens(grammars: list[Grammar], tokens: list[int]) -> list[bool]:
         if not ok:
             g._log_refusal(t)
     return accepted
-
-
-def bitmask_width(vocab_size: int) -> int:
-    """int32 words of a grammar's bitmask over `vocab_size` tokens."""
-    return (vocab_size + 31) // 32
-
-
-def outside_of_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32 bitmasks -> [R, vocab_size] bool, True for a token the grammar bans.
-    Unpacked a byte at a time (token t is bit t % 8 of little-endian byte t // 8), so the
-    temporaries take a byte per token."""
-    octets = bitmask.contiguous().view(torch.uint8)  # [R, 4W]
-    bits = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
-    allowed = (octets.unsqueeze(-1) >> bits) & 1  # [R, 4W, 8]
-    return (allowed == 0).flatten(1)[:, :vocab_size]
 
 
 @functools.cache

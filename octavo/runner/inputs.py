@@ -20,50 +20,42 @@ import numpy as np
 import torch
 
 from octavo.attention.backend import AttentionMetadata
-from octavo.core.scheduler import ScheduledRequest
-from octavo.runner.sampler import to_device
+from octavo.core.sched_output import ScheduledRequest
+from octavo.runner.host_copy import to_device
 
 if TYPE_CHECKING:
     from octavo.runner.cuda_graph import GraphShape
 
 
 class BlockTableRows:
-    """Every running request's block table as a row of one numpy array.
-
-    A step copies only what changed since the request's last step: the KV cache manager's
-    block-id lists grow in place and are replaced when an entry changes, so a list seen
-    before (same object) needs only its new tail.
-    """
+    """Every running request's block table as a row of one numpy array, kept up to date
+    from each step's changes (`ScheduledRequest.new_block_ids`)."""
 
     def __init__(self, max_blocks_per_seq: int, num_rows: int) -> None:
         self.table = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int32)
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._rows: dict[str, int] = {}
-        self._seen: dict[str, tuple[list[int], int]] = {}  # request id -> (list, its length)
+        self._lengths: dict[str, int] = {}  # request id -> blocks in its table
 
-    def row(self, request_id: str, block_ids: list[int]) -> int:
-        """The request's row, brought up to date with `block_ids`."""
+    def row(self, request_id: str, start: int, new_block_ids: list[int]) -> tuple[int, int]:
+        """The request's row and table length, after writing `new_block_ids` from `start`."""
         row = self._rows.get(request_id)
         if row is None:
             row = self._rows[request_id] = self._take_row()
-            start = 0
-        else:
-            seen, num_seen = self._seen[request_id]
-            if seen is block_ids and num_seen == len(block_ids):
-                return row
-            start = num_seen if seen is block_ids else 0
-        if len(block_ids) > self.table.shape[1]:
-            raise ValueError(f"{len(block_ids)} blocks exceed the block table's width")
-        self.table[row, start : len(block_ids)] = block_ids[start:]
-        self._seen[request_id] = (block_ids, len(block_ids))
-        return row
+        if new_block_ids:
+            end = start + len(new_block_ids)
+            if end > self.table.shape[1]:
+                raise ValueError(f"{end} blocks exceed the block table's width")
+            self.table[row, start:end] = new_block_ids
+            self._lengths[request_id] = end
+        return row, self._lengths[request_id]
 
     def release(self, request_ids: list[str]) -> None:
         """Forgets finished or preempted requests (unknown ids are ignored)."""
         for request_id in request_ids:
             row = self._rows.pop(request_id, None)
             if row is not None:
-                del self._seen[request_id]
+                self._lengths.pop(request_id, None)
                 self._free_rows.append(row)
 
     def _take_row(self) -> int:
@@ -137,8 +129,10 @@ class InputBuilder:
             last_sampled: the previous step's sampled token ids, on the device.
         """
         num_seqs = len(scheduled)
-        rows = [self.rows.row(s.request_id, s.block_ids) for s in scheduled]
-        width = max(len(s.block_ids) for s in scheduled)
+        row_of = self.rows.row
+        rows_lengths = [row_of(s.request_id, s.block_ids_start, s.new_block_ids) for s in scheduled]
+        rows = [r for r, _ in rows_lengths]
+        width = max(length for _, length in rows_lengths)
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, num_seqs)
         q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
         cu = np.zeros(num_seqs + 1, dtype=np.int64)

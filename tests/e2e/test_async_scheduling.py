@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from octavo import SamplingParams
+from octavo import SamplingParams, StructuredOutputsParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -139,7 +139,7 @@ def test_async_abort_in_flight_frees_blocks_and_spares_the_rest(llm, chat_prompt
 def test_async_failed_step_aborts_its_requests_and_the_engine_goes_on(
     llm, chat_prompt_ids, monkeypatch
 ):
-    from octavo.runner.model_runner import PendingOutput
+    from octavo.runner.outputs import PendingOutput
 
     engine = llm.engine
     with scheduling(llm, True):
@@ -170,7 +170,7 @@ def test_a_step_that_failed_while_finished_early_is_not_finished_again(
     finished before the next is scheduled. When that failed, the step stayed in flight, and
     the next step() finished it again: its failure aborted an innocent request launched
     meanwhile."""
-    from octavo.runner.model_runner import PendingOutput
+    from octavo.runner.outputs import PendingOutput
 
     engine = llm.engine
     ref = llm.generate(prompts_of(chat_prompt_ids[1:2]), GREEDY, use_tqdm=False)
@@ -198,38 +198,56 @@ def test_a_step_that_failed_while_finished_early_is_not_finished_again(
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
 
 
+# A constraint that cannot complete within these tests' lengths: its requests' steps are held
+# for their grammar bitmask when launched with a step in flight (ModelRunner.sample_tokens).
+HELD = StructuredOutputsParams(regex="[a-z ]{300}")
+
+
+def fail_held_sampling(monkeypatch, engine, error: Exception, only=None) -> None:
+    """Makes the sampling of held steps raise `error` (only that of `only`'s PendingOutput
+    if given), after the step in flight has taken its tokens."""
+    real = type(engine.runner).sample_tokens
+
+    def sample_tokens(runner, bitmask):
+        if only is None or (runner._held is not None and runner._held[0] is only()):
+            raise error
+        return real(runner, bitmask)
+
+    monkeypatch.setattr(type(engine.runner), "sample_tokens", sample_tokens)
+
+
 def test_a_failed_sample_of_the_next_step_releases_the_requests_that_finished(
     llm, chat_prompt_ids, monkeypatch
 ):
-    """The next step samples after the step in flight has taken its tokens; when that
-    sampling failed, a request that had just finished made no output and its id stayed in
-    use for good."""
-    from octavo.runner.model_runner import PendingOutput
-
+    """A step with a structured output samples after the step in flight has taken its
+    tokens; when that sampling failed, a request that had just finished made no output and
+    its id stayed in use for good."""
     engine = llm.engine
     with scheduling(llm, True):
         short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        held = SamplingParams(temperature=0, max_tokens=20, structured_outputs=HELD)
         engine.add_request(chat_prompt_ids[0], short, "sample-0")
-        engine.add_request(chat_prompt_ids[1], GREEDY, "sample-1")
+        engine.add_request(chat_prompt_ids[1], held, "sample-1")
         engine.step()
         engine.step()  # sample-0's last token is sampled in the step now in flight
-        in_flight = engine._in_flight[1]
-        real = PendingOutput.sample
-
-        def sample(self):
-            if self is not in_flight:  # the step launched next
-                raise RuntimeError("mask fault")
-            return real(self)
-
-        monkeypatch.setattr(PendingOutput, "sample", sample)
+        fail_held_sampling(monkeypatch, engine, RuntimeError("mask fault"))
         with pytest.raises(RuntimeError, match="mask fault"):
             engine.step()
-        monkeypatch.setattr(PendingOutput, "sample", real)
+        monkeypatch.undo()
         assert engine.outputs.members("sample-0") == []
         assert not engine.has_unfinished_requests()
         assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
         engine.add_request(chat_prompt_ids[0], short, "sample-0")  # the id is free again
         engine.abort_request("sample-0")
+        # The failed step's held sampling is dropped with it: structured steps run on.
+        held = SamplingParams(temperature=0, max_tokens=3, structured_outputs=HELD)
+        for i in range(2):
+            engine.add_request(chat_prompt_ids[i], held, f"after-{i}")
+        finished = []
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+        finished += [o for o in engine.step() if o.finished]
+        assert sorted(len(o.outputs[0].token_ids) for o in finished) == [3, 3]
 
 
 def test_a_failed_sample_spares_a_request_that_reused_an_aborted_id(
@@ -237,24 +255,21 @@ def test_a_failed_sample_spares_a_request_that_reused_an_aborted_id(
 ):
     """Only the step in flight's own requests are released: not a waiting request that
     took the id of one aborted while that step ran."""
-    from octavo.runner.model_runner import PendingOutput
-
     llm = llm_factory(max_num_seqs=2)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    held = SamplingParams(temperature=0, max_tokens=10, structured_outputs=HELD)
     with scheduling(llm, True):
         for i, request_id in enumerate(["reuse-0", "reuse-a", "reuse-1"]):
-            engine.add_request(chat_prompt_ids[i], params, request_id)
+            engine.add_request(chat_prompt_ids[i], held if i == 0 else params, request_id)
         engine.step()
         engine.step()  # reuse-a decodes in the step in flight; reuse-1 waits
         engine.abort_request("reuse-a")
         engine.add_request(chat_prompt_ids[3], params, "reuse-a")  # waits behind reuse-1
-        in_flight = engine._in_flight[1]
-        real = PendingOutput.sample
-        monkeypatch.setattr(PendingOutput, "sample", lambda p: real(p) if p is in_flight else 1 / 0)
+        fail_held_sampling(monkeypatch, engine, ZeroDivisionError())
         with pytest.raises(ZeroDivisionError):
             engine.step()
-        monkeypatch.setattr(PendingOutput, "sample", real)
+        monkeypatch.undo()
         assert not engine.scheduler.requests["reuse-a"].is_finished
         finished = {}
         while engine.has_unfinished_requests():
@@ -270,14 +285,11 @@ def test_a_failed_sample_aborts_a_request_preempted_in_its_step(
     """A request of the step in flight that the next schedule preempts gets its token, and
     no text for it if the next step's sampling fails: it is aborted, not run on with a gap
     in its text."""
-    from octavo.runner.model_runner import PendingOutput
-
     llm = llm_factory(num_kv_blocks=14, enable_prefix_caching=False)
     engine, tokenizer = llm.engine, llm.get_tokenizer()
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=HELD)
     victims, target = [], []
     real_schedule, real_launch = engine.scheduler.schedule, engine._launch
-    real_sample = PendingOutput.sample
 
     def schedule():
         so = real_schedule()
@@ -286,23 +298,20 @@ def test_a_failed_sample_aborts_a_request_preempted_in_its_step(
             victims.extend(r for r in so.preempted_request_ids if r in sampled)
         return so
 
-    def launch(so):
-        pending = real_launch(so)
+    def launch(so, grammars_current):
+        pending = real_launch(so, grammars_current)
         if victims and not target:
             target.append(pending)
         return pending
-
-    def sample(self):
-        if target and self is target[0]:
-            raise RuntimeError("mask fault")
-        return real_sample(self)
 
     with scheduling(llm, True):
         for i, prompt in enumerate(chat_prompt_ids[:4]):
             engine.add_request(prompt, params, f"gap-{i}")
         monkeypatch.setattr(engine.scheduler, "schedule", schedule)
         monkeypatch.setattr(engine, "_launch", launch)
-        monkeypatch.setattr(PendingOutput, "sample", sample)
+        fail_held_sampling(
+            monkeypatch, engine, RuntimeError("mask fault"), lambda: target[0] if target else None
+        )
         finished = {}
         with pytest.raises(RuntimeError, match="mask fault"):
             while True:

@@ -168,7 +168,7 @@ def test_the_token_that_stops_a_request_stays_out_of_its_text(llm, chat_prompt_i
     chat = prompts_of(chat_prompt_ids)[:1]
     params = SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False)
     out = llm.generate(chat, params, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.scheduler.eos_token_ids
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
     assert out.text == decode(out.token_ids[:-1], skip_special_tokens=False)  # no <|im_end|>
 
 

@@ -6,7 +6,8 @@ reuse it too; only their grammars' masks are made each step."""
 from __future__ import annotations
 
 from octavo import SamplingParams, StructuredOutputsParams
-from octavo.runner.sampler import Sampler, SamplingMetadata
+from octavo.runner.sampler import Sampler
+from octavo.runner.sampling_metadata import SamplingMetadata
 
 
 def params(temperature: float, max_tokens: int, **kwargs) -> SamplingParams:

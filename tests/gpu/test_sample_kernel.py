@@ -91,7 +91,8 @@ def test_a_rows_token_depends_only_on_its_seed():
 def test_sampler_on_cuda_mixes_greedy_seeded_and_filtered_rows():
     """`Sampler` on CUDA: greedy rows are the argmax, top-k rows stay in their top k, and a
     seeded row's tokens do not depend on the rows around it."""
-    from octavo.runner.sampler import Sampler, SamplingMetadata
+    from octavo.runner.sampler import Sampler
+    from octavo.runner.sampling_metadata import SamplingMetadata
     from octavo.sampling_params import SamplingParams as SP
 
     vocab, cuda = 3000, torch.device("cuda")
@@ -120,7 +121,8 @@ def test_sampler_on_cuda_mixes_greedy_seeded_and_filtered_rows():
 def test_sampler_on_cuda_applies_logit_bias_and_allowed_token_ids():
     """On CUDA, as on the CPU: logit_bias is added before the choice, and a row with
     allowed_token_ids never leaves them, greedy or random."""
-    from octavo.runner.sampler import Sampler, SamplingMetadata
+    from octavo.runner.sampler import Sampler
+    from octavo.runner.sampling_metadata import SamplingMetadata
     from octavo.sampling_params import SamplingParams as SP
 
     vocab, cuda = 3000, torch.device("cuda")

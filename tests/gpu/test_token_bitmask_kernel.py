@@ -16,7 +16,7 @@ INTERPRET = os.environ.get("OCTAVO_TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
 
-from octavo.engine.structured_output import bitmask_width, outside_of_bitmask
+from octavo.runner.bitmask import bitmask_width, outside_of_bitmask
 from octavo.kernels.token_bitmask import BLOCK, ban_outside_bitmask_
 
 pytestmark = pytest.mark.gpu

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from octavo.core.scheduler import ScheduledRequest
+from octavo.core.sched_output import ScheduledRequest
 from octavo.runner.cuda_graph import CudaGraphRunner, GraphShape, mixed_capture_sizes
 from octavo.runner.inputs import InputBuilder
 
@@ -20,7 +20,16 @@ def builder() -> InputBuilder:
 
 
 def scheduled(request_id: str, tokens: list[int], computed: int, blocks: list[int]):
-    return ScheduledRequest(request_id, tokens, computed, blocks, sample=True, request=None)
+    return ScheduledRequest(
+        request_id,
+        tokens,
+        computed,
+        sample=True,
+        input_is_pending=False,
+        num_output_tokens=0,
+        block_ids_start=0,
+        new_block_ids=blocks,
+    )
 
 
 def test_decode_step_with_graph_padding_orders_longest_first():

@@ -12,16 +12,11 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from octavo.engine.structured_output import bitmask_width, outside_of_bitmask
-from octavo.runner.sampler import (
-    GrammarMasks,
-    Sampler,
-    SamplingMetadata,
-    apply_filters,
-    apply_penalties,
-    apply_top_k_top_p,
-    seeded_rows,
-)
+from octavo.engine.structured_output import GrammarBitmaskBuilder
+from octavo.runner.bitmask import bitmask_width, outside_of_bitmask
+from octavo.runner.penalties import apply_penalties
+from octavo.runner.sampler import Sampler, apply_filters, apply_top_k_top_p
+from octavo.runner.sampling_metadata import GrammarMasks, SamplingMetadata, seeded_rows
 from octavo.sampling_params import SamplingParams as SP
 
 CPU = torch.device("cpu")
@@ -337,8 +332,14 @@ class FixedGrammar:
 
 
 def with_grammars(md: SamplingMetadata, grammars) -> SamplingMetadata:
-    """The metadata with the grammars' bans added, as the runner adds them each step."""
-    return replace(md, grammar_bans=GrammarMasks(md.vocab_size, CPU).bans(grammars))
+    """The metadata with the grammars' bans added, as the engine builds the step's bitmask
+    and the runner adds it: row i belongs to request f"r{i}" (no grammar where None)."""
+    rows = [(f"r{i}", None, 0) for i in range(len(grammars))]
+    constrained = [(f"r{i}", g) for i, g in enumerate(grammars) if g is not None]
+    bitmask = GrammarBitmaskBuilder(md.vocab_size, pin_memory=False).build(
+        [r for r, _ in constrained], [g for _, g in constrained]
+    )
+    return replace(md, grammar_bans=GrammarMasks(CPU).bans(rows, bitmask))
 
 
 @given(st.integers(1, 100), st.integers(0, 2**32 - 1))
@@ -358,7 +359,7 @@ def test_grammar_bans_keep_each_row_to_its_grammars_tokens(monkeypatch):
         for g, row in zip(grammars, bitmask, strict=True):
             g.fill_bitmask(row)
 
-    monkeypatch.setattr("octavo.runner.sampler.fill_bitmasks", fill_each)
+    monkeypatch.setattr("octavo.engine.structured_output.fill_bitmasks", fill_each)
     vocab = 70
     logits = randn(3, vocab, seed=12)
     logits[:, 5] = 20.0  # everyone's favourite, which no grammar allows

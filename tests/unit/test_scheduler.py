@@ -25,9 +25,18 @@ def req(rid: str, n: int, start: int = 100, **params) -> Request:
     return Request(rid, list(range(start, start + n)), SamplingParams(**params))
 
 
+def update(s: Scheduler, out, tokens: dict[str, list[int]]):
+    """Appends a step's tokens and finishes the requests they stop, as the engine does."""
+    updated = s.update(out, tokens)
+    for request, status in zip(updated, s.stops.check_tokens(updated), strict=True):
+        if status is not None:
+            s.finish_request(request.request_id, status)
+    return updated
+
+
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    s.update(out, {x.request_id: [token] for x in out.scheduled if x.sample})
+    update(s, out, {x.request_id: [token] for x in out.scheduled if x.sample})
     return out
 
 
@@ -62,8 +71,17 @@ def test_block_tables_cover_the_scheduled_tokens():
     s = make()
     s.add_request(req("a", 9))
     out = s.schedule()
-    assert len(out.scheduled[0].block_ids) == 3  # ceil(9 / 4)
-    assert len(set(out.scheduled[0].block_ids)) == 3
+    first = out.scheduled[0]
+    assert first.block_ids_start == 0 and len(first.new_block_ids) == 3  # ceil(9 / 4)
+    assert len(set(first.new_block_ids)) == 3
+    update(s, out, {"a": [7]})
+    # Decode into the third block: no change to send. The 13th token needs a fourth.
+    for _ in range(3):
+        item = step(s).scheduled[0]
+        assert (item.block_ids_start, item.new_block_ids) == (3, [])
+    item = step(s).scheduled[0]
+    assert item.block_ids_start == 3 and len(item.new_block_ids) == 1
+    assert s.kv.get_block_ids("a") == first.new_block_ids + item.new_block_ids
 
 
 def test_preemption_takes_the_newest_and_requeues_it_first():
@@ -193,8 +211,8 @@ def test_async_step_takes_the_pending_token_as_input():
     (item,) = second.scheduled
     assert (item.num_computed_tokens, item.num_new_tokens, item.sample) == (6, 1, True)
     assert item.input_is_pending and item.token_ids == []
-    s.update(first, {"a": [7]})
-    s.update(second, {"a": [8]})
+    update(s, first, {"a": [7]})
+    update(s, second, {"a": [8]})
     request = s.requests["a"]
     assert request.output_token_ids == [7, 8]
     assert (request.num_computed_tokens, request.num_pending_tokens) == (7, 0)
@@ -209,8 +227,8 @@ def test_async_does_not_schedule_a_request_its_pending_token_finishes():
     second = s.schedule()
     assert [x.request_id for x in second.scheduled] == ["a"]  # its 2nd token: not known done
     assert s.schedule().is_empty  # the 2nd token, in flight, is its last
-    s.update(first, {"a": [7]})
-    s.update(second, {"a": [8]})
+    update(s, first, {"a": [7]})
+    update(s, second, {"a": [8]})
     assert s.requests.get("a") is None and s.kv.num_free_blocks == 64
 
 
@@ -228,10 +246,10 @@ def test_async_preempted_request_keeps_its_pending_token():
     assert b.status == RequestStatus.PREEMPTED and b.num_pending_tokens == 1
     third = s.schedule()  # b may not come back while its token is in flight
     assert [x.request_id for x in third.scheduled] == ["a"]
-    s.update(first, {"a": [7], "b": [9]})
+    update(s, first, {"a": [7], "b": [9]})
     assert b.output_token_ids == [9] and b.num_pending_tokens == 0
-    s.update(second, {"a": [8]})
-    s.update(third, {"a": [10]})
+    update(s, second, {"a": [8]})
+    update(s, third, {"a": [10]})
     assert s.requests["a"].output_token_ids == [7, 8, 10]
     assert b.all_token_ids == list(range(200, 207)) + [9] and b.num_computed_tokens == 0
 
@@ -242,7 +260,7 @@ def test_async_aborted_request_drops_its_in_flight_token():
     s.add_request(req("b", 6, start=200))
     first = s.schedule()
     s.abort_requests(["a"])
-    s.update(first, {"a": [7], "b": [8]})
+    update(s, first, {"a": [7], "b": [8]})
     assert "a" not in s.requests and s.requests["b"].output_token_ids == [8]
 
 
@@ -269,7 +287,7 @@ def test_forked_samples_are_asked_for_pending_tokens_only_if_they_read_them(pena
     params = SamplingParams(n=2, temperature=1.0, presence_penalty=penalty, max_tokens=9)
     s.add_request(Request("a", list(range(6)), params))
     out = s.schedule()
-    s.update(out, {"a": [7, 8]})
+    update(s, out, {"a": [7, 8]})
     assert {r.request_id for r in s._host_token_readers} == readers
     assert s.needs_pending_tokens() is False  # nothing in flight after the update
     s.schedule()
@@ -292,7 +310,7 @@ def test_needs_pending_tokens_for_bad_words_of_several_tokens(words, needs):
 
 
 def test_structured_outputs_do_not_wait_for_pending_tokens():
-    """Their steps sample late instead (PendingOutput.sample), so scheduling goes on."""
+    """Their steps sample late instead (ModelRunner.sample_tokens), so scheduling goes on."""
     s = make()
     s.add_request(req("a", 6, structured_outputs=StructuredOutputsParams(choice=["x"])))
     s.schedule()
@@ -305,7 +323,7 @@ def test_forks_past_max_num_seqs_take_turns():
     s = make(max_num_seqs=2)
     s.add_request(Request("a", list(range(6)), SamplingParams(n=4, temperature=1.0, max_tokens=3)))
     first = s.schedule()
-    s.update(first, {"a": [7, 8, 9, 10]})  # the first token of each sample: the fork
+    update(s, first, {"a": [7, 8, 9, 10]})  # the first token of each sample: the fork
     group = list(s.running)
     assert len(group) == 4
     turns = []

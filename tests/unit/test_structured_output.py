@@ -14,12 +14,13 @@ from octavo.core.request import Request, RequestStatus
 from octavo.core.scheduler import Scheduler
 from octavo.engine.structured_output import (
     PARALLEL_ACCEPT_MIN,
+    GrammarBitmaskBuilder,
     GrammarCompiler,
     accept_tokens,
     bitmask_width,
     fill_bitmasks,
 )
-from octavo.runner.sampler import GrammarMasks
+from octavo.runner.sampling_metadata import GrammarMasks
 from octavo.sampling_params import SamplingParams
 from octavo.sampling_params import StructuredOutputsParams as Spec
 
@@ -98,16 +99,21 @@ def test_tokens_taken_in_parallel_move_each_grammar_as_one_by_one(compiler):
 
 
 def test_the_mask_buffer_gives_each_step_the_masks_of_its_rows(compiler):
-    """GrammarMasks keeps its host buffer (and row index) from step to step: each step's
-    bitmasks are those of that step's grammars, in its rows, and stay so after later steps."""
+    """The engine's bitmask buffer is kept from step to step, and the runner's GrammarMasks
+    keeps its row index: each step's bitmasks are those of that step's grammars, in its
+    rows, and stay so after later steps."""
     brace = compiler.tokenizer.encode("{", add_special_tokens=False)[0]
-    buffer = GrammarMasks(compiler.vocab_size, torch.device("cpu"))
+    builder = GrammarBitmaskBuilder(compiler.vocab_size, pin_memory=False)
+    runner_masks = GrammarMasks(torch.device("cpu"))
     json_g = compiler.compile(Spec(json={"type": "object"}))
     digits = compiler.compile(Spec(regex="[0-9]+"))
     steps = [[json_g, None, digits], [None, digits, None, json_g], [json_g]]
     kept = []
     for grammars in steps:
-        rows, bitmask = buffer.bans(grammars)
+        constrained = [(f"r{i}", g) for i, g in enumerate(grammars) if g is not None]
+        step_mask = builder.build([r for r, _ in constrained], [g for _, g in constrained])
+        sampling_rows = [(f"r{i}", None, 0) for i in range(len(grammars))]
+        rows, bitmask = runner_masks.bans(sampling_rows, step_mask)
         expected = masks(compiler, [g for g in grammars if g is not None])
         assert rows.tolist() == [i for i, g in enumerate(grammars) if g is not None]
         assert torch.equal(bitmask, expected)
@@ -139,7 +145,8 @@ def test_a_refused_token_aborts_its_request_alone_and_frees_its_blocks(compiler,
     stops its request, and the others run on."""
     tok = compiler.tokenizer
     kv = KVCacheManager(4 * num_requests, 4, enable_prefix_caching=False)
-    scheduler = Scheduler(SchedulerConfig(num_requests, 16 * num_requests, 64), kv, [0])
+    config = SchedulerConfig(num_requests, 16 * num_requests, 64)
+    scheduler = Scheduler(config, kv, [0], accept_tokens)
     requests = []
     for i in range(num_requests):
         request = Request(f"r{i}", [10, 11, 12, 13, 14], SamplingParams(max_tokens=20))
@@ -152,7 +159,10 @@ def test_a_refused_token_aborts_its_request_alone_and_frees_its_blocks(compiler,
     tokens["r0"] = [first["4"]]  # completes [0-9]
     tokens["r1"] = [first["x"]]  # refused
     free = kv.num_free_blocks
-    scheduler.update(out, tokens)
+    updated = scheduler.update(out, tokens)
+    for request, status in zip(updated, scheduler.stops.check_tokens(updated), strict=True):
+        if status is not None:
+            scheduler.finish_request(request.request_id, status)
     status = [r.status for r in requests]
     assert status[:2] == [RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED]
     assert set(status[2:]) == {RequestStatus.RUNNING}

@@ -1,4 +1,4 @@
-"""The start-up GEMM warm-up (`warm_up_rows`, `warm_up_linears` in octavo/runner/model_runner.py)
+"""The start-up GEMM warm-up (`warm_up_rows`, `warm_up_linears` in octavo/runner/kv_setup.py)
 on the CPU: which row counts it runs, and that it runs each distinct projection once per count
 on contiguous inputs."""
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from octavo.model.layers import Linear, MergedLinear
-from octavo.runner.model_runner import warm_up_linears, warm_up_rows
+from octavo.runner.kv_setup import warm_up_linears, warm_up_rows
 
 
 @given(st.integers(1, 70000))

@@ -1,0 +1,165 @@
+"""Start-up of a model runner: how many KV blocks fit, and warming up the kernels a run will
+launch, so that none loads in the middle of it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from octavo.attention.backend import build_metadata
+from octavo.config import CacheConfig
+from octavo.model.hf_config import get_head_dim
+from octavo.model.layers import Linear
+from octavo.runner.sampler import Sampler
+from octavo.runner.sampling_metadata import SamplingMetadata
+from octavo.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from octavo.runner.model_runner import ModelRunner
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+    """layers x (K and V) x block_size x kv_heads x head_dim x dtype bytes."""
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    elem = torch.empty((), dtype=dtype).element_size()
+    return (
+        hf_config.num_hidden_layers * 2 * block_size * num_kv_heads * get_head_dim(hf_config) * elem
+    )
+
+
+def num_kv_blocks(
+    runner: ModelRunner, cache: CacheConfig, max_num_batched_tokens: int, max_num_seqs: int
+) -> int:
+    """Sizes the block pool from the budget in CacheConfig. On CUDA the budget is
+    `gpu_memory_utilization` of the GPU minus what is in use after loading the model (by us
+    and others) and the peak activations of a profiling pass at the largest step."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    per_block = kv_bytes_per_block(runner.hf_config, cache.block_size, runner.dtype)
+    if cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif runner.device.type == "cuda":
+        activations = profile_activation_bytes(runner, max_num_batched_tokens, max_num_seqs)
+        free, total = torch.cuda.mem_get_info(runner.device)
+        budget = int(total * cache.gpu_memory_utilization) - (total - free) - activations
+        # CUDA graphs and the allocator's fragmentation need some room too.
+        budget -= 1 << 30
+    else:
+        budget = CPU_DEFAULT_KV_BYTES
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget} bytes) is smaller than one block ({per_block} bytes)"
+        )
+    return num_blocks
+
+
+@torch.inference_mode()
+def profile_activation_bytes(runner: ModelRunner, num_tokens: int, num_rows: int) -> int:
+    """Peak memory of one step's activations: a forward pass over `num_tokens` tokens
+    and logits for `num_rows` rows, with a temporary KV cache just large enough."""
+    num_blocks = -(-num_tokens // runner.block_size)
+    runner.use_cuda_graphs, graphs = False, runner.use_cuda_graphs
+    runner.allocate_kv_cache(num_blocks, num_rows, num_tokens, num_tokens, warm_up=False)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    base = torch.cuda.memory_allocated(runner.device)
+    md = build_metadata(
+        [num_tokens], [num_tokens], [list(range(num_blocks))], runner.block_size, runner.device
+    )
+    ids = torch.randint(0, runner.vocab_size, (num_tokens,), device=runner.device)
+    pos = torch.arange(num_tokens, device=runner.device)
+    hidden = runner.model(ids, pos, md)
+    runner.model.compute_logits(hidden[:num_rows].repeat(-(-num_rows // num_tokens), 1))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(runner.device) - base
+    runner.kv_caches = []
+    runner.inputs = None
+    runner.use_cuda_graphs = graphs
+    torch.cuda.empty_cache()
+    return peak
+
+
+def warm_up_rows(max_rows: int, per_doubling: int = 8) -> list[int]:
+    """Row counts for warm_up_linears: 1-16, then `per_doubling` sizes per doubling up to
+    `max_rows`, each as a multiple of 8 and as the odd count after it, and `max_rows`."""
+    rows = set(range(1, min(16, max_rows) + 1)) | {max_rows}
+    size = 16.0
+    while size < max_rows:
+        aligned = int(size) // 8 * 8
+        rows.update(r for r in (aligned, aligned + 1) if r <= max_rows)
+        size *= 2 ** (1 / per_doubling)
+    return sorted(rows)
+
+
+@torch.inference_mode()
+def warm_up_linears(model: torch.nn.Module, max_rows: int) -> int:
+    """Runs each distinct projection of `model` (by weight shape, dtype and bias) once at
+    every row count of warm_up_rows(max_rows), on zeros; returns the number of GEMMs run.
+
+    NOTE: cuBLAS picks a GEMM kernel by shape, and the first launch of each kernel stalls
+    the host for milliseconds. A prefill step's row count is its token count, so without
+    this the first steps after start-up, each with a new token count, would add those stalls
+    to their TTFT (docs/PERFORMANCE.md). The inputs are contiguous [rows, in] views, like the
+    activations, since cuBLAS may pick another kernel for another row stride.
+    """
+    linears: dict[tuple, Linear] = {}
+    for module in model.modules():
+        if isinstance(module, Linear):
+            w = module.weight
+            linears.setdefault((tuple(w.shape), w.dtype, module.bias is not None), module)
+    flats: dict[torch.dtype, torch.Tensor] = {}  # one zero input buffer per weight dtype
+    for module in linears.values():
+        w, size = module.weight, max_rows * module.input_size
+        if w.dtype not in flats or flats[w.dtype].numel() < size:
+            flats[w.dtype] = torch.zeros(size, dtype=w.dtype, device=w.device)
+    launched = 0
+    for rows in warm_up_rows(max_rows):
+        for module in linears.values():
+            flat = flats[module.weight.dtype]
+            module(flat[: rows * module.input_size].view(rows, module.input_size))
+            launched += 1
+    return launched
+
+
+@torch.inference_mode()
+def warm_up_eager_decode(runner: ModelRunner, max_num_seqs: int) -> None:
+    """Runs the eager end of a decode step (LM head, sampler, pending-token copy) once
+    for every batch size a step can have: all rows greedy, then random and greedy rows
+    in turn (a batch of one: random).
+
+    NOTE: cuBLAS and torch pick their kernels by shape and alignment, and CUDA loads a
+    kernel's module at its first launch (lazy loading). Without this, a run whose batch
+    shrinks from 256 to 1 loads new kernels on the way, each stalling the host between two
+    steps (docs/PERFORMANCE.md). A sampler and a
+    generator of its own leave the engine's and torch's random streams untouched. Rows
+    with filters, penalties or log-probs take other kernels, which this does not load.
+    """
+    sampler = Sampler(seed=0)
+    noise = torch.Generator(runner.device).manual_seed(0)
+    hidden = torch.randn(
+        max_num_seqs,
+        runner.hf_config.hidden_size,
+        dtype=runner.dtype,
+        device=runner.device,
+        generator=noise,
+    )
+    greedy, random_row = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
+    mixed = [random_row if i % 2 == 0 else greedy for i in range(max_num_seqs)]
+    for params in ([greedy] * max_num_seqs, mixed):
+        for batch in range(1, max_num_seqs + 1):
+            md = SamplingMetadata.build(
+                params[:batch],
+                [[]] * batch,
+                [[]] * batch,
+                runner.vocab_size,
+                runner.eos_token_ids,
+                runner.device,
+            )
+            sampled = sampler(runner.model.compute_logits(hidden[:batch]), md)
+            index = torch.arange(batch, device=runner.device).repeat(2, 1)  # [2, batch]
+            runner.inputs.copy_pending(index, sampled.sampled_token_ids)
+    torch.cuda.synchronize()

@@ -1,0 +1,138 @@
+"""A step's results on their way to the host: sampled tokens, log-probs, prompt log-probs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from octavo.runner.sampler import SamplerOutput
+from octavo.sampling_params import SamplingParams
+
+# (token id, log-prob, rank) for the sampled token first, then the top-k alternatives.
+TokenLogprobs = list[tuple[int, float, int]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request that sampled this step: its new tokens (one, or n at the first token of
+    an n > 1 request), and their log-probs if asked for. Per request that asked for prompt
+    log-probs and computed prompt positions this step: (first position p, entries of
+    prompt tokens p + 1, p + 2, ...), the entries shaped as for sampled tokens."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass
+class PromptLogprobSpan:
+    """Positions `first .. first + count - 1` of a request's prompt, whose logits score its
+    prompt tokens `first + 1 ..`; `k` alternatives each."""
+
+    request_id: str
+    first: int
+    count: int
+    k: int
+
+
+class PendingOutput:
+    """A step's sampled tokens (and log-probs) on their way to the host: the copies are
+    queued behind the step's kernels, and `result()` waits for them. A step held for its
+    grammar bitmask gets its sampler's output later (`attach`)."""
+
+    def __init__(
+        self,
+        rows: list[tuple[str, SamplingParams, int]],
+        out: SamplerOutput | None,
+        prompt: tuple[list[PromptLogprobSpan], tuple[torch.Tensor, ...]] | None = None,
+    ):
+        self.rows = rows
+        self._spans = prompt[0] if prompt is not None else []
+        self._prompt_host, self._prompt_event = _copy_to_host(prompt[1] if prompt else ())
+        self._host, self._event = _copy_to_host(_sampler_tensors(out))
+        self._sampled = out is not None or not rows
+
+    def attach(self, out: SamplerOutput) -> None:
+        """Queues the copies of the sampler's output (a held step's, once sampled)."""
+        self._host, self._event = _copy_to_host(_sampler_tensors(out))
+        self._sampled = True
+
+    def result(self) -> ModelRunnerOutput:
+        """Waits for the copies; the tokens of each request, and log-probs if asked for."""
+        if not self._sampled:
+            raise RuntimeError("the step's sampling waits for its grammar bitmask")
+        for event in (self._prompt_event, self._event):
+            if event is not None:
+                event.synchronize()
+        result = ModelRunnerOutput({})
+        if self._spans:
+            _collect_prompt_logprobs(self._spans, *self._prompt_host, result)
+        if not self.rows:
+            return result
+        host = self._host
+        tokens = host[0].tolist()
+        for (request_id, _, _), token in zip(self.rows, tokens, strict=True):
+            result.sampled_token_ids.setdefault(request_id, []).append(token)
+        if len(host) > 1:
+            _collect_logprobs(self.rows, *host[1:], result)
+        return result
+
+
+def _sampler_tensors(out: SamplerOutput | None) -> list[torch.Tensor]:
+    if out is None:
+        return []
+    if out.logprobs is None:
+        return [out.sampled_token_ids]
+    return [out.sampled_token_ids, out.logprob_token_ids, out.logprobs, out.sampled_token_ranks]
+
+
+def _copy_to_host(tensors) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Queues copies of device tensors into host memory (pinned, without waiting, on
+    CUDA); returns them and an event recorded after the copies (None off CUDA)."""
+    host = []
+    on_cuda = bool(tensors) and tensors[0].device.type == "cuda"
+    for t in tensors:
+        copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_cuda)
+        copy.copy_(t, non_blocking=on_cuda)
+        host.append(copy)
+    if not on_cuda:
+        return host, None
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def _collect_prompt_logprobs(
+    spans: list[PromptLogprobSpan], token_ids, logprobs, ranks, result: ModelRunnerOutput
+) -> None:
+    token_ids, values, ranks = token_ids.tolist(), logprobs.tolist(), ranks.tolist()
+    row = 0
+    for span in spans:
+        entries = [
+            _entry(token_ids[r], values[r], ranks[r], span.k) for r in range(row, row + span.count)
+        ]
+        result.prompt_logprobs[span.request_id] = (span.first, entries)
+        row += span.count
+
+
+def _collect_logprobs(
+    rows, logprob_token_ids, logprobs, sampled_ranks, result: ModelRunnerOutput
+) -> None:
+    token_ids = logprob_token_ids.tolist()
+    values = logprobs.tolist()
+    ranks = sampled_ranks.tolist()
+    for row, (request_id, params, _) in enumerate(rows):
+        k = params.logprobs
+        if k is None:
+            continue
+        entry = _entry(token_ids[row], values[row], ranks[row], k)
+        result.logprobs.setdefault(request_id, []).append(entry)
+
+
+def _entry(token_ids: list[int], values: list[float], rank: int, k: int) -> TokenLogprobs:
+    """One row of gather_logprobs' output as TokenLogprobs: the chosen token with its rank,
+    then the top k with theirs (1..k)."""
+    return [(token_ids[0], values[0], rank)] + [
+        (token_ids[j], values[j], j) for j in range(1, k + 1)
+    ]
