@@ -1,4 +1,6 @@
-"""Weights from a GGUF file, dequantized to float32 and renamed to HF checkpoint names.
+"""GGUF files: read once through one memory map, then the HF config, the tokenizer's chat
+template and the weights (dequantized to float32, renamed to HF checkpoint names) all come
+from the same `GGUFFile`.
 
 GGUF stores shapes fastest-dimension first, so a GGUF [hidden, vocab] tensor is HF's
 [vocab, hidden]. llama.cpp's converter permutes the rows of llama-arch q/k projections
@@ -10,8 +12,14 @@ from HF's rotate-half rope layout to its interleaved one; we permute them back:
 
 from __future__ import annotations
 
+import functools
+import mmap
+import os
 import re
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -40,6 +48,148 @@ _GLOBAL_NAMES = {
 _IGNORED = {"rope_freqs.weight"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
+_GGUF_VERSIONS = (2, 3)
+_DEFAULT_ALIGNMENT = 32
+_HEADER_BYTES = 24  # magic, version, tensor count, metadata count
+# Metadata value types (GGUFValueType): fixed-size ones by struct format; 8 and 9 below.
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"}
+_SCALAR_FORMATS |= {10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+# ggml tensor types (GGMLQuantizationType) dequantized here; any other type goes through the
+# `gguf` package's slower code.
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+# ggml type -> (elements per block, bytes per block).
+_BLOCK_SIZES = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20)}
+_BLOCK_SIZES[Q8_0] = (32, 34)
+
+
+class GGUFTensor(NamedTuple):
+    """One tensor of a GGUF file, not read yet."""
+
+    name: str
+    shape: tuple[int, ...]  # HF order: GGUF's dims reversed
+    ggml_type: int
+    data: np.ndarray  # its bytes (uint8), a view of the file's memory map
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A GGUF file's metadata (key -> int, float, bool, str or list) and its tensors by name."""
+
+    path: str
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """The GGUF file at `path`, read once per process while the file is unchanged: the
+    config, the tokenizer and the weights share one read.
+
+    Raises:
+        ValueError: not a GGUF file, an unsupported version, or a truncated file.
+    """
+    real = os.path.realpath(path)
+    stat = os.stat(real)
+    return _open_cached(real, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    # size and mtime are part of the key, so a file rewritten in place is read again.
+    return read_gguf(path)
+
+
+def read_gguf(path: str) -> GGUFFile:
+    """Parses the header, metadata and tensor table of a GGUF file; tensor data stays in the
+    memory map until dequantized. See `open_gguf` for errors."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < _HEADER_BYTES:
+            raise ValueError(f"{path} is not a GGUF file (shorter than a GGUF header)")
+        # ACCESS_COPY: writable views (torch.from_numpy takes them) that never write the file.
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        return _parse(path, buf)
+    except (struct.error, IndexError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: a truncated or corrupt GGUF file ({e})") from e
+
+
+def _parse(path: str, buf: mmap.mmap) -> GGUFFile:
+    if buf[:4] != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+    version, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in _GGUF_VERSIONS:
+        raise ValueError(f"{path}: GGUF version {version} is not supported (only 2 and 3)")
+    pos = _HEADER_BYTES
+    metadata: dict[str, Any] = {}
+    for _ in range(num_kv):
+        key, pos = _read_string(buf, pos)
+        (value_type,) = struct.unpack_from("<I", buf, pos)
+        metadata[key], pos = _read_value(buf, pos + 4, value_type)
+    table = []
+    for _ in range(num_tensors):
+        name, pos = _read_string(buf, pos)
+        (num_dims,) = struct.unpack_from("<I", buf, pos)
+        dims = struct.unpack_from(f"<{num_dims}Q", buf, pos + 4)
+        ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * num_dims)
+        pos += 4 + 8 * num_dims + 12
+        table.append((name, tuple(reversed(dims)), ggml_type, offset))
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    data_start = -(-pos // alignment) * alignment
+    tensors = {}
+    for name, shape, ggml_type, offset in table:
+        start = data_start + offset
+        nbytes = _num_bytes(ggml_type, shape)
+        if start + nbytes > len(buf):
+            raise ValueError(f"{path}: tensor {name!r} runs past the end of the file")
+        data = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start)
+        tensors[name] = GGUFTensor(name, shape, ggml_type, data)
+    return GGUFFile(path, metadata, tensors)
+
+
+def _read_string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", buf, pos)
+    end = pos + 8 + length
+    return buf[pos + 8 : end].decode("utf-8"), end
+
+
+def _read_value(buf: mmap.mmap, pos: int, value_type: int) -> tuple[Any, int]:
+    """One metadata value and the position after it; arrays come back as lists."""
+    if value_type in _SCALAR_FORMATS:
+        fmt = _SCALAR_FORMATS[value_type]
+        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+    if value_type == _STRING:
+        return _read_string(buf, pos)
+    if value_type != _ARRAY:
+        raise ValueError(f"unknown GGUF metadata value type {value_type}")
+    item_type, count = struct.unpack_from("<IQ", buf, pos)
+    pos += 12
+    if item_type in _SCALAR_FORMATS:
+        fmt = _SCALAR_FORMATS[item_type]
+        items = struct.unpack_from(f"<{count}{fmt[1]}", buf, pos)
+        return list(items), pos + count * struct.calcsize(fmt)
+    values = []
+    for _ in range(count):  # strings (a vocabulary, say) or nested arrays
+        value, pos = _read_value(buf, pos, item_type)
+        values.append(value)
+    return values, pos
+
+
+def _num_bytes(ggml_type: int, shape: tuple[int, ...]) -> int:
+    if ggml_type in _BLOCK_SIZES:
+        block_elems, block_bytes = _BLOCK_SIZES[ggml_type]
+    else:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        try:
+            block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"unknown ggml tensor type {ggml_type}") from e
+    num_elems = int(np.prod(shape, dtype=np.int64))
+    if num_elems % block_elems:
+        raise ValueError(f"a tensor of shape {shape} is not whole blocks of {block_elems}")
+    return num_elems // block_elems * block_bytes
+
 
 def gguf_to_hf_name(name: str) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
@@ -62,14 +212,70 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(1, 2).reshape(n_head * head_dim, *w.shape[3:])  # [heads * D, ...]
 
 
-def dequantize_tensor(tensor) -> np.ndarray:
-    """A GGUF ReaderTensor as float32 in HF shape (GGUF's dims reversed)."""
-    from gguf.quants import dequantize
+def dequantize_tensor(tensor: GGUFTensor) -> torch.Tensor:
+    """A GGUF tensor as float32 in HF shape. An F32 tensor is a view of the memory map."""
+    return torch.from_numpy(_dequantize(tensor))
 
-    data = dequantize(tensor.data, tensor.tensor_type)
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    data = np.asarray(data, dtype=np.float32).reshape(shape)
-    return data if data.flags.writeable else data.copy()  # F32 tensors view the mmap
+
+def _dequantize(tensor: GGUFTensor) -> np.ndarray:
+    # NOTE: numpy, not torch: single-threaded elementwise work over small blocks, which
+    # torch's thread pool slows down many times over when the CPU is shared.
+    data, kind = tensor.data, tensor.ggml_type
+    if kind == F32:
+        values = data.view(np.float32)
+    elif kind == F16:
+        values = data.view(np.float16).astype(np.float32)
+    elif kind == BF16:  # bfloat16 is the upper half of a float32
+        values = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif kind in _BLOCK_DEQUANTIZERS:
+        values = _BLOCK_DEQUANTIZERS[kind](data.reshape(-1, _BLOCK_SIZES[kind][1]))
+    else:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        rows = data.reshape(-1, data.size // max(1, int(np.prod(tensor.shape[:-1]))))
+        values = dequantize(rows, GGMLQuantizationType(kind)).astype(np.float32, copy=False)
+    return values.reshape(tensor.shape)
+
+
+# Block layouts (ggml's): float16 scale d (and for Q4_1 a float16 offset m), then 32 quants.
+# Q4 packs two per byte: byte j holds element j in its low nibble and j + 16 in its high.
+# The arithmetic follows the `gguf` package's, so both give the same floats.
+def _halves(blocks: np.ndarray, count: int) -> np.ndarray:
+    """The first `count` float16 fields of each block as float32: [B, count]."""
+    return blocks[:, : 2 * count].copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(quants: np.ndarray) -> np.ndarray:
+    """[B, 16] bytes -> [B, 32] float32 values 0..15, low nibbles first."""
+    out = np.empty((quants.shape[0], 2, 16), np.float32)
+    np.bitwise_and(quants, 0x0F, out=out[:, 0], casting="unsafe")
+    np.right_shift(quants, 4, out=out[:, 1], casting="unsafe")
+    return out.reshape(-1, 32)
+
+
+def _dequantize_q4_0(blocks: np.ndarray) -> np.ndarray:
+    q = _nibbles(blocks[:, 2:])
+    q -= 8
+    q *= _halves(blocks, 1)
+    return q
+
+
+def _dequantize_q4_1(blocks: np.ndarray) -> np.ndarray:
+    d_m = _halves(blocks, 2)
+    q = _nibbles(blocks[:, 4:])
+    q *= d_m[:, :1]
+    q += d_m[:, 1:]
+    return q
+
+
+def _dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
+    q = blocks[:, 2:].view(np.int8).astype(np.float32)
+    q *= _halves(blocks, 1)
+    return q
+
+
+_BLOCK_DEQUANTIZERS = {Q4_0: _dequantize_q4_0, Q4_1: _dequantize_q4_1, Q8_0: _dequantize_q8_0}
 
 
 def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -78,25 +284,25 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[
     Raises:
         ValueError: a tensor name that maps to no HF weight and is not known to be ignorable.
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
+    gguf_file = open_gguf(path)
+    arch = gguf_file.metadata.get("general.architecture")
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    names = {t.name for t in reader.tensors}
-    for tensor in reader.tensors:
+    # llama.cpp's fallback: an untied model without `output.weight` uses the embedding.
+    head_from_embedding = "output.weight" not in gguf_file.tensors and not getattr(
+        hf_config, "tie_word_embeddings", False
+    )
+    for tensor in gguf_file.tensors.values():
         if tensor.name in _IGNORED:
             continue
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no HF counterpart")
-        weight = dequantize_tensor(tensor)
+        weight = _dequantize(tensor)
         if arch == "llama" and ".self_attn.q_proj." in hf_name:
             weight = unpermute_qk(weight, num_heads)
         elif arch == "llama" and ".self_attn.k_proj." in hf_name:
             weight = unpermute_qk(weight, num_kv_heads)
         yield hf_name, torch.from_numpy(weight)
-        untied = not getattr(hf_config, "tie_word_embeddings", False)
-        if tensor.name == "token_embd.weight" and "output.weight" not in names and untied:
-            yield "lm_head.weight", torch.from_numpy(weight.copy())  # llama.cpp's fallback
+        if tensor.name == "token_embd.weight" and head_from_embedding:
+            yield "lm_head.weight", torch.from_numpy(weight.copy())

@@ -70,13 +70,13 @@ def gguf_to_hf_config(path: str) -> PretrainedConfig:
     NOTE: the lm_head is tied exactly when the file has no `output.weight`. A `rope_freqs`
     tensor (llama.cpp's form of Llama 3.1 rope scaling) becomes `config.rope_freq_factors`.
     """
-    from gguf import GGUFReader
+    from octavo.model.gguf_loader import dequantize_tensor, open_gguf
 
-    reader = GGUFReader(path)
-    meta = _Metadata(reader)
+    gguf_file = open_gguf(path)
+    meta = gguf_file.metadata
     arch = meta.get("general.architecture")
     hf_arch = hf_architecture_for_gguf(str(arch))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = gguf_file.tensors
 
     def get(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
@@ -101,7 +101,7 @@ def gguf_to_hf_config(path: str) -> PretrainedConfig:
         "max_position_embeddings": int(get("context_length", 2048)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "vocab_size": int(tensors["token_embd.weight"].shape[0]),  # HF order: [vocab, hidden]
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -115,7 +115,7 @@ def gguf_to_hf_config(path: str) -> PretrainedConfig:
         kwargs["rope_scaling"] = scaling
     config = AutoConfig.for_model(_GGUF_MODEL_TYPES[arch], **kwargs)
     if "rope_freqs.weight" in tensors:
-        config.rope_freq_factors = [float(x) for x in tensors["rope_freqs.weight"].data]
+        config.rope_freq_factors = dequantize_tensor(tensors["rope_freqs.weight"]).tolist()
     return config
 
 
@@ -129,14 +129,3 @@ def _gguf_rope_scaling(get) -> dict | None:
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling
-
-
-class _Metadata:
-    """Reads GGUF metadata fields on demand (the tokenizer's are large and not needed here)."""
-
-    def __init__(self, reader) -> None:
-        self.fields = reader.fields
-
-    def get(self, key: str, default=None):
-        field = self.fields.get(key)
-        return default if field is None else field.contents()

@@ -4,11 +4,10 @@ A model is a `.gguf` file (the tokenizer, its special tokens and the chat templa
 the GGUF metadata, converted by transformers) or an HF directory (tokenizer files next to
 config.json; a dummy-weights config directory has none, and then there is no tokenizer).
 
-Converting a GGUF tokenizer takes ~3 s on a laptop CPU, longer than the embedded model's
-weights take to load. So the converted tokenizer is saved once, in HF's own format, under
-`$OCTAVO_CACHE_DIR` (default `$XDG_CACHE_HOME/octavo`, else `~/.cache/octavo`; an empty value
-turns the cache off), keyed by the file's path, size and modification time and by the
-transformers version; later loads read it in ~0.2 s.
+Converting a GGUF tokenizer costs more than reading the saved result, so the converted
+tokenizer is saved once, in HF's own format, under `$OCTAVO_CACHE_DIR` (default
+`$XDG_CACHE_HOME/octavo`, else `~/.cache/octavo`; an empty value turns the cache off), keyed
+by the file's path, size and modification time and by the transformers version.
 """
 
 from __future__ import annotations
@@ -30,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")
 GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+# GGUF `general.architecture` -> HF model type, for the architectures octavo runs.
+GGUF_TOKENIZER_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Any one of these in a directory means "this directory has a tokenizer".
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -80,8 +81,7 @@ def _load_cached(path: str) -> PreTrainedTokenizerBase | None:
         except Exception as e:  # noqa: BLE001 - a damaged entry: convert and save again
             logger.warning("replacing the cached tokenizer in %s: %r", cache, e)
             shutil.rmtree(cache, ignore_errors=True)
-    directory, filename = os.path.split(path)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    tokenizer = _convert_gguf_tokenizer(path)
     if not tokenizer.chat_template:
         template = read_gguf_chat_template(path)
         if template is not None:
@@ -89,6 +89,36 @@ def _load_cached(path: str) -> PreTrainedTokenizerBase | None:
     if cache is not None:
         _save(tokenizer, cache)
     return tokenizer
+
+
+def _convert_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """Builds the tokenizer a GGUF file's metadata describes, of the class AutoTokenizer
+    would pick. For the architectures octavo runs, the class is found from the architecture:
+    AutoTokenizer would first build the model's config with transformers' slower GGUF reader."""
+    directory, filename = os.path.split(path)
+    cls = _gguf_tokenizer_class(path)
+    if cls is None:
+        return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    return cls.from_pretrained(directory, gguf_file=filename)
+
+
+def _gguf_tokenizer_class(path: str) -> type[PreTrainedTokenizerBase] | None:
+    """AutoTokenizer's class for the model type of a GGUF file beside no tokenizer_config.json
+    (which AutoTokenizer would read); None where it is not known here."""
+    from transformers.models.auto import tokenization_auto
+
+    from octavo.model.gguf_loader import open_gguf
+
+    if os.path.exists(os.path.join(os.path.dirname(path), "tokenizer_config.json")):
+        return None
+    arch = open_gguf(path).metadata.get("general.architecture")
+    if arch not in GGUF_TOKENIZER_MODEL_TYPES:
+        return None
+    name = tokenization_auto.TOKENIZER_MAPPING_NAMES.get(GGUF_TOKENIZER_MODEL_TYPES[arch])
+    if not isinstance(name, str | None):  # transformers 4's (slow, fast) pairs: not mapped here
+        return None
+    # A model type that names no class gets TokenizersBackend (None before transformers 5).
+    return tokenization_auto.tokenizer_class_from_name(name or "TokenizersBackend")
 
 
 def gguf_tokenizer_cache_dir(path: str) -> str | None:
@@ -120,12 +150,9 @@ def _save(tokenizer: PreTrainedTokenizerBase, cache: str) -> None:
 
 def read_gguf_chat_template(path: str) -> str | None:
     """Returns the `tokenizer.chat_template` string of a GGUF file, or None if it has none."""
-    from gguf import GGUFReader
+    from octavo.model.gguf_loader import open_gguf
 
-    field = GGUFReader(path).get_field(GGUF_CHAT_TEMPLATE_KEY)
-    if field is None:
-        return None
-    template = field.contents()
+    template = open_gguf(path).metadata.get(GGUF_CHAT_TEMPLATE_KEY)
     return template if isinstance(template, str) and template else None
 
 

@@ -68,7 +68,7 @@ def test_gguf_chat_template_is_read_from_metadata_when_transformers_drops_it(
 ):
     monkeypatch.setenv("OCTAVO_CACHE_DIR", "")  # no cache: convert
     bare = SimpleNamespace(chat_template=None)
-    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", lambda *a, **k: bare)
+    monkeypatch.setattr(tokenizer_module, "_convert_gguf_tokenizer", lambda path: bare)
     loaded = tokenizer_module._load_cached.__wrapped__(smollm2_path)
     assert loaded is bare
     assert loaded.chat_template == smollm2_tokenizer.chat_template
@@ -78,13 +78,19 @@ def test_a_converted_gguf_tokenizer_is_cached_on_disk(smollm2_path, monkeypatch,
     """The first load converts and saves; the second reads the saved one, which tokenizes,
     decodes and renders chats as the converted one does."""
     monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))
-    real = tokenizer_module.AutoTokenizer.from_pretrained
+    real_convert = tokenizer_module._convert_gguf_tokenizer
+    real_load = tokenizer_module.AutoTokenizer.from_pretrained
     calls = []
+
+    def convert(path):
+        calls.append("gguf")
+        return real_convert(path)
 
     def from_pretrained(*args, **kwargs):
         calls.append("gguf" if "gguf_file" in kwargs else "cache")
-        return real(*args, **kwargs)
+        return real_load(*args, **kwargs)
 
+    monkeypatch.setattr(tokenizer_module, "_convert_gguf_tokenizer", convert)
     monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", from_pretrained)
     path = os.path.realpath(smollm2_path)
     converted = tokenizer_module._load_cached.__wrapped__(path)

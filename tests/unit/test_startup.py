@@ -1,0 +1,122 @@
+"""Start-up: one read of a GGUF file serves the config, the tokenizer and the weights; the
+fast dequantizers and the tokenizer class octavo picks match what the slower paths give."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+from transformers import AutoTokenizer
+
+from octavo.model import gguf_loader
+from octavo.model import tokenizer as tokenizer_module
+
+Q = gguf.GGMLQuantizationType
+
+
+def test_llm_reads_the_gguf_once_and_never_builds_a_gguf_reader(
+    smollm2_path, tmp_path, monkeypatch
+):
+    """Config, tokenizer (converted: no cache entry for this path yet) and weights share one
+    memory-mapped read; the `gguf` package's reader, slow on a large vocabulary, is not used."""
+    from octavo import LLM
+
+    path = str(tmp_path / "model.gguf")  # a path no cache has seen
+    shutil.copyfile(smollm2_path, path)
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "cache"))
+    reads, readers = [], []
+    real_read, real_init = gguf_loader.read_gguf, gguf.GGUFReader.__init__
+    monkeypatch.setattr(gguf_loader, "read_gguf", lambda p: reads.append(p) or real_read(p))
+    monkeypatch.setattr(
+        gguf.GGUFReader,
+        "__init__",
+        lambda self, *a, **k: readers.append(a) or real_init(self, *a, **k),
+    )
+    llm = LLM(path, num_kv_blocks=8, max_model_len=64)
+    assert reads == [os.path.realpath(path)]
+    assert readers == []
+    assert llm.get_tokenizer().chat_template  # the template came through the same read
+
+
+def write_tensors(path, tensors: dict[str, tuple[np.ndarray, Q]]) -> None:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+FAST_TYPES = [Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+def test_fast_dequantizers_give_the_gguf_packages_floats(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {
+        f"t{i}": (rng.standard_normal((6, 64), np.float32), q) for i, q in enumerate(FAST_TYPES)
+    }
+    path = tmp_path / "q.gguf"
+    write_tensors(path, tensors)
+    read = gguf_loader.read_gguf(str(path))
+    for name, (data, qtype) in tensors.items():
+        expected = dequantize(quantize(data, qtype), qtype).astype(np.float32)
+        got = gguf_loader.dequantize_tensor(read.tensors[name])
+        assert got.dtype == torch.float32 and got.shape == (6, 64), qtype.name
+        assert torch.equal(got, torch.from_numpy(expected)), qtype.name
+
+
+def test_a_gguf_rewritten_in_place_is_read_again(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_tensors(path, {"a": (np.ones((2, 32), np.float32), Q.F32)})
+    assert set(gguf_loader.open_gguf(str(path)).tensors) == {"a"}
+    assert gguf_loader.open_gguf(str(path)) is gguf_loader.open_gguf(str(path))
+    write_tensors(path, {"b": (np.ones((4, 32), np.float32), Q.F32)})
+    os.utime(path, ns=(0, 10**18))  # the same size would do as well: the mtime differs
+    assert set(gguf_loader.open_gguf(str(path)).tensors) == {"b"}
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF", b"not a gguf file at all"])
+def test_a_broken_gguf_is_a_one_line_value_error(tmp_path, content):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="broken.gguf") as info:
+        gguf_loader.read_gguf(str(path))
+    assert "\n" not in str(info.value)
+
+
+def write_tokenizer_gguf(path, arch: str) -> None:
+    """A GGUF holding only a byte-level BPE tokenizer: 256 byte tokens, "hi", BOS and EOS."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    tokens = [byte_chars[b] for b in range(256)] + ["hi", "<|begin_of_text|>", "<|end_of_text|>"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 257 + [3, 3])
+    writer.add_token_merges(["h i"])
+    writer.add_bos_token_id(257)
+    writer.add_eos_token_id(258)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", sorted(tokenizer_module.GGUF_TOKENIZER_MODEL_TYPES))
+def test_a_gguf_tokenizer_is_the_one_autotokenizer_builds(tmp_path, arch):
+    path = tmp_path / f"{arch}.gguf"
+    write_tokenizer_gguf(path, arch)
+    ours = tokenizer_module._convert_gguf_tokenizer(str(path))
+    auto = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert type(ours) is type(auto)
+    assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert ours.special_tokens_map == auto.special_tokens_map
+    assert ours.encode("hi hi", add_special_tokens=True) == auto.encode("hi hi")
