@@ -10,6 +10,12 @@ import tempfile
 
 import pytest
 
+# OpenMP workers that spin while they wait take the cores from whatever else runs (a second
+# pytest, the engine process, the server's threads): on a 2-core machine every op then waits
+# for a descheduled worker. Set before torch is imported, so that the engine processes the
+# tests start inherit it too.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Converted GGUF tokenizers are cached on disk (octavo/model/tokenizer.py): one cache for this
 # run, inherited by the servers and engine processes it starts, and none left behind.
 if "OCTAVO_CACHE_DIR" not in os.environ:
