@@ -5,13 +5,13 @@
     GET  /v1/models, /v1/models/{id}, /health, /metrics (Prometheus), /version
 
 Every error is answered in OpenAI's format, `{"error": {"message", "type", "param", "code"}}`,
-with its HTTP status (400 bad input, 401 bad key, 404 unknown model, 500/503 engine failure);
+with its HTTP status (400 bad input, 401 bad key, 404 unknown model, 405 a method the route
+has not, 413 a body over the limit, 500/503 engine failure);
 no error reaches the engine loop or the other requests.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,11 +21,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import octavo
 from octavo.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from octavo.engine.engine import Engine
+from octavo.entrypoints.openai.guards import APIKeyMiddleware, BodyLimitMiddleware, error_response
+from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
 from octavo.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from octavo.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -52,12 +53,22 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(
-    engine: Engine | AsyncEngine, model_name: str, api_key: str | None = None
+    engine: Engine | AsyncEngine,
+    model_name: str,
+    api_key: str | None = None,
+    *,
+    api_key_metrics: bool = False,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The server's ASGI app over an Engine, or an AsyncEngine (`AsyncEngine.build` keeps
     the CPU's torch work on one thread; `EngineProcess` runs the Engine in a process of its
     own, as `octavo serve` does). The engine loop starts and stops with the app's
-    lifespan; its state is in `app.state.ctx` (a ServingContext)."""
+    lifespan; its state is in `app.state.ctx` (a ServingContext).
+
+    `api_key` guards every route but /health, and /metrics unless `api_key_metrics`; a
+    body over `max_request_bytes` is refused with a 413 before it is read whole."""
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     metrics = ServerMetrics(lambda: async_engine.stats)
     ctx = ServingContext(async_engine, model_name, async_engine.max_model_len, metrics)
@@ -74,8 +85,11 @@ def build_app(
     app.state.ctx = ctx
     _add_error_handlers(app, metrics)
     _add_routes(app, ctx)
-    if api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key, metrics=metrics)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, metrics=metrics)
+    if api_key:  # added last, so it runs first: no body is read for a stranger
+        app.add_middleware(
+            APIKeyMiddleware, api_key=api_key, metrics=metrics, guard_metrics=api_key_metrics
+        )
     return app
 
 
@@ -115,28 +129,25 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def health() -> Response:
         if ctx.engine.is_running:
             return JSONResponse({"status": "ok"})
-        return _error_response(OpenAIError("the engine loop is not running", 503, "server_error"))
+        return error_response(OpenAIError("the engine loop is not running", 503, "server_error"))
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body.model_dump(), status_code=error.status)
-
-
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: HTTPRequest, e: RequestValidationError) -> Response:
         metrics.count_error()
-        return _error_response(_validation_error(e))
+        return error_response(_validation_error(e))
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: HTTPRequest, e: HTTPException) -> Response:
         metrics.count_error()
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _error_response(OpenAIError(str(e.detail), e.status_code, kind))
+        error = OpenAIError(str(e.detail), e.status_code, kind)
+        return error_response(error, e.headers)  # a 405's `Allow`, say
 
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(request: HTTPRequest, e: ClientDisconnected) -> Response:
@@ -147,7 +158,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         if error.status >= 500:
             logger.error("request failed: %r", e)
         metrics.count_error()
-        return _error_response(error)
+        return error_response(error)
 
     for kind in (OpenAIError, ValueError, EngineStepError, EngineDeadError):
         app.add_exception_handler(kind, on_error)
@@ -167,26 +178,3 @@ def _validation_error(e: RequestValidationError) -> OpenAIError:
     where = ".".join(loc) or "body"
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return OpenAIError(f"{where}: {first.get('msg')}{more}", param=loc[0] if loc else None)
-
-
-class _APIKeyMiddleware:
-    """401 for /v1/* requests without `Authorization: Bearer <api key>`."""
-
-    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                self.metrics.count_error()
-                error = OpenAIError(
-                    "Incorrect or missing API key: send `Authorization: Bearer <key>`",
-                    401,
-                    code="invalid_api_key",
-                )
-                await _error_response(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

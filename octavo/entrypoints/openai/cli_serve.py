@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+
+from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
+
+API_KEY_ENV = "OCTAVO_API_KEY"
 
 
 def add_parser(sub) -> None:
@@ -20,7 +25,18 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/*")
+    p.add_argument(
+        "--api-key", default=None,
+        help="require `Authorization: Bearer <key>` on every route but /health and /metrics "
+        f"(default: ${API_KEY_ENV}, which keeps the key out of the process list)",
+    )  # fmt: skip
+    p.add_argument(
+        "--api-key-metrics", action="store_true", help="require the API key on /metrics too"
+    )
+    p.add_argument(
+        "--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+        help="refuse a request body larger than this with a 413 (default: 4 MiB)",
+    )  # fmt: skip
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -44,6 +60,18 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $OCTAVO_API_KEY; an empty value means no key."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def default_model_name(model: str | None) -> str:
     """The embedded model's name, else the --model argument as given (as vLLM does)."""
     if model is None:
@@ -62,27 +90,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from octavo.entrypoints.openai.api_server import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    options = dict(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
-        seed=args.seed,
-    )
+    names = (
+        "model", "dtype", "device", "load_format", "max_model_len", "max_num_seqs",
+        "max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_prefix_caching",
+        "enforce_eager", "cuda_graph_max_tokens", "seed",
+    )  # fmt: skip
+    options = {name: getattr(args, name) for name in names}
     if args.engine_in_thread:  # on the thread that will step it (see AsyncEngine.build)
         engine = AsyncEngine.build(lambda: build_engine(**options))
     else:
         engine = EngineProcess.start_process(**options)
     name = args.served_model_name or default_model_name(args.model)
-    app = build_app(engine, name, api_key=args.api_key)
+    app = build_app(
+        engine,
+        name,
+        api_key=api_key(args),
+        api_key_metrics=args.api_key_metrics,
+        max_request_bytes=args.max_request_bytes,
+    )
     print(f"octavo: serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

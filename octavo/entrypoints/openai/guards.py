@@ -1,0 +1,97 @@
+"""ASGI middleware that refuses a request before any route sees it: a missing or wrong API
+key (401), and a body over the size limit (413). Both answer in OpenAI's error format."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from octavo.entrypoints.openai.metrics import ServerMetrics
+from octavo.entrypoints.openai.serving import OpenAIError
+
+
+def error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body.model_dump(), status_code=error.status, headers=headers)
+
+
+class APIKeyMiddleware:
+    """401 without `Authorization: Bearer <api key>`, on every path but /health (a load
+    balancer's probe) and, unless `guard_metrics`, /metrics (a Prometheus scraper's)."""
+
+    def __init__(
+        self, app: ASGIApp, api_key: str, metrics: ServerMetrics, guard_metrics: bool = False
+    ) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.metrics = metrics
+        self.open_paths = {"/health"} if guard_metrics else {"/health", "/metrics"}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                self.metrics.count_error()
+                error = OpenAIError(
+                    "Incorrect or missing API key: send `Authorization: Bearer <key>`",
+                    401,
+                    code="invalid_api_key",
+                )
+                await error_response(error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a body over `max_bytes`: at once when Content-Length says so, else once the
+    bytes read so far pass it (a chunked body), without reading the rest.
+
+    The body is read here, up to the limit, and handed to the app as one message; later
+    receives go to the client's connection (the routes watch it for a disconnect)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: nothing to answer
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks)}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.metrics.count_error()
+        error = OpenAIError(
+            f"the request body is larger than this server's limit of {self.max_bytes} bytes",
+            413,
+            code="request_too_large",
+        )
+        await error_response(error, {"Connection": "close"})(scope, receive, send)

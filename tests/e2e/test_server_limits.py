@@ -1,0 +1,157 @@
+"""The server under abuse: bodies over the size limit, the API key on every route but
+/health, requests that must be refused with a 400 naming their field before any costly
+work, the OpenAPI document's error responses, and methods a route has not.
+
+A real uvicorn server on the session's embedded engine, with a small body limit; none of
+these requests runs a step, so the engine stays idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+import httpx
+import pytest
+from server_fixture import ServerThread
+
+from octavo.entrypoints.openai.api_server import build_app
+from octavo.entrypoints.openai.cli_serve import add_parser, api_key
+
+API_KEY = "limits-key"
+MODEL = "SmolLM2-135M-Instruct"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_BYTES = 256 << 10  # above the prompt limit of the model's context (16 x 8192 chars)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    app = build_app(llm.engine, MODEL, api_key=API_KEY, max_request_bytes=MAX_BYTES)
+    with ServerThread(app) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def guarded_metrics(llm):
+    app = build_app(llm.engine, MODEL, api_key=API_KEY, api_key_metrics=True)
+    with ServerThread(app) as s:
+        yield s
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+# ---- the body limit ----------------------------------------------------------------------
+
+
+def _raw_exchange(server, head: bytes, body_parts: list[bytes]) -> bytes:
+    """Sends a request's head and then body parts on a raw socket, stopping early if the
+    server answers; returns the response as read until the server closes."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head)
+        for part in body_parts:
+            try:
+                sock.sendall(part)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        response = b""
+        while chunk := sock.recv(65536):
+            response += chunk
+    return response
+
+
+def test_content_length_over_the_limit_is_413_before_the_body_is_sent(server):
+    """The server answers from the header alone: the 64 MiB body is never sent."""
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
+        b"Content-Length: " + str(64 << 20).encode() + b"\r\n\r\n"
+    )
+    response = _raw_exchange(server, head, [])
+    assert response.startswith(b"HTTP/1.1 413"), response[:200]
+    assert b'"code":"request_too_large"' in response and b'"param":null' in response
+
+
+def test_a_chunked_body_over_the_limit_is_413_once_it_passes_the_limit(server):
+    def chunks():
+        for _ in range(MAX_BYTES // 1024 + 1):
+            yield b" " * 1024
+
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=chunks(),
+        headers=AUTH | {"Content-Type": "application/json"},
+        timeout=30,
+    )
+    error = _assert_error(r, 413)
+    assert str(MAX_BYTES) in error["message"]
+
+
+def test_a_body_under_the_limit_passes(server):
+    body = {"model": MODEL, "prompt": "x" * (MAX_BYTES // 2), "max_tokens": 1}
+    r = httpx.post(server.url + "/tokenize", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+# ---- the API key -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("GET", "/version"),
+        ("GET", "/v1/models"),
+        ("GET", "/openapi.json"),
+    ],
+)
+def test_every_route_but_health_and_metrics_needs_the_key(server, method, path):
+    body = {"prompt": "hi"} if path == "/tokenize" else {"tokens": [5]}
+    kwargs = {"json": body} if method == "POST" else {}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.request(method, server.url + path, headers=headers, timeout=30, **kwargs)
+        assert _assert_error(r, 401)["code"] == "invalid_api_key"
+    r = httpx.request(method, server.url + path, headers=AUTH, timeout=30, **kwargs)
+    assert r.status_code == 200, r.text
+
+
+def test_health_and_metrics_are_open_unless_metrics_are_guarded(server, guarded_metrics):
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    assert httpx.get(server.url + "/metrics", timeout=30).status_code == 200
+    assert httpx.get(guarded_metrics.url + "/health", timeout=30).status_code == 200
+    _assert_error(httpx.get(guarded_metrics.url + "/metrics", timeout=30), 401)
+    r = httpx.get(guarded_metrics.url + "/metrics", headers=AUTH, timeout=30)
+    assert r.status_code == 200
+
+
+def test_the_key_comes_from_octavo_api_key_unless_given(monkeypatch):
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    monkeypatch.setenv("OCTAVO_API_KEY", "from-env")
+    assert api_key(parser.parse_args(["serve"])) == "from-env"
+    assert api_key(parser.parse_args(["serve", "--api-key", "flag"])) == "flag"
+    monkeypatch.setenv("OCTAVO_API_KEY", "")
+    assert api_key(parser.parse_args(["serve"])) is None
+    args = parser.parse_args(["serve", "--max-request-bytes", "1000", "--api-key-metrics"])
+    assert args.max_request_bytes == 1000 and args.api_key_metrics
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-request-bytes", "0"])
+
+
+# ---- methods -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/health", "/v1/models"])
+def test_trace_is_405_with_allow(server, path):
+    r = httpx.request("TRACE", server.url + path, headers=AUTH, timeout=30)
+    _assert_error(r, 405)
+    allowed = {m.strip() for m in r.headers["allow"].split(",")}
+    assert "TRACE" not in allowed and allowed & {"GET", "POST"}
