@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+from engine_utils import GREEDY, scheduling
 
 from octavo import SamplingParams
 from octavo.sampling_params import StructuredOutputsParams as Spec
@@ -73,19 +74,20 @@ def test_json_object_and_sampled_completions_are_valid_json(llm):
     assert len({c.text for c in group.outputs}) > 1
 
 
-def test_async_scheduling_gives_the_same_text_and_a_plain_request_is_left_alone(llm, llm_factory):
+def test_async_scheduling_gives_the_same_text_and_a_plain_request_is_left_alone(
+    llm, chat_prompt_ids, greedy_reference
+):
     """Under async scheduling each mask waits for the token before it, so the greedy text
     is the same; a plain request batched with a constrained one gives its tokens alone."""
-    prompts = [chat(llm, "Give me a person as JSON."), chat(llm, "List three prime numbers.")]
-    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    (alone,) = llm.generate(prompts[1:], plain, use_tqdm=False)
-    overlapped = llm_factory(enforce_eager=True, async_scheduling=True)
-    for engine in (llm, overlapped):
-        person, other = engine.generate(prompts, [params(Spec(json=PERSON)), plain],
-                                        use_tqdm=False)  # fmt: skip
+    prompts = [chat(llm, "Give me a person as JSON."), {"prompt_token_ids": chat_prompt_ids[3]}]
+    alone = greedy_reference[3]  # "List three prime numbers." by itself
+    for overlap in (False, True):
+        with scheduling(llm, overlap):
+            person, other = llm.generate(prompts, [params(Spec(json=PERSON)), GREEDY],
+                                         use_tqdm=False)  # fmt: skip
         assert set(json.loads(person.outputs[0].text)) == {"name", "age"}
         assert other.outputs[0].token_ids == alone.outputs[0].token_ids
-        if engine is llm:
+        if not overlap:
             first = person.outputs[0].token_ids
     assert person.outputs[0].token_ids == first
 
@@ -126,6 +128,7 @@ def test_the_constraint_meets_stop_strings_bans_and_min_tokens(llm):
     assert short.outputs[0].text in ("a", "ab") and short.outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_preemption_and_forks_keep_each_grammar_in_step(llm, llm_factory, chat_prompt_ids):
     """A KV cache too small for the batch preempts and recomputes requests mid-text, with
     async scheduling, and n = 2 samples fork their grammars: every text is still a person,
@@ -134,14 +137,18 @@ def test_preemption_and_forks_keep_each_grammar_in_step(llm, llm_factory, chat_p
     greedy = [params(Spec(json=PERSON), max_tokens=32) for _ in prompts]
     sampled = params(Spec(json=PERSON), max_tokens=32, temperature=1.0, seed=5, n=2)
     reference = llm.generate(prompts, greedy, use_tqdm=False)
-    small = llm_factory(num_kv_blocks=14, async_scheduling=True, enforce_eager=True)
-    outputs = small.generate(prompts, greedy, use_tqdm=False)
-    assert small.get_stats()["num_preemptions"] > 0
-    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
-    for group in small.generate(prompts[:4], sampled, use_tqdm=False):
-        for completion in group.outputs:
-            if completion.finish_reason == "stop":  # else 32 tokens ran out inside it
-                assert set(json.loads(completion.text)) == {"name", "age"}
-            assert completion.text.startswith("{")
+    small = llm_factory(num_kv_blocks=14)
+    preemptions = small.get_stats()["num_preemptions"]  # the engine is shared
+    with scheduling(small, True):
+        outputs = small.generate(prompts, greedy, use_tqdm=False)
+        assert small.get_stats()["num_preemptions"] > preemptions
+        assert [o.outputs[0].token_ids for o in outputs] == [
+            o.outputs[0].token_ids for o in reference
+        ]
+        for group in small.generate(prompts[:4], sampled, use_tqdm=False):
+            for completion in group.outputs:
+                if completion.finish_reason == "stop":  # else 32 tokens ran out inside it
+                    assert set(json.loads(completion.text)) == {"name", "age"}
+                assert completion.text.startswith("{")
     stats = small.get_stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
