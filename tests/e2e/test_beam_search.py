@@ -71,6 +71,7 @@ def blocks_all_free(llm) -> bool:
     return idle and stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+@pytest.mark.slow  # HF's beam search on the CPU; the tests below hold the engine's side
 @pytest.mark.parametrize(("width", "penalty", "early", "max_tokens"), CONFIGS)
 def test_beams_and_scores_match_hf(beam_llm, hf_model, prompts, width, penalty, early, max_tokens):
     params = BeamSearchParams(
@@ -149,7 +150,7 @@ def test_preemption_does_not_change_the_beams(llm_factory, beam_llm, prompts):
     """A 14-block cache cannot hold 4 prompts x 4 beams: beams are preempted and parked,
     then recomputed; the beams and scores stay those of a roomy cache."""
     small = llm_factory(num_kv_blocks=14, enable_prefix_caching=False)
-    params = BeamSearchParams(beam_width=4, max_tokens=12)
+    params = BeamSearchParams(beam_width=4, max_tokens=8)
     batch = [{"prompt_token_ids": p} for p in prompts]
     preemptions = small.get_stats()["num_preemptions"]
     outs = small.beam_search(batch, params)
