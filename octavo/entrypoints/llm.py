@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -48,7 +47,7 @@ class LLM:
         prompt_list = _normalize_prompts(prompts)
         params = _normalize_params(sampling_params, len(prompt_list))
         ids = self._add_all(prompt_list, params)
-        return self._run(ids, use_tqdm)
+        return self._run(ids, params, use_tqdm)
 
     def chat(
         self,
@@ -114,27 +113,61 @@ class LLM:
             raise
         return ids
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, request_ids: list[str], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Generating", disable=not use_tqdm)
-        start = time.perf_counter()
+        bar = _TokenProgress(request_ids, params, disable=not use_tqdm)
         first_token = self.engine.stats.num_generated_tokens
         try:
             with frozen_gc_heap():
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         finished[out.request_id] = out
-                        bar.update(1)
-                    if use_tqdm:
-                        num_out = self.engine.stats.num_generated_tokens - first_token
-                        elapsed = max(time.perf_counter() - start, 1e-9)
-                        bar.set_postfix_str(f"out {num_out / elapsed:.1f} tok/s", refresh=False)
+                        bar.finish_request(out)
+                    bar.show(self.engine.stats.num_generated_tokens - first_token)
         except BaseException:
             self.engine.abort_request([rid for rid in request_ids if rid not in finished])
             raise
         finally:
             bar.close()
         return [finished[rid] for rid in request_ids]
+
+
+class _TokenProgress:
+    """generate()'s progress bar: output tokens against their budget (n * max_tokens per
+    request, less what a request leaves unused when it stops early), the requests done
+    beside it, and tqdm's live rate in tok/s. Without a max_tokens there is no total."""
+
+    def __init__(self, request_ids: list[str], params: list[SamplingParams], disable: bool):
+        self.budgets = {
+            rid: None if p.max_tokens is None else p.n * p.max_tokens
+            for rid, p in zip(request_ids, params, strict=True)
+        }
+        total = None if None in self.budgets.values() else sum(self.budgets.values())
+        self.num_done = 0
+        self.bar = tqdm(total=total, desc="Generating", unit="tok", disable=disable)
+        self._set_postfix()
+
+    def finish_request(self, out: RequestOutput) -> None:
+        self.num_done += 1
+        budget = self.budgets.get(out.request_id)
+        if self.bar.total is not None and budget is not None:
+            generated = sum(len(c.token_ids) for c in out.outputs)
+            self.bar.total -= max(0, budget - generated)
+        self._set_postfix()
+
+    def show(self, num_tokens: int) -> None:
+        """Moves the bar to `num_tokens` generated so far."""
+        if self.bar.total is not None and self.num_done == len(self.budgets):
+            self.bar.total = num_tokens  # all done: whatever was counted is the whole
+        self.bar.update(num_tokens - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _set_postfix(self) -> None:
+        self.bar.set_postfix_str(f"requests {self.num_done}/{len(self.budgets)}", refresh=False)
 
 
 def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
