@@ -1,29 +1,85 @@
-"""The `octavo` command: generate, chat, bench."""
+"""The `octavo` command: generate, chat, bench, serve.
+
+Every option is checked before the model loads, so a mistake fails at once with one line.
+Text streams to stdout as the engine produces it. Ctrl-C is taken between engine steps
+(never in the middle of one): `generate` prints what it has and exits 130; `chat` stops the
+reply and returns to the prompt, where Ctrl-C or Ctrl-D leaves.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
+import threading
 from collections.abc import Iterator
+from typing import Self
 
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a process stopped by Ctrl-C
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where it is None or off (the help says what
+    None means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file, HF dir, or bundled config name")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF file, an HF directory or a bundled config name "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations; auto is bfloat16 on CUDA, float32 on the CPU",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="the longest prompt plus output in tokens (default: the model's, within the KV cache)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto reads the weights; dummy makes random ones (for tests and benchmarks)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=_positive_int, default=256, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass")
+    p.add_argument(
+        "--top-k", type=int, default=None, help="sample among the k likeliest (default: all)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="for reproducible sampling (default: random)"
+    )
 
 
 def _llm(args: argparse.Namespace):
@@ -39,6 +95,7 @@ def _llm(args: argparse.Namespace):
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling options as SamplingParams, whose validation names a bad one."""
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -48,51 +105,145 @@ def _params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _check_device(device: str) -> None:
+    kind, _, index = device.partition(":")
+    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts from the command line, then from --file (one per non-empty line)."""
     prompts = list(args.prompt)
     if args.file:
-        with open(args.file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise ValueError(f"--file {args.file}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--file {args.file}: not UTF-8 text") from None
     if not prompts:
         raise ValueError("give a prompt or --file")
-    llm = _llm(args)
-    params = _params(args)
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
-    else:
-        outputs = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        if len(prompts) > 1:
-            print(f"=== {prompt}")
-        print(out.outputs[0].text)
-    return 0
+    return prompts
+
+
+class _CtrlC:
+    """Within `with`, Ctrl-C sets `requested` instead of raising, so the engine loop can stop
+    between two steps and leave the engine usable; a second Ctrl-C raises at once. Outside
+    the main thread, where signal handlers cannot be set, Ctrl-C is left alone."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+
+def stream_generation(
+    engine, prompts: list[str | list[int]], params: SamplingParams
+) -> Iterator[tuple[int, str, bool]]:
+    """Runs the prompts as one batch and yields (prompt index, new text, finished) as the
+    engine produces text. Ctrl-C ends the iteration after the step in flight; the unfinished
+    requests are aborted then, and whenever the caller stops iterating.
+
+    Raises:
+        ValueError: a bad prompt; nothing is queued then.
+    """
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    index: dict[str, int] = {}
+    try:
+        for i, prompt in enumerate(prompts):
+            index[engine.add_request(prompt, params).request_id] = i
+        with _CtrlC() as ctrl_c:
+            while index and not ctrl_c.requested:
+                for out in engine.step():
+                    if out.request_id in index:
+                        if out.finished:
+                            i = index.pop(out.request_id)
+                        else:
+                            i = index[out.request_id]
+                        yield i, out.outputs[0].text, out.finished
+    finally:
+        if index:
+            engine.abort_request(list(index))
 
 
 def stream_chat_reply(llm, conversation: list[dict], params: SamplingParams) -> Iterator[str]:
-    """Yields the assistant's reply to `conversation` piece by piece as it is generated."""
+    """Yields the assistant's reply to `conversation` piece by piece as it is generated;
+    Ctrl-C ends it early."""
     from octavo.model.tokenizer import apply_chat_template
 
-    engine = llm.engine
-    ids = apply_chat_template(engine.tokenizer, conversation)
-    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-    request = engine.add_request(ids, params)
+    ids = apply_chat_template(llm.engine.tokenizer, conversation)
+    for _, text, _ in stream_generation(llm.engine, [ids], params):
+        if text:
+            yield text
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = _prompts(args)
+    params = _params(args)
+    _check_device(args.device)
+    llm = _llm(args)
+    inputs: list[str | list[int]] = list(prompts)
+    if args.chat:
+        from octavo.model.tokenizer import apply_chat_template
+
+        tokenizer = llm.engine.tokenizer
+        inputs = [apply_chat_template(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    texts = [""] * len(prompts)
+    finished = [False] * len(prompts)
+    single = len(prompts) == 1
+    printed = 0  # several prompts print in order, each once it has finished
     try:
-        while not request.is_finished:
-            for out in engine.step():
-                if out.request_id == request.request_id and out.outputs[0].text:
-                    yield out.outputs[0].text
-    finally:
-        if not request.is_finished:
-            engine.abort_request(request.request_id)
+        for i, text, done in stream_generation(llm.engine, inputs, params):
+            texts[i] += text
+            finished[i] = done
+            if single:
+                print(text, end="", flush=True)
+            while not single and printed < len(prompts) and finished[printed]:
+                _print_result(prompts[printed], texts[printed])
+                printed += 1
+    except KeyboardInterrupt:  # a second Ctrl-C, in the middle of a step
+        pass
+    if single:
+        print()
+    else:
+        for i in range(printed, len(prompts)):  # what Ctrl-C cut short
+            _print_result(prompts[i], texts[i])
+    if not all(finished):
+        print("octavo: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _print_result(prompt: str, text: str) -> None:
+    print(f"=== {prompt}")
+    print(text, flush=True)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    llm = _llm(args)
     params = _params(args)
+    _check_device(args.device)
+    llm = _llm(args)
     conversation: list[dict] = []
     if args.system:
         conversation.append({"role": "system", "content": args.system})
-    print("octavo chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.")
+    print(
+        "octavo chat: type a message; /reset clears the conversation. Ctrl-C stops a reply; "
+        "/exit, Ctrl-D or Ctrl-C at the prompt quits."
+    )
     while True:
         try:
             line = input("> ")
@@ -119,7 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description="octavo LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for prompts")
+    gen = sub.add_parser(
+        "generate", help="generate text for prompts", formatter_class=_HelpFormatter
+    )
     gen.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
     gen.add_argument("--file", help="a file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
@@ -127,7 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="an interactive chat with the model")
+    chat = sub.add_parser(
+        "chat", help="an interactive chat with the model", formatter_class=_HelpFormatter
+    )
     chat.add_argument("--system", default=None, help="a system prompt")
     _add_model_args(chat)
     _add_sampling_args(chat)
@@ -152,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ValueError as e:
         print(f"octavo: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # while loading, say
+        print("\noctavo: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -21,9 +21,13 @@ def test_generate_prints_the_greedy_completion(shared_llm, capsys):
     printed = capsys.readouterr().out.strip()
     from octavo import SamplingParams
 
-    expected = shared_llm.generate(
-        "The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
-    )[0].outputs[0].text
+    expected = (
+        shared_llm.generate(
+            "The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
     assert printed == expected.strip()
 
 
@@ -58,3 +62,29 @@ def test_chat_keeps_the_conversation_and_streams(shared_llm, capsys, monkeypatch
     assert seen[1][1]["role"] == "assistant" and seen[1][1]["content"]
     assert seen[1][1]["content"] in capsys.readouterr().out
     assert not shared_llm.engine.has_unfinished_requests()
+
+
+def test_chat_ends_cleanly_at_end_of_input(shared_llm, monkeypatch, capsys):
+    """Ctrl-D (end of input) at the prompt quits with status 0."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello!\n"))
+    assert cli.main(["chat", "--max-tokens", "4"]) == 0
+    assert not shared_llm.engine.has_unfinished_requests()
+
+
+def test_ctrl_c_between_steps_aborts_and_leaves_the_engine_usable(shared_llm):
+    """The first Ctrl-C is held until the step in flight ends; the requests are then aborted,
+    so chat can go on with the same engine."""
+    import signal
+
+    from octavo import SamplingParams
+
+    params = SamplingParams(max_tokens=50, temperature=0)
+    pieces = []
+    for i, text, _ in cli.stream_generation(shared_llm.engine, ["Once upon a time", "Hi"], params):
+        pieces.append((i, text))
+        if len(pieces) == 3:
+            signal.raise_signal(signal.SIGINT)  # as Ctrl-C: handled, no KeyboardInterrupt
+    assert 3 <= len(pieces) <= 5  # the step in flight finished, no step after it
+    assert not shared_llm.engine.has_unfinished_requests()
+    (out,) = shared_llm.generate("Hi", SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
