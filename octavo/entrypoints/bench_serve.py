@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -111,6 +112,7 @@ async def send_request(client, url: str, payload: dict, headers: dict) -> Reques
 async def run_benchmark(args: argparse.Namespace) -> dict:
     """Runs the whole benchmark and returns its metrics."""
     import httpx
+    from tqdm.auto import tqdm
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(100, args.num_prompts))
@@ -131,14 +133,18 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         if not warmup.ok:
             raise ValueError(f"the test request failed: {warmup.error}")
         gaps = random.Random(args.seed)
+        progress = sys.stderr.isatty() if args.progress is None else args.progress
+        bar = tqdm(total=len(payloads), desc="Requests", unit="req", disable=not progress)
         start = time.perf_counter()
         tasks = []
         for payload in payloads:
             tasks.append(asyncio.create_task(send_request(client, url, payload, headers)))
+            tasks[-1].add_done_callback(lambda _: bar.update(1))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(gaps.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        bar.close()
     return summarize(results, duration) | {"model": model, "request_rate": args.request_rate}
 
 
@@ -271,4 +277,10 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the metrics here")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar of the requests done (default: when stderr is a terminal)",
+    )
     p.set_defaults(func=cmd_bench_serve)

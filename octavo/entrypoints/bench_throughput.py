@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -163,7 +164,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     vocab = llm.engine.vocab_size
     w = nanovllm_workload() if args.workload == "nanovllm" else cpu_workload(vocab, args.num_prompts)
     print(f"{'engine':<22}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
-    results = [_report(run_octavo(llm, w, args.progress))]
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    results = [_report(run_octavo(llm, w, progress))]
     floor = measured_floor(llm, w) if llm.engine.runner.device.type == "cuda" else None
     report: dict = {}
     if floor is not None:
@@ -259,6 +261,9 @@ def add_parser(sub) -> None:
         "--cuda-graph-max-tokens", type=int, default=512,
         help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
     )
-    p.add_argument("--progress", action="store_true", help="a progress bar on the timed run")
+    p.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="a progress bar on the timed run (default: when stderr is a terminal)",
+    )  # fmt: skip
     p.add_argument("--json", default=None, help="write the results here")
     p.set_defaults(func=cmd_throughput)
