@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_utils import scheduling
 
 from octavo import SamplingParams
 from octavo.sampling_params import RequestOutputKind
@@ -43,6 +44,7 @@ def reference(llm_factory, chat_prompt_ids):
                                                     use_tqdm=False)]  # fmt: skip
 
 
+@pytest.mark.slow  # loads HF's model; the tests below compare the engine with itself
 def test_prompt_logprobs_match_hf(reference, hf_model, chat_prompt_ids, llm):
     tok = llm.get_tokenizer()
     for ids, found in zip(chat_prompt_ids[:4], reference, strict=False):
@@ -77,9 +79,11 @@ def test_chunks_preemption_and_prefix_cache_do_not_change_them(
 ):
     llm = llm_factory(**options)
     before = llm.get_stats()
-    llm.generate(prompts_of(chat_prompt_ids), SamplingParams(max_tokens=1), use_tqdm=False)
+    if not options:  # the prompts in the prefix cache
+        llm.generate(prompts_of(chat_prompt_ids), SamplingParams(max_tokens=1), use_tqdm=False)
     params = PARAMS.clone()
-    params.max_tokens = 24  # enough for 14 blocks to run out, and preempt recomputed prompts
+    if "num_kv_blocks" in options:
+        params.max_tokens = 16  # enough for 14 blocks to run out, and preempt recomputed prompts
     outs = llm.generate(prompts_of(chat_prompt_ids), params, use_tqdm=False)
     for out, ref in zip(outs, reference, strict=True):
         assert_same(out.prompt_logprobs, ref)
@@ -121,18 +125,19 @@ def test_bad_prompt_logprobs_are_value_errors(value):
         SamplingParams(prompt_logprobs=value)
 
 
-def test_an_aborted_requests_scores_never_reach_a_request_that_reuses_its_id(llm_factory):
+def test_an_aborted_requests_scores_never_reach_a_request_that_reuses_its_id(llm):
     """With async scheduling the aborted request's prefill is still in flight when a new
     request takes its id: the new one gets its own prompt's log-probs only."""
-    engine = llm_factory(enforce_eager=True, async_scheduling=True).engine
+    engine = llm.engine
     params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=0)
-    engine.add_request(list(range(100, 140)), params, "r")
-    engine.step()
-    engine.abort_request("r")
-    engine.add_request([500, 501, 502, 503, 504, 505], params, "r")
-    outputs = []
-    while engine.has_unfinished_requests():
-        outputs += engine.step()
+    with scheduling(llm, True):
+        engine.add_request(list(range(100, 140)), params, "r")
+        engine.step()
+        engine.abort_request("r")
+        engine.add_request([500, 501, 502, 503, 504, 505], params, "r")
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
     (final,) = [o for o in outputs if o.finished]
     assert len(final.prompt_logprobs) == 6
     assert [next(iter(entry)) for entry in final.prompt_logprobs[1:]] == [501, 502, 503, 504, 505]
