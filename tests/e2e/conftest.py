@@ -6,6 +6,7 @@ import importlib.util
 import os
 
 import pytest
+from engine_utils import KV_CACHE_MEMORY
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -17,12 +18,6 @@ CHAT_PROMPTS = [
     "What is 12 times 12?",
     "Give me a name for a friendly robot.",
 ]
-
-
-# The tests' KV cache budget, for engines not sized by num_kv_blocks: it holds the model's whole
-# context (8192 tokens), so max_model_len is the model's as with the CPU's default of 1 GiB, and
-# each of the session's engines holds far less memory.
-KV_CACHE_MEMORY = 384 << 20
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,11 @@ from contextlib import contextmanager
 
 from octavo import SamplingParams
 
+# The tests' KV cache budget, for engines not sized by num_kv_blocks: it holds the model's whole
+# context (8192 tokens), so max_model_len is the model's as with the CPU's default of 1 GiB, and
+# each of the session's engines holds far less memory.
+KV_CACHE_MEMORY = 384 << 20
+
 # The greedy run that engine configurations are compared on: long enough for 14 KV blocks to
 # run out under the eight chat prompts, so that requests are preempted and recomputed.
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

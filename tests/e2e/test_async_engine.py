@@ -10,6 +10,7 @@ to wake up. The speed is measured in docs/PERFORMANCE.md; these tests check the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import types
 
@@ -27,7 +28,7 @@ def test_build_steps_the_engine_on_the_thread_that_built_it():
 
     def make_engine():
         built_on.append(threading.get_ident())
-        return build_engine()
+        return build_engine(num_kv_blocks=64)  # a small KV cache is enough for two requests
 
     async_engine = AsyncEngine.build(make_engine)
     assert built_on and built_on[0] != threading.get_ident()
@@ -60,7 +61,7 @@ def test_outputs_and_failures_leave_the_engine_thread_after_their_steps_stats():
     from octavo.engine.async_engine import EngineStepError
     from octavo.engine.builder import build_engine
 
-    async_engine = AsyncEngine.build(build_engine)
+    async_engine = AsyncEngine.build(functools.partial(build_engine, num_kv_blocks=64))
     free_before = async_engine.stats["kv_blocks_free"]
     seen: dict[str, list[dict]] = {"finished": [], "failed": []}
     post = async_engine._post

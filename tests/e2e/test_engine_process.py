@@ -16,6 +16,7 @@ import types
 
 import httpx
 import pytest
+from engine_utils import KV_CACHE_MEMORY
 from server_fixture import ServerThread, wait_for
 
 from octavo import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
@@ -28,7 +29,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def served(llm):  # llm: the embedded model, only so that it is known to be installed
-    engine = EngineProcess.start_process()
+    engine = EngineProcess.start_process(kv_cache_memory=KV_CACHE_MEMORY)  # llm's budget
     with ServerThread(build_app(engine, MODEL)) as server:
         yield server, engine
     assert not engine._process.is_alive()  # shutdown stopped the engine process
