@@ -20,8 +20,8 @@ CASES = {
     # longer one, never reached, makes streaming hold back the text's last 6 characters
     "greedy-stop": SamplingParams(temperature=0, max_tokens=40, stop=[" silent", ","], logprobs=2),
     # n > 1: the samples fork, run and finish at different steps
-    "seeded-n3": SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=24, logprobs=1),
-    "ignore-eos": SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    "seeded-n3": SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=16, logprobs=1),
+    "ignore-eos": SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
 }
 
 
@@ -114,7 +114,7 @@ def test_llm_generate_leaves_the_callers_params_alone(llm, prompts):
 
 
 def test_a_consumer_that_falls_behind_gets_the_deltas_joined(llm, prompts):
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     (expected,) = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     engine = AsyncEngine(llm.engine)
 

@@ -28,7 +28,7 @@ def peak_blocks(llm, prompts, params) -> tuple[int, list]:
 
 
 def test_n4_outputs_are_seeded_reproducible_and_different(llm, chat_prompt_ids):
-    params = SamplingParams(n=4, temperature=0.8, seed=7, max_tokens=16)
+    params = SamplingParams(n=4, temperature=0.8, seed=7, max_tokens=8)
     prompt = {"prompt_token_ids": chat_prompt_ids[1]}
     (first,) = llm.generate(prompt, params, use_tqdm=False)
     (again,) = llm.generate(prompt, params, use_tqdm=False)
@@ -36,7 +36,7 @@ def test_n4_outputs_are_seeded_reproducible_and_different(llm, chat_prompt_ids):
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
     (other_seed,) = llm.generate(prompt, SamplingParams(n=4, temperature=0.8, seed=8,
-                                                        max_tokens=16), use_tqdm=False)  # fmt: skip
+                                                        max_tokens=8), use_tqdm=False)  # fmt: skip
     assert [c.token_ids for c in other_seed.outputs] != [c.token_ids for c in first.outputs]
 
 
@@ -62,15 +62,15 @@ def test_n4_uses_three_prompt_copies_fewer_blocks(llm_no_prefix_cache, chat_prom
     shared, (out,) = peak_blocks(
         llm,
         {"prompt_token_ids": prompt_ids},
-        SamplingParams(n=4, temperature=0.8, seed=1, max_tokens=24, ignore_eos=True),
+        SamplingParams(n=4, temperature=0.8, seed=1, max_tokens=12, ignore_eos=True),
     )
     separate, outs = peak_blocks(
         llm,
         [{"prompt_token_ids": prompt_ids}] * 4,
-        [SamplingParams(temperature=0.8, seed=s, max_tokens=24, ignore_eos=True) for s in range(4)],
+        [SamplingParams(temperature=0.8, seed=s, max_tokens=12, ignore_eos=True) for s in range(4)],
     )
-    assert len(out.outputs) == 4 and all(len(c.token_ids) == 24 for c in out.outputs)
-    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    assert len(out.outputs) == 4 and all(len(c.token_ids) == 12 for c in out.outputs)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
     assert separate - shared >= 3 * full_prompt_blocks, (separate, shared, full_prompt_blocks)
     # The partial last prompt block was shared too, and copied once per writer but the last.
     stats = llm.get_stats()

@@ -3,6 +3,7 @@ token, with HF loading (and dequantizing) the same GGUF file itself."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from octavo import SamplingParams
@@ -10,6 +11,7 @@ from octavo import SamplingParams
 NUM_TOKENS = 32
 
 
+@pytest.mark.slow  # HF's generate on the CPU; tests/unit compares the model itself with HF
 def test_greedy_tokens_match_hf_on_chat_prompts(llm, hf_model, chat_prompt_ids):
     assert len(chat_prompt_ids) >= 8
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
