@@ -9,6 +9,8 @@ these requests runs a step, so the engine stays idle.
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import socket
 
 import httpx
@@ -155,3 +157,133 @@ def test_trace_is_405_with_allow(server, path):
     _assert_error(r, 405)
     allowed = {m.strip() for m in r.headers["allow"].split(",")}
     assert "TRACE" not in allowed and allowed & {"GET", "POST"}
+
+
+# ---- validation: a 400 that names the field, before any costly work --------------------
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _nested_schema(levels: int) -> str:
+    """A JSON schema as text, `levels` objects deep, built as text: json.dumps recurses."""
+    return '{"type": "object", "properties": {"a": ' * levels + "{}" + "}}" * levels
+
+
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]},
+         "messages", "role"),
+        ("/tokenize", {"messages": [{"role": "root", "content": "hi"}]}, "messages", "role"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {" 1_0 ": 1}}, "logit_bias",
+         "decimal"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u0661": 1}}, "logit_bias",
+         "decimal"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"10\n": 1}}, "logit_bias",
+         "decimal"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, "logit_bias",
+         "decimal"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"-1": 1}}, "logit_bias",
+         "vocabulary"),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {"49152": 1}}, "logit_bias",
+         "vocabulary"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids",
+         "vocabulary"),
+        ("/v1/chat/completions", {**CHAT, "stop_token_ids": [49152]}, "stop_token_ids",
+         "vocabulary"),
+        ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [-1]}, "allowed_token_ids",
+         "vocabulary"),
+    ],
+)  # fmt: skip
+def test_bad_fields_are_400s_that_name_them(server, path, body, param, words):
+    r = httpx.post(server.url + path, json={"model": MODEL, **body}, headers=AUTH, timeout=30)
+    error = _assert_error(r, 400, param)
+    assert words in error["message"], error
+
+
+def test_a_text_prompt_too_long_for_any_tokenization_is_refused_untokenized(server, monkeypatch):
+    tokenized = []
+    cls = type(server.ctx.tokenizer)
+    for name in ("encode", "apply_chat_template"):
+        method = getattr(cls, name)
+        spy = lambda *a, _method=method, **k: tokenized.append(1) or _method(*a, **k)
+        monkeypatch.setattr(cls, name, spy)
+    text = "a" * (16 * server.ctx.max_model_len + 1)
+    cases = [
+        ("/v1/completions", {"prompt": text}, "prompt"),
+        ("/v1/completions", {"prompt": ["hi", text]}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}, "messages"),
+        ("/tokenize", {"prompt": text}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": text}]}, "messages"),
+    ]
+    for path, body, param in cases:
+        r = httpx.post(server.url + path, json=body, headers=AUTH, timeout=30)
+        assert "characters" in _assert_error(r, 400, param)["message"]
+    assert tokenized == []
+    for body in ({"prompt": text[:100]}, {"messages": [{"role": "user", "content": "hi"}]}):
+        assert httpx.post(server.url + "/tokenize", json=body, headers=AUTH).status_code == 200
+    assert len(tokenized) >= 2  # the spies see the tokenizer's work
+
+
+@pytest.mark.parametrize(
+    "field, levels",
+    [("guided_json", 40), ("response_format", 40), ("guided_json", 400),
+     ("structured_outputs", 2000)],
+)  # fmt: skip
+def test_a_json_schema_too_deep_is_a_400_without_a_recursion_error(server, field, levels):
+    schema = _nested_schema(levels)
+    if field == "guided_json" and levels > 100:
+        value = json.dumps(schema)  # as a JSON string: the server parses it
+    elif field == "response_format":
+        value = '{"type": "json_schema", "json_schema": {"name": "x", "schema": ' + schema + "}}"
+    elif field == "structured_outputs":
+        value = json.dumps({"json": schema})
+    else:
+        value = schema
+    raw = '{"prompt": "hi", "max_tokens": 1, "' + field + '": ' + value + "}"
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=raw.encode(),
+        headers=AUTH | {"Content-Type": "application/json"},
+        timeout=30,
+    )
+    error = _assert_error(r, 400, field)
+    assert "64 levels" in error["message"] and "Recursion" not in error["message"]
+
+
+def test_a_json_schema_too_large_is_a_400(server):
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(8000)}}
+    body = {"prompt": "hi", "guided_json": schema}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert "limit" in _assert_error(r, 400, "guided_json")["message"]
+
+
+def test_grammar_errors_are_short_and_name_no_python_class(server):
+    grammar = "start: foo\nfoo: 'a' | bar baz\n" + "rule_x: 'y'\n" * 500
+    body = {"prompt": "hi", "max_tokens": 1, "guided_grammar": grammar}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
+    message = _assert_error(r, 400, "structured_outputs")["message"]
+    assert "does not compile" in message and len(message) < 300 and "rule_x" not in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": ["hi"]}),
+        ("/tokenize", {"prompt": 5}),
+        ("/tokenize", {}),
+        ("/v1/completions", {"prompt": "hi", "guided_json": "[" * 100_000}),
+    ],
+)
+def test_errors_name_no_python_class(server, path, body):
+    r = httpx.post(server.url + path, json=body, headers=AUTH, timeout=30)
+    message = _assert_error(r, 400)["message"]
+    assert not re.search(r"[A-Z][a-z]+[A-Z]\w*|Error\b", message), message
+
+
+def test_a_good_json_schema_still_runs(server):
+    schema = json.loads(_nested_schema(3))
+    body = {"prompt": "hi", "max_tokens": 2, "guided_json": schema}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text

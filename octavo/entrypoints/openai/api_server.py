@@ -13,6 +13,7 @@ no error reaches the engine loop or the other requests.
 from __future__ import annotations
 
 import logging
+import re
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -171,10 +172,15 @@ def _validation_error(e: RequestValidationError) -> OpenAIError:
     errors: list[dict[str, Any]] = list(e.errors())
     if not errors:
         return OpenAIError("invalid request body")
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # A field that is there but wrong says more than one that is missing: of a union's
+    # members (/tokenize's prompt or messages), the one the client meant has it.
+    first = next((e for e in errors if e.get("type") != "missing"), errors[0])
+    # A union's errors carry its member's class in their place (`TokenizeChatRequest`):
+    # field names are lower case, and the client is told fields only.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not str(p)[:1].isupper()]
+    msg = re.sub(r"instance of [A-Z]\w*", "object", str(first.get("msg")))
     if first.get("type") == "json_invalid":
-        return OpenAIError(f"the body is not valid JSON: {first.get('msg')}")
+        return OpenAIError(f"the body is not valid JSON: {msg}")
     where = ".".join(loc) or "body"
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return OpenAIError(f"{where}: {first.get('msg')}{more}", param=loc[0] if loc else None)
+    return OpenAIError(f"{where}: {msg}{more}", param=loc[0] if loc else None)

@@ -1,7 +1,98 @@
 """The server's limits on what a request may hold, checked before any costly work (reading a
-huge body, tokenizing a huge prompt, compiling a huge schema). Plain Python: the CLI imports
-it without a web framework."""
+huge body, tokenizing a huge prompt, compiling a huge schema), and the short form of the
+errors a grammar compiler gives. Plain Python: the CLI imports it without a web framework.
+
+Each check raises ValueError with a message for the client; the caller names the field."""
 
 from __future__ import annotations
 
+import json
+import re
+from typing import Any
+
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # far above the text any model's context can hold
+# A token is rarely more than a few characters of text; a prompt this many times longer than
+# the context cannot fit it, so it is refused before the tokenizer spends time on it.
+MAX_CHARS_PER_TOKEN = 16
+MAX_SCHEMA_DEPTH = 64  # JSON schemas in use nest a few levels; llguidance recurses on them
+MAX_CONSTRAINT_CHARS = 128 << 10  # a JSON schema's text, a regex, a grammar, or the choices
+MAX_ERROR_DETAIL_CHARS = 200  # of a compiler's message, which may quote the whole grammar
+
+_TOKEN_ID = re.compile(r"-?[0-9]+")  # ASCII digits only; fullmatch, so no trailing newline
+
+
+def check_prompt_chars(num_chars: int, max_model_len: int) -> None:
+    """ValueError for a text prompt too long to fit the context whatever its tokens."""
+    limit = MAX_CHARS_PER_TOKEN * max_model_len
+    if num_chars > limit:
+        raise ValueError(
+            f"the prompt has {num_chars} characters, more than the {limit} this server "
+            f"tokenizes for a context of {max_model_len} tokens"
+        )
+
+
+def parse_token_id(key: str) -> int | None:
+    """A logit_bias key as a token id: decimal ASCII digits with an optional minus and
+    nothing around them (no spaces, underscores or other scripts' digits); else None."""
+    if len(key) > 20 or not _TOKEN_ID.fullmatch(key):
+        return None
+    return int(key)
+
+
+def check_constraint(spec: dict[str, Any]) -> None:
+    """ValueError for a structured-output constraint (StructuredOutputsParams' fields) over
+    the limits: a JSON schema nested deeper than MAX_SCHEMA_DEPTH, or any constraint's text
+    longer than MAX_CONSTRAINT_CHARS. A schema that is not JSON is left to the compiler."""
+    schema = spec.get("json")
+    if isinstance(schema, str):
+        _check_size("json", len(schema))
+        try:
+            schema = json.loads(schema)
+        except RecursionError:
+            raise ValueError(_too_deep()) from None
+        except ValueError:
+            return
+    if isinstance(schema, (dict, list)):
+        if json_depth(schema) > MAX_SCHEMA_DEPTH:
+            raise ValueError(_too_deep())
+        _check_size("json", len(json.dumps(schema)))
+    for name in ("regex", "grammar"):
+        if isinstance(spec.get(name), str):
+            _check_size(name, len(spec[name]))
+    choice = spec.get("choice")
+    if isinstance(choice, list):
+        _check_size("choice", sum(len(c) for c in choice if isinstance(c, str)))
+
+
+def json_depth(value: Any) -> int:
+    """How deep dicts and lists nest in `value` ({} is 1), level by level without recursion;
+    stops counting past MAX_SCHEMA_DEPTH."""
+    depth, level = 0, [value]
+    while depth <= MAX_SCHEMA_DEPTH:
+        level = [v for v in level if isinstance(v, (dict, list))]
+        if not level:
+            break
+        depth += 1
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def short_detail(message: str) -> str:
+    """A compiler's error cut to its first line and MAX_ERROR_DETAIL_CHARS: enough to name
+    the problem without echoing the grammar or the parser's state."""
+    first = message.strip().split("\n", 1)[0]
+    if len(first) > MAX_ERROR_DETAIL_CHARS:
+        return first[:MAX_ERROR_DETAIL_CHARS] + "..."
+    return first
+
+
+def _check_size(name: str, num_chars: int) -> None:
+    if num_chars > MAX_CONSTRAINT_CHARS:
+        raise ValueError(
+            f"the {name} constraint has {num_chars} characters, more than this server's "
+            f"limit of {MAX_CONSTRAINT_CHARS}"
+        )
+
+
+def _too_deep() -> str:
+    return f"the JSON schema nests deeper than this server's limit of {MAX_SCHEMA_DEPTH} levels"

@@ -133,7 +133,7 @@ class CompletionRequest(SamplingRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]  # OpenAI's
     # A str, or OpenAI's list of content parts ({"type": "text", "text": ...}).
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None

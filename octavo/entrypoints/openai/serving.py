@@ -21,6 +21,12 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 
 from octavo.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from octavo.entrypoints.openai.limits import (
+    check_constraint,
+    check_prompt_chars,
+    parse_token_id,
+    short_detail,
+)
 from octavo.entrypoints.openai.metrics import ServerMetrics
 from octavo.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
 from octavo.outputs import RequestOutput
@@ -63,17 +69,27 @@ def error_from_exception(e: BaseException) -> OpenAIError:
     """Maps what generation can raise to the error the client sees."""
     if isinstance(e, OpenAIError):
         return e
+    message = _without_class_names(str(e))
     if isinstance(e, ValueError):  # the engine's checks: their messages open with the field
-        first = str(e).split(" ", 1)[0]
-        return OpenAIError(str(e), param=first if first in _REQUEST_FIELDS else None)
+        if message.startswith(_DOES_NOT_COMPILE):  # the compiler's words may hold the grammar
+            message = _DOES_NOT_COMPILE + short_detail(message[len(_DOES_NOT_COMPILE) :])
+        first = message.split(" ", 1)[0]
+        return OpenAIError(message, param=first if first in _REQUEST_FIELDS else None)
     if isinstance(e, EngineDeadError):
-        return OpenAIError(str(e), 503, "server_error")
+        return OpenAIError(message, 503, "server_error")
     if isinstance(e, EngineStepError):
-        return OpenAIError(str(e), 500, "server_error")
-    return OpenAIError(f"internal error: {e!r}", 500, "server_error")
+        return OpenAIError(message, 500, "server_error")
+    return OpenAIError(f"internal error: {_without_class_names(repr(e))}", 500, "server_error")
 
 
 _REQUEST_FIELDS = frozenset(SamplingRequest.model_fields) | {"prompt", "messages"}
+_DOES_NOT_COMPILE = "structured_outputs does not compile: "
+# An exception's repr, `RuntimeError('text')`: the client gets the text, not our class.
+_EXCEPTION_REPR = re.compile(r"\b[A-Z]\w*(?:Error|Exception)\((['\"])(.*?)\1\)")
+
+
+def _without_class_names(message: str) -> str:
+    return _EXCEPTION_REPR.sub(r"\2", message)
 
 
 @dataclass
@@ -97,6 +113,14 @@ class ServingContext:
                 param="model",
                 code="model_not_found",
             )
+
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
+        """A 400 for a text prompt too long for the context whatever its tokens, before
+        the tokenizer spends time on it."""
+        try:
+            check_prompt_chars(num_chars, self.max_model_len)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=param) from None
 
     def check_token_ids(self, prompt_ids: list[int], param: str = "prompt") -> None:
         """A 400 unless every id is in the model's vocabulary. Checked before any prompt of
@@ -221,12 +245,16 @@ def sampling_params(
     req: SamplingRequest,
     max_tokens: int,
     logprobs: int | None,
+    vocab_size: int,
     aliases: dict[str, str] | None = None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Builds SamplingParams from the request's fields; SamplingParams validates them, and its
     ValueError becomes a 400 that names the field: by the request's own name for it where
-    `aliases` gives one (chat's `top_logprobs` for `logprobs`, say)."""
+    `aliases` gives one (chat's `top_logprobs` for `logprobs`, say). Token ids outside
+    [0, vocab_size) are refused here, naming their field."""
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        _check_in_vocab(name, getattr(req, name) or (), vocab_size)
     fields: dict[str, Any] = {
         "n": req.n,
         "max_tokens": max_tokens,
@@ -248,7 +276,7 @@ def sampling_params(
         if value is not None:
             fields[name] = value
     if req.logit_bias:
-        fields["logit_bias"] = _logit_bias(req.logit_bias)
+        fields["logit_bias"] = _logit_bias(req.logit_bias, vocab_size)
     fields["structured_outputs"] = structured_outputs(req)
     try:
         return SamplingParams(**fields)
@@ -296,25 +324,39 @@ def structured_outputs(req: SamplingRequest) -> StructuredOutputsParams | None:
         raise OpenAIError(message, param=given[1][0])
     param, spec = given[0]
     try:
+        check_constraint(spec)
         return StructuredOutputsParams(**spec)
     except (TypeError, ValueError) as e:
         raise OpenAIError(str(e), param=param) from None
 
 
-def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI's logit_bias: token ids as JSON keys; each bias clamped to [-100, 100], as
-    vLLM does."""
+def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids in decimal as JSON keys; each bias clamped to
+    [-100, 100], as vLLM does."""
     result = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            message = f"logit_bias keys must be token ids (integers), got {key!r}"
-            raise OpenAIError(message, param="logit_bias") from None
+        token_id = parse_token_id(key)
+        if token_id is None:
+            message = f"logit_bias keys must be token ids in decimal digits, got {_shown(key)}"
+            raise OpenAIError(message, param="logit_bias")
+        _check_in_vocab("logit_bias", [token_id], vocab_size)
         if math.isnan(value):
-            raise OpenAIError(f"logit_bias for {key!r} is not a number", param="logit_bias")
+            message = f"logit_bias for {_shown(key)} is not a number"
+            raise OpenAIError(message, param="logit_bias")
         result[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
     return result
+
+
+def _check_in_vocab(name: str, token_ids: list[int], vocab_size: int) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        message = f"{name} names token id {bad}, outside the vocabulary [0, {vocab_size})"
+        raise OpenAIError(message, param=name)
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """`text` quoted for an error message, cut to `limit` characters."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def _field_named_in(message: str, fields: dict[str, Any]) -> str | None:

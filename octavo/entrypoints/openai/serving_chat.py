@@ -46,7 +46,7 @@ async def create_chat_completion(
     reject_unsupported(req, tools=req.tools)
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
-    prompt = render_conversation(ctx.tokenizer, req)
+    prompt = render_conversation(ctx, req)
     keep = ctx.prompt_tokens_kept(req)
     if keep is not None:  # the rendering adds no special tokens
         prompt = prompt[-keep:]
@@ -61,7 +61,12 @@ async def create_chat_completion(
         prompt, max_tokens, aliases.get("max_tokens", "max_tokens"), prompt_param="messages"
     )
     params = sampling_params(
-        req, max_tokens, num_logprobs, aliases, prompt_logprobs=req.prompt_logprobs
+        req,
+        max_tokens,
+        num_logprobs,
+        ctx.engine.vocab_size,
+        aliases,
+        prompt_logprobs=req.prompt_logprobs,
     )
     request_id = random_id("chatcmpl")
     outputs = ctx.generate([prompt], [params], request_id)
@@ -98,17 +103,22 @@ async def create_chat_completion(
 
 
 def render_conversation(
-    tokenizer, req: ChatCompletionRequest | TokenizeChatRequest, add_special_tokens: bool = False
+    ctx: ServingContext,
+    req: ChatCompletionRequest | TokenizeChatRequest,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """The request's messages through the chat template, as token ids; a 400 naming the
-    field for flags that contradict each other or messages the template refuses."""
+    field for flags that contradict each other, text too long for the context, or messages
+    the template refuses."""
     if req.add_generation_prompt and req.continue_final_message:
         message = "`continue_final_message` needs `add_generation_prompt` set to false"
         raise OpenAIError(message, param="continue_final_message")
+    messages = [message_dict(m) for m in req.messages]
+    ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), param="messages")
     try:
         return apply_chat_template(
-            tokenizer,
-            [message_dict(m) for m in req.messages],
+            ctx.tokenizer,
+            messages,
             req.add_generation_prompt,
             req.continue_final_message,
             add_special_tokens=add_special_tokens,

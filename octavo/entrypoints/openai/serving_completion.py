@@ -57,6 +57,7 @@ async def create_completion(
             req,
             ctx.check_context(ids, max_tokens),
             req.logprobs,
+            ctx.engine.vocab_size,
             prompt_logprobs=prompt_logprobs,
         )
         for ids in prompts
@@ -123,6 +124,9 @@ def _prompt_ids(
         prompt = [prompt]
     if not prompt:
         raise OpenAIError("`prompt` must not be empty", param="prompt")
+    for p in prompt:  # every prompt, before the tokenizer runs on any
+        if isinstance(p, str):
+            ctx.check_prompt_chars(len(p))
     result = []
     for p in prompt:
         if isinstance(p, str):

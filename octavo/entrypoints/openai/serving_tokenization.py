@@ -28,8 +28,9 @@ def tokenize(
     ctx.check_model(req.model)
     tokenizer = _tokenizer(ctx)
     if isinstance(req, TokenizeChatRequest):
-        ids = render_conversation(tokenizer, req, add_special_tokens=req.add_special_tokens)
+        ids = render_conversation(ctx, req, add_special_tokens=req.add_special_tokens)
     else:
+        ctx.check_prompt_chars(len(req.prompt))
         try:
             ids = encode_text(tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)
         except ValueError as e:
