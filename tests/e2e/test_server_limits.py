@@ -287,3 +287,21 @@ def test_a_good_json_schema_still_runs(server):
     body = {"prompt": "hi", "max_tokens": 2, "guided_json": schema}
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200, r.text
+
+
+# ---- the OpenAPI document ----------------------------------------------------------------
+
+
+def test_openapi_lists_each_routes_error_responses(server):
+    doc = httpx.get(server.url + "/openapi.json", headers=AUTH, timeout=30).json()
+    paths = doc["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        responses = paths[path]["post"]["responses"]
+        assert {"400", "401", "404", "413"} <= set(responses), (path, responses)
+        assert "422" not in responses  # FastAPI's, which this server never sends
+        ref = responses["400"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith("/ErrorResponse")
+    assert {"401", "404"} <= set(paths["/v1/models/{model_id}"]["get"]["responses"])
+    assert "401" in paths["/v1/models"]["get"]["responses"]
+    error = doc["components"]["schemas"]["ErrorInfo"]["properties"]
+    assert set(error) == {"message", "type", "param", "code"}

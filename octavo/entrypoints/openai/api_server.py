@@ -34,6 +34,7 @@ from octavo.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeChatRequest,
@@ -86,6 +87,7 @@ def build_app(
     app.state.ctx = ctx
     _add_error_handlers(app, metrics)
     _add_routes(app, ctx)
+    _document_errors_only_as_sent(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, metrics=metrics)
     if api_key:  # added last, so it runs first: no body is read for a stranger
         app.add_middleware(
@@ -94,45 +96,77 @@ def build_app(
     return app
 
 
+_ERROR_DESCRIPTIONS = {
+    400: "Bad request: the error's `param` names the field",
+    401: "Missing or wrong API key (when the server has one)",
+    404: "Unknown model",
+    413: "Request body over the server's limit",
+    500: "The engine failed on this request",
+    503: "The engine is not running",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's error responses for the OpenAPI document, each in OpenAI's format."""
+    return {s: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[s]} for s in statuses}
+
+
+def _document_errors_only_as_sent(app: FastAPI) -> None:
+    """Drops FastAPI's 422 from the OpenAPI document: a body that fails validation is
+    answered with a 400 (see `_validation_error`)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):  # what the 422s named
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_errors(400, 401, 404, 413, 500, 503))
     async def completions(req: CompletionRequest, raw: HTTPRequest) -> Response:
         return await create_completion(ctx, req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_errors(400, 401, 404, 413, 500, 503))
     async def chat_completions(req: ChatCompletionRequest, raw: HTTPRequest) -> Response:
         return await create_chat_completion(ctx, req, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_errors(400, 401, 404, 413))
     async def tokenize_route(
         req: TokenizeCompletionRequest | TokenizeChatRequest,
     ) -> TokenizeResponse:
         return tokenize(ctx, req)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_errors(400, 401, 404, 413))
     async def detokenize_route(req: DetokenizeRequest) -> DetokenizeResponse:
         return detokenize(ctx, req)
 
-    @app.get("/version")
+    @app.get("/version", responses=_errors(401))
     async def version() -> dict[str, str]:
         return {"version": octavo.__version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
     async def get_model(model_id: str) -> ModelCard:
         ctx.check_model(model_id)
         return ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
 
-    @app.get("/health")
+    @app.get("/health", responses=_errors(503))
     async def health() -> Response:
         if ctx.engine.is_running:
             return JSONResponse({"status": "ok"})
         return error_response(OpenAIError("the engine loop is not running", 503, "server_error"))
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=_errors(401))
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
