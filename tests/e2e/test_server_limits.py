@@ -69,10 +69,11 @@ def _raw_exchange(server, head: bytes, body_parts: list[bytes]) -> bytes:
     return response
 
 
-def test_content_length_over_the_limit_is_413_before_the_body_is_sent(server):
+@pytest.mark.parametrize("request_line", [b"POST /v1/completions", b"GET /health"])
+def test_content_length_over_the_limit_is_413_before_the_body_is_sent(server, request_line):
     """The server answers from the header alone: the 64 MiB body is never sent."""
     head = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        request_line + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
         b"Content-Length: " + str(64 << 20).encode() + b"\r\n\r\n"
     )

@@ -56,12 +56,15 @@ class BodyLimitMiddleware:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await self._refuse(scope, receive, send)
+            return
+        if scope["method"] in ("GET", "HEAD", "OPTIONS"):  # their routes read no body
+            await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
