@@ -479,7 +479,7 @@ def test_tokenize_and_detokenize_as_vllm(server):
     field. /version answers too."""
     tok, url = server.ctx.tokenizer, server.url
     body = {"model": MODEL, "prompt": PROMPTS[1], "return_token_strs": True}
-    found = httpx.post(url + "/tokenize", json=body, timeout=60).json()
+    found = httpx.post(url + "/tokenize", json=body, headers=AUTH, timeout=60).json()
     assert found["tokens"] == tok.encode(PROMPTS[1], add_special_tokens=True)
     assert found["token_strs"] == tok.convert_ids_to_tokens(found["tokens"])
     assert found["count"] == len(found["tokens"])
@@ -488,12 +488,14 @@ def test_tokenize_and_detokenize_as_vllm(server):
     r = httpx.post(url + "/v1/completions", json=completion, headers=AUTH, timeout=60)
     assert r.json()["usage"]["prompt_tokens"] == found["count"]
     messages = [{"role": "user", "content": "Hi there"}]
-    found = httpx.post(url + "/tokenize", json={"messages": messages}, timeout=60).json()
+    found = httpx.post(
+        url + "/tokenize", json={"messages": messages}, headers=AUTH, timeout=60
+    ).json()
     assert found["tokens"] == apply_chat_template(tok, messages) and found["token_strs"] is None
     chat = {"model": MODEL, "messages": messages, "max_tokens": 1}
     r = httpx.post(url + "/v1/chat/completions", json=chat, headers=AUTH, timeout=60)
     assert r.json()["usage"]["prompt_tokens"] == found["count"]
-    r = httpx.post(url + "/detokenize", json={"tokens": found["tokens"]}, timeout=60)
+    r = httpx.post(url + "/detokenize", json={"tokens": found["tokens"]}, headers=AUTH, timeout=60)
     assert r.json() == {"prompt": tok.decode(found["tokens"])}
     for path, bad, param in [
         ("/detokenize", {"tokens": [5, -1]}, "tokens"),
@@ -503,12 +505,17 @@ def test_tokenize_and_detokenize_as_vllm(server):
          "continue_final_message"),
     ]:  # fmt: skip
         r = httpx.post(url + path, content=json.dumps(bad), timeout=60,  # \ud800 escaped
-                       headers={"Content-Type": "application/json"})  # fmt: skip
+                       headers={"Content-Type": "application/json", **AUTH})  # fmt: skip
         _assert_error(r, 400)
         assert r.json()["error"]["param"] == param, (path, bad, r.text)
-    r = httpx.post(url + "/tokenize", json={"model": "other", "prompt": "x"}, timeout=60)
+    r = httpx.post(
+        url + "/tokenize", json={"model": "other", "prompt": "x"}, headers=AUTH, timeout=60
+    )
     _assert_error(r, 404)
-    assert httpx.get(url + "/version", timeout=60).json()["version"] == octavo.__version__
+    assert (
+        httpx.get(url + "/version", headers=AUTH, timeout=60).json()["version"]
+        == octavo.__version__
+    )
 
 
 def test_truncate_prompt_tokens_lets_a_long_prompt_in(server):
