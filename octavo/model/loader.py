@@ -44,7 +44,7 @@ def load_model(
     with _default_dtype(dtype), device:
         net = get_model_class(hf_config)(hf_config)
     net.eval().requires_grad_(False)
-    with torch.no_grad():
+    with torch.no_grad(), _cpu_threads(1 if device.type == "cpu" else None):
         if load_format == "dummy":
             init_dummy_weights(net, seed)
         else:
@@ -62,6 +62,24 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+@contextmanager
+def _cpu_threads(num_threads: int | None):
+    """Runs the block with torch's CPU thread pool at `num_threads` (None: as it is); restores
+    the previous count on exit.
+
+    NOTE: loading on the CPU is one memory-bound copy per tensor, which one thread does at
+    full speed, while the pool's threads, when other processes share the cores, wait for one
+    another far longer than the copy takes.
+    """
+    previous = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
