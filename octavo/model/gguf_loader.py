@@ -169,7 +169,14 @@ def _read_value(buf: mmap.mmap, pos: int, value_type: int) -> tuple[Any, int]:
         items = struct.unpack_from(f"<{count}{fmt[1]}", buf, pos)
         return list(items), pos + count * struct.calcsize(fmt)
     values = []
-    for _ in range(count):  # strings (a vocabulary, say) or nested arrays
+    if item_type == _STRING:  # a vocabulary, say: the file's largest metadata, read inline
+        unpack_length = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            (length,) = unpack_length(buf, pos)
+            values.append(buf[pos + 8 : pos + 8 + length].decode("utf-8"))
+            pos += 8 + length
+        return values, pos
+    for _ in range(count):  # nested arrays
         value, pos = _read_value(buf, pos, item_type)
         values.append(value)
     return values, pos
