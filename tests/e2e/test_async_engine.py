@@ -54,6 +54,7 @@ def test_build_steps_the_engine_on_the_thread_that_built_it():
     assert not async_engine.is_running
 
 
+@pytest.mark.slow  # builds an engine of its own
 def test_outputs_and_failures_leave_the_engine_thread_after_their_steps_stats():
     """Whoever holds a request's last output, or its failure, sees stats in which the request
     is gone and its blocks are free (the engine process sends both in one message; the

@@ -11,12 +11,12 @@ from octavo import SamplingParams, StructuredOutputsParams
 
 MIXED = [
     SamplingParams(temperature=0, max_tokens=16),  # may stop at EOS
-    SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=14),
-    SamplingParams(temperature=1.2, top_k=5, seed=12, max_tokens=12, min_tokens=6),
-    SamplingParams(temperature=0.7, min_p=0.1, seed=13, max_tokens=12, logprobs=2),
-    SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12),
-    SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5, max_tokens=12),
-    SamplingParams(temperature=0.8, seed=5, n=3, max_tokens=10),
+    SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=8),
+    SamplingParams(temperature=1.2, top_k=5, seed=12, max_tokens=8, min_tokens=4),
+    SamplingParams(temperature=0.7, min_p=0.1, seed=13, max_tokens=6, logprobs=2),
+    SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=6),
+    SamplingParams(temperature=0, presence_penalty=1.5, frequency_penalty=0.5, max_tokens=6),
+    SamplingParams(temperature=0.8, seed=5, n=3, max_tokens=6),
     SamplingParams(temperature=0, max_tokens=40, stop=[".", "\n"]),
 ]
 
@@ -67,13 +67,14 @@ def generate_both(llm, prompts, params):
 @pytest.mark.parametrize(
     "options",
     [
-        {},
-        {"num_kv_blocks": 14, "enable_prefix_caching": False},
-        {"num_kv_blocks": 14},
-        {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
+        pytest.param({}, id="plain"),
+        pytest.param({"num_kv_blocks": 14, "enable_prefix_caching": False}, id="preempt",
+                     marks=pytest.mark.slow),
+        pytest.param({"num_kv_blocks": 14}, id="preempt-cached", marks=pytest.mark.slow),
+        pytest.param({"max_num_batched_tokens": 7, "enable_prefix_caching": False},
+                     id="chunked", marks=pytest.mark.slow),
     ],
-    ids=["plain", "preempt", "preempt-cached", "chunked"],
-)
+)  # fmt: skip
 def test_async_greedy_equals_sync(llm_factory, chat_prompt_ids, greedy_reference, options):
     """The synchronous engine's greedy outputs are the same under every one of these options
     (test_engine_behaviour.py): the reference run stands for each."""
@@ -149,6 +150,7 @@ def test_async_failed_step_aborts_its_requests_and_the_engine_goes_on(
 PENALIZED = SamplingParams(temperature=0, presence_penalty=0.5, max_tokens=8, ignore_eos=True)
 
 
+@pytest.mark.slow  # a regression test of one failure's path
 def test_a_step_that_failed_while_finished_early_is_not_finished_again(
     llm, chat_prompt_ids, greedy_reference, monkeypatch
 ):
@@ -202,6 +204,7 @@ def fail_held_sampling(monkeypatch, engine, error: Exception, only=None) -> None
     monkeypatch.setattr(type(engine.runner), "sample_tokens", sample_tokens)
 
 
+@pytest.mark.slow  # a regression test of one failure's path
 def test_a_failed_sample_of_the_next_step_releases_the_requests_that_finished(
     llm, chat_prompt_ids, monkeypatch
 ):
@@ -236,6 +239,7 @@ def test_a_failed_sample_of_the_next_step_releases_the_requests_that_finished(
         assert sorted(len(o.outputs[0].token_ids) for o in finished) == [3, 3]
 
 
+@pytest.mark.slow  # a regression test of one failure's path
 def test_a_failed_sample_spares_a_request_that_reused_an_aborted_id(
     llm_factory, chat_prompt_ids, monkeypatch
 ):
@@ -265,6 +269,7 @@ def test_a_failed_sample_spares_a_request_that_reused_an_aborted_id(
     assert engine.kv.num_free_blocks == engine.kv.num_total_blocks
 
 
+@pytest.mark.slow  # a regression test of one failure's path
 def test_a_failed_sample_aborts_a_request_preempted_in_its_step(
     llm_factory, chat_prompt_ids, monkeypatch
 ):
