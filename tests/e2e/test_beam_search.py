@@ -146,6 +146,7 @@ def test_beams_share_blocks_and_free_them_all(beam_llm, prompts):
     assert stats["kv_blocks_saved_by_sharing"] == 0
 
 
+@pytest.mark.slow  # two searches of four prompts, one of them preempted
 def test_preemption_does_not_change_the_beams(llm_factory, beam_llm, prompts):
     """A 14-block cache cannot hold 4 prompts x 4 beams: beams are preempted and parked,
     then recomputed; the beams and scores stay those of a roomy cache."""

@@ -61,10 +61,18 @@ def test_small_kv_budget_with_prefix_caching(llm_factory, chat_prompt_ids, refer
     assert llm.get_stats()["num_preemptions"] > before
 
 
-def test_chunked_prefill_with_tiny_token_budget(llm_factory, chat_prompt_ids, reference):
+@pytest.mark.parametrize(
+    "num_prompts", [3, pytest.param(8, marks=pytest.mark.slow)], ids=["3-prompts", "8-prompts"]
+)
+def test_chunked_prefill_with_tiny_token_budget(
+    llm_factory, chat_prompt_ids, reference, num_prompts
+):
+    """Prompts prefilled 7 tokens a step, beside the decodes: with 8 prompts, more running
+    requests than the budget has tokens."""
     llm = llm_factory(max_num_batched_tokens=7, enable_prefix_caching=False)
-    outs = llm.generate(prompts_of(chat_prompt_ids), SHORT, use_tqdm=False)
-    assert token_ids(outs) == first_tokens(reference)
+    prompts = prompts_of(chat_prompt_ids[:num_prompts])
+    outs = llm.generate(prompts, SHORT, use_tqdm=False)
+    assert token_ids(outs) == first_tokens(reference[:num_prompts])
 
 
 def test_outputs_come_back_in_input_order(llm, chat_prompt_ids):

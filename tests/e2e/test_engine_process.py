@@ -278,6 +278,7 @@ async def _collect(stream):
     return [out async for out in stream]
 
 
+@pytest.mark.slow  # starts a Python process that imports torch
 def test_bad_options_raise_in_the_server_process():
     with pytest.raises(ValueError, match="load_format"):
         EngineProcess.start_process(load_format="pickle")

@@ -55,7 +55,10 @@ def completions(out) -> list[tuple]:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(case, marks=[] if case == "seeded-n3" else pytest.mark.slow) for case in CASES],
+)
 def test_delta_outputs_join_to_the_cumulative_output(engine, prompts, case):
     params = CASES[case]
     cumulative = list(run(engine, prompts, params, CUMULATIVE).values())
@@ -83,6 +86,7 @@ def test_delta_outputs_join_to_the_cumulative_output(engine, prompts, case):
         assert any(c.stop_reason == "," for full in cumulative for c in full[-1].outputs)
 
 
+@pytest.mark.slow  # LLM.generate asks for FINAL_ONLY outputs in every test
 def test_final_only_gives_one_output_per_request(engine, prompts):
     outputs = run(engine, prompts, CASES["seeded-n3"], FINAL_ONLY)
     cumulative = run(engine, prompts, CASES["seeded-n3"], CUMULATIVE)

@@ -40,6 +40,7 @@ def test_n4_outputs_are_seeded_reproducible_and_different(llm, chat_prompt_ids):
     assert [c.token_ids for c in other_seed.outputs] != [c.token_ids for c in first.outputs]
 
 
+@pytest.mark.slow
 def test_sample_i_of_a_seeded_n_request_is_the_n1_request_with_seed_plus_i(llm, chat_prompt_ids):
     """vLLM's rule: completion i of n draws with seed + i, so n = 3 with seed 5 gives what
     three n = 1 requests with seeds 5, 6 and 7 give."""
@@ -78,6 +79,7 @@ def test_n4_uses_three_prompt_copies_fewer_blocks(llm_no_prefix_cache, chat_prom
         assert stats["num_cow_copies"] - stats_before["num_cow_copies"] == 3
 
 
+@pytest.mark.slow  # an engine of its own
 def test_n_above_max_num_seqs_gives_every_completion(llm, llm_factory, chat_prompt_ids):
     """n = 4 with max_num_seqs = 2: the four samples take turns in the steps (no step has
     more sequences than the input buffers hold) and come out as with room for all four."""

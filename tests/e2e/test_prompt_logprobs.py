@@ -68,12 +68,13 @@ def test_prompt_logprobs_match_hf(reference, hf_model, chat_prompt_ids, llm):
 @pytest.mark.parametrize(
     "options",
     [
-        {"max_num_batched_tokens": 7, "enable_prefix_caching": False},
-        {"num_kv_blocks": 14, "enable_prefix_caching": False},
-        {},
+        pytest.param({"max_num_batched_tokens": 7, "enable_prefix_caching": False},
+                     id="chunked", marks=pytest.mark.slow),
+        pytest.param({"num_kv_blocks": 14, "enable_prefix_caching": False},
+                     id="preempted", marks=pytest.mark.slow),
+        pytest.param({}, id="prefix-cached"),
     ],
-    ids=["chunked", "preempted", "prefix-cached"],
-)
+)  # fmt: skip
 def test_chunks_preemption_and_prefix_cache_do_not_change_them(
     llm_factory, chat_prompt_ids, reference, options
 ):

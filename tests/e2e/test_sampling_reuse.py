@@ -5,6 +5,8 @@ reuse it too; only their grammars' masks are made each step."""
 
 from __future__ import annotations
 
+import pytest
+
 from octavo import SamplingParams, StructuredOutputsParams
 from octavo.runner.sampler import Sampler
 from octavo.runner.sampling_metadata import SamplingMetadata
@@ -93,6 +95,7 @@ def run(
     return [tokens[f"reuse-{i}"] for i in range(len(first + later))], len(builds), sampler.bans
 
 
+@pytest.mark.slow  # twelve requests twice, up to 30 tokens each
 def test_reused_sampling_metadata_samples_as_metadata_built_each_step(
     llm, chat_prompt_ids, monkeypatch
 ):

@@ -112,13 +112,13 @@ def test_token_id_prompt_and_a_list_of_prompts(server, client, llm):
 def test_chat_whole_and_streamed_match_llm_chat(server, client, llm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     whole = client.chat.completions.create(
-        model=MODEL, messages=messages, max_completion_tokens=16, temperature=0
+        model=MODEL, messages=messages, max_completion_tokens=8, temperature=0
     )
     stream = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True
     )
     chunks = list(stream)
-    params = SamplingParams(temperature=0, max_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=8)
     ref = server.ctx.engine.call_sync(lambda _: llm.chat(messages, params, use_tqdm=False))[0]
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == ref.outputs[0].text
@@ -131,6 +131,7 @@ def test_chat_whole_and_streamed_match_llm_chat(server, client, llm):
     assert chunks[-1].choices[0].finish_reason == ref.outputs[0].finish_reason
 
 
+@pytest.mark.slow  # 32 prompts twice; the other tests stream one or two requests
 def test_32_concurrent_streams_match_llm_generate(server, llm):
     params = SamplingParams(temperature=0, max_tokens=16)
     ref = [r.outputs[0].text for r in reference(server, llm, PROMPTS, params)]
@@ -212,12 +213,12 @@ def test_stream_chunks_open_with_the_role_and_carry_usage_as_openai(server, incl
 
 
 def test_stop_string_cuts_the_text(client):
-    full = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0)
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=12, temperature=0)
     text = full.choices[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), f"no usable stop string in {text!r}"
     cut = client.completions.create(
-        model=MODEL, prompt=PROMPTS[3], max_tokens=24, temperature=0, stop=[stop]
+        model=MODEL, prompt=PROMPTS[3], max_tokens=12, temperature=0, stop=[stop]
     )
     assert cut.choices[0].text == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
@@ -242,6 +243,7 @@ def test_stop_reason_names_the_stop_id_streamed_or_whole(server, llm):
     assert all(e["choices"][0]["stop_reason"] is None for e in events[:-1])
 
 
+@pytest.mark.slow  # chat replies run to EOS
 def test_vllm_extra_fields_are_honoured(server, llm):
     """include_stop_str_in_output, skip_special_tokens and continue_final_message were
     accepted and ignored."""
@@ -285,7 +287,7 @@ def test_seeded_sampling_repeats(client):
             client.completions.create(
                 model=MODEL,
                 prompt=PROMPTS[4],
-                max_tokens=12,
+                max_tokens=6,
                 temperature=1.0,
                 top_p=0.9,
                 seed=1234,
@@ -311,6 +313,7 @@ def test_completion_logprobs_shape(client):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+@pytest.mark.slow  # the shape of completion log-probs is in the core run
 def test_completion_top_logprobs_hold_the_sampled_token(client):
     """vLLM's and OpenAI's legacy shape: the sampled token first, then the k most likely
     others, so k + 1 entries when it is not among them; logprobs=0 gives it alone."""
@@ -456,7 +459,7 @@ def test_structured_outputs_through_response_format_and_vllms_fields(server, cli
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}},
     )  # fmt: skip
     assert set(json.loads(out.choices[0].message.content)) == {"name", "age"}
-    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
                                          temperature=0, response_format={"type": "json_object"})  # fmt: skip
     assert out.choices[0].message.content.startswith("{")
     out = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0,
@@ -855,6 +858,7 @@ def test_metrics_parse_and_move_with_traffic(server, client):
     assert "octavo_num_preemptions_total" in after
 
 
+@pytest.mark.slow  # test_bench_serve.py runs the benchmark on a tiny model
 def test_bench_serve_reports_its_metrics(server, tmp_path, capsys):
     from octavo.entrypoints import cli
 

@@ -52,12 +52,13 @@ def test_each_kind_of_constraint_holds_the_text_and_ends_it(llm):
     assert re.fullmatch(r"[0-9]{1,3}", texts[2])
     assert texts[3] in ("yes", "no", "maybe not")
     assert re.fullmatch(r"hi [a-z]{1,8}!", texts[4])
-    (free,) = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=40),
+    (free,) = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16),
                            use_tqdm=False)  # fmt: skip
     with pytest.raises(json.JSONDecodeError):  # the constraint does the work
         json.loads(free.outputs[0].text)
 
 
+@pytest.mark.slow  # json_object runs in the server's fast test too
 def test_json_object_and_sampled_completions_are_valid_json(llm):
     """json_object; and n = 3 random samples, each with its own copy of the grammar from
     the fork on, each a person."""
