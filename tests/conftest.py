@@ -34,6 +34,23 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path: str):
+    """HF transformers' SmolLM2 from the same GGUF file, float32, eager attention: the reference
+    model (slow to load: once per session, for every suite that compares with HF)."""
+    pytest.importorskip("accelerate")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path),
+        gguf_file=os.path.basename(smollm2_path),
+        dtype=torch.float32,
+        attn_implementation="eager",
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path: str):
     """The SmolLM2 tokenizer from the GGUF metadata (slow to build: loaded once per session)."""
     from octavo.model.tokenizer import load_tokenizer

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 from engine_utils import KV_CACHE_MEMORY
@@ -42,19 +41,9 @@ def llm_factory():
 
 
 @pytest.fixture(scope="session")
-def hf_model():
+def hf_model(hf_smollm2):
     """HF transformers' SmolLM2 from the same GGUF file, float32: the reference model."""
-    pytest.importorskip("accelerate")
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from octavo.model.embedded import embedded_model_path
-
-    path = embedded_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-    return model.eval()
+    return hf_smollm2
 
 
 @pytest.fixture(scope="session")
