@@ -213,7 +213,9 @@ def test_a_plain_prompt_gets_the_special_tokens_its_tokenizer_adds(llm, chat_pro
         llm.engine.tokenizer = tokenizer
     assert out.prompt_token_ids == [bos, *plain]
     assert chat.prompt_token_ids.count(bos) == chat_prompt_ids[0].count(bos)  # the template's
-    ctx = types.SimpleNamespace(tokenizer=with_bos, check_token_ids=lambda ids: None)
+    ctx = types.SimpleNamespace(
+        tokenizer=with_bos, check_token_ids=lambda ids: None, check_prompt_chars=lambda n: None
+    )
     assert _prompt_ids(ctx, "Hello there") == [[bos, *plain]]
 
 
