@@ -40,6 +40,7 @@ def read_until(proc: subprocess.Popen, done, timeout: float = 60.0) -> str:
     return text.decode(errors="replace")
 
 
+@pytest.mark.slow  # a process that loads the model; test_cli.py's Ctrl-C runs in this one
 def test_ctrl_c_stops_generate_prints_the_partial_text_and_exits_130(smollm2_path):
     proc = start("generate", "Once upon a time", "--max-tokens", "2000")
     partial = read_until(proc, lambda text: len(text.split()) >= 2)  # words are streaming
@@ -51,6 +52,7 @@ def test_ctrl_c_stops_generate_prints_the_partial_text_and_exits_130(smollm2_pat
     assert "Traceback" not in err.decode()
 
 
+@pytest.mark.slow  # a process that loads the model
 def test_ctrl_c_stops_a_chat_reply_then_quits_at_the_prompt(smollm2_path):
     proc = start("chat", "--max-tokens", "2000", stdin=subprocess.PIPE)
     read_until(proc, lambda text: text.endswith("> "))

@@ -20,7 +20,7 @@ CASES = {
     # longer one, never reached, makes streaming hold back the text's last 6 characters
     "greedy-stop": SamplingParams(temperature=0, max_tokens=40, stop=[" silent", ","], logprobs=2),
     # n > 1: the samples fork, run and finish at different steps
-    "seeded-n3": SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=16, logprobs=1),
+    "seeded-n3": SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=10, logprobs=1),
     "ignore-eos": SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
 }
 

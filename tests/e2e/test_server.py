@@ -99,11 +99,11 @@ def test_completion_matches_llm_generate(server, client, llm):
 
 def test_token_id_prompt_and_a_list_of_prompts(server, client, llm):
     ids = llm.get_tokenizer().encode(PROMPTS[1], add_special_tokens=False)
-    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
     both = client.completions.create(
-        model=MODEL, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=8, temperature=0
+        model=MODEL, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=4, temperature=0
     )
-    ref = reference(server, llm, PROMPTS[1:3], SamplingParams(temperature=0, max_tokens=8))
+    ref = reference(server, llm, PROMPTS[1:3], SamplingParams(temperature=0, max_tokens=4))
     assert by_ids.choices[0].text == ref[0].outputs[0].text
     assert [c.index for c in both.choices] == [0, 1]
     assert [c.text for c in both.choices] == [r.outputs[0].text for r in ref]
