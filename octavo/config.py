@@ -65,9 +65,21 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism; a size of 1 runs without any process group."""
+    """Tensor parallelism over `tensor_parallel_size` ranks, spread evenly over `nnodes`
+    machines that meet at `dist_init_addr` ("host:port" of node 0); a size of 1 runs in
+    this process without any process group."""
 
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("nnodes", self.nnodes)
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"nnodes={self.nnodes} does not divide "
+                f"tensor_parallel_size={self.tensor_parallel_size}"
+            )
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0)")

@@ -11,10 +11,12 @@ import torch
 from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig
 from octavo.engine.engine import Engine
 from octavo.model.embedded import embedded_model_path
-from octavo.model.hf_config import load_hf_config
+from octavo.model.hf_config import get_num_kv_heads, load_hf_config
+from octavo.model.parallel import check_tp_size
 from octavo.model.tokenizer import eos_token_ids, load_tokenizer
 from octavo.runner import kv_setup
 from octavo.runner.model_runner import ModelRunner
+from octavo.runner.multiproc import MultiprocRunner
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,8 @@ def build_engine(
     enforce_eager: bool = False,
     cuda_graph_max_tokens: int = 512,
     tensor_parallel_size: int = 1,
+    nnodes: int = 1,
+    dist_init_addr: str | None = None,
     load_format: str = "auto",
     seed: int = 0,
     attention_backend: str | None = None,
@@ -95,28 +99,34 @@ def build_engine(
         raise ValueError(f"cuda_graph_max_tokens must be an int, got {cuda_graph_max_tokens!r}")
     if cuda_graph_max_tokens < 0:
         raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {cuda_graph_max_tokens}")
-    if tensor_parallel_size != 1:
-        raise ValueError("tensor_parallel_size > 1 is not supported yet")
     cache = CacheConfig(
         block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching
     )
-    ParallelConfig(tensor_parallel_size)
+    parallel = ParallelConfig(tensor_parallel_size, nnodes, dist_init_addr)
     model_path = resolve_model(model)
     hf_config = load_hf_config(model_path)
     dev = resolve_device(device)
+    _check_parallel(parallel, hf_config, dev)
     torch_dtype = resolve_dtype(dtype, dev)
     tok = load_tokenizer(tokenizer or model_path)
     config_eos = getattr(hf_config, "eos_token_id", None)
     eos = eos_token_ids(tok, config_eos) if tok is not None else _as_list(config_eos)
-    runner = ModelRunner(
-        model_path, hf_config, torch_dtype, dev, block_size, load_format, seed,
-        attention_backend=attention_backend,
-        enforce_eager=enforce_eager,
-        cuda_graph_max_tokens=cuda_graph_max_tokens,
-        eos_token_ids=eos,
-    )  # fmt: skip
+    runner_options = {
+        "model_path": model_path, "hf_config": hf_config, "dtype": torch_dtype,
+        "block_size": block_size, "load_format": load_format, "seed": seed,
+        "attention_backend": attention_backend, "enforce_eager": enforce_eager,
+        "cuda_graph_max_tokens": cuda_graph_max_tokens, "eos_token_ids": eos,
+    }  # fmt: skip
     # Size the KV cache (profiling a step on CUDA), then allocate it once.
-    num_blocks = kv_setup.num_kv_blocks(runner, cache, max_num_batched_tokens, max_num_seqs)
+    if tensor_parallel_size == 1:
+        runner = ModelRunner(device=dev, **runner_options)
+        num_blocks = kv_setup.num_kv_blocks(runner, cache, max_num_batched_tokens, max_num_seqs)
+    else:
+        runner = MultiprocRunner(
+            runner_options, cache, (max_num_batched_tokens, max_num_seqs), dev.type,
+            tensor_parallel_size, nnodes, dist_init_addr,
+        )  # fmt: skip
+        num_blocks = runner.num_blocks
     sched = SchedulerConfig(
         max_num_seqs,
         max_num_batched_tokens,
@@ -126,6 +136,24 @@ def build_engine(
     if async_scheduling is None:  # overlap pays where the device runs beside the host
         async_scheduling = dev.type == "cuda"
     return Engine(runner, tok, cache, sched, num_blocks, eos, async_scheduling)
+
+
+def _check_parallel(parallel: ParallelConfig, hf_config, device: torch.device) -> None:
+    """Raises ValueError, before any worker starts, if the model cannot be split over
+    `tensor_parallel_size` ranks or this node has too few GPUs for its share."""
+    size = parallel.tensor_parallel_size
+    check_tp_size(hf_config.num_attention_heads, get_num_kv_heads(hf_config), size)
+    if hf_config.intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the model's intermediate_size "
+            f"{hf_config.intermediate_size}"
+        )
+    per_node = size // parallel.nnodes
+    if device.type == "cuda" and per_node > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={size} over {parallel.nnodes} node(s) needs {per_node} GPUs "
+            f"on this node, but {torch.cuda.device_count()} are visible"
+        )
 
 
 def _max_model_len(hf_config, requested: int | None, kv_capacity: int) -> int:

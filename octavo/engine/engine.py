@@ -89,7 +89,7 @@ class Engine:
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None  # built with the first constraint
-        self._bitmasks = GrammarBitmaskBuilder(self.vocab_size, runner.device.type == "cuda")
+        self._bitmasks = GrammarBitmaskBuilder(self.vocab_size, runner.pin_host_memory)
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -383,6 +383,10 @@ class Engine:
     def finish_sequence(self, request: Request) -> None:
         """Finishes a sequence and frees its KV blocks; its tokens stay readable."""
         self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        self.runner.shutdown()
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block not in use; True if the prefix cache is now empty."""

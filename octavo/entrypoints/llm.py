@@ -29,6 +29,11 @@ class LLM:
         self.engine = build_engine(model, **options)
         self._request_counter = 0
 
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any (they also stop when this process
+        exits)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

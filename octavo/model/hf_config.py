@@ -39,6 +39,11 @@ def get_head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def get_num_kv_heads(config: PretrainedConfig) -> int:
+    """`num_key_value_heads`, or the attention heads' number when the config has none."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def get_rope_theta(config: PretrainedConfig) -> float:
     """The rope base frequency (10000 when the config names none)."""
     params = getattr(config, "rope_parameters", None)

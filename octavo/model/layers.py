@@ -7,8 +7,8 @@ checkpoint tensors, each into its own row range:
     qkv_proj.weight  [(H + 2 * KVH) * D, hidden]
     rows: | q: H * D | k: KVH * D | v: KVH * D |
 
-A tensor-parallel version would narrow `loaded_weight` to its rank's slice in the same
-loaders; this file implements world size 1.
+Under tensor parallelism (model/parallel.py) the loaders take the whole checkpoint tensor and
+copy their rank's slice; a lazy tensor (model/loader.py) reads only that slice from disk.
 
 RMSNorm and SiluAndMul pick their kernel by the input's device, in one `if x.is_cuda` each:
 on CUDA one Triton kernel (octavo/kernels, imported there, so the CPU path never imports
@@ -25,25 +25,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from octavo.model.parallel import (
+    all_gather_columns,
+    all_reduce,
+    get_tp,
+    kv_head_range,
+    shard_range,
+)
+
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """Copies a whole checkpoint tensor into `param` (casting to its dtype and device)."""
-    if param.shape != loaded_weight.shape:
+    if tuple(param.shape) != tuple(loaded_weight.shape):
         raise ValueError(
             f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
             f"parameter expects {tuple(param.shape)}"
         )
+    if not isinstance(loaded_weight, torch.Tensor):  # a lazy tensor: read it whole
+        loaded_weight = loaded_weight.narrow(0, 0, loaded_weight.shape[0])
     param.data.copy_(loaded_weight)
-
-
-def _copy_rows(param: torch.Tensor, loaded_weight: torch.Tensor, offset: int, size: int) -> None:
-    """Copies `loaded_weight` into rows offset..offset+size of `param` (dim 0)."""
-    expected = (size, *param.shape[1:])
-    if tuple(loaded_weight.shape) != expected:
-        raise ValueError(
-            f"checkpoint shard has shape {tuple(loaded_weight.shape)}, expected {expected}"
-        )
-    param.data.narrow(0, offset, size).copy_(loaded_weight)
 
 
 class RMSNorm(nn.Module):
@@ -174,10 +174,8 @@ def _capturing(x: torch.Tensor) -> bool:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), with W [output_size, input_size]; the base of the fused linears.
-
-    At world size 1 this serves both column- and row-parallel roles (o_proj, down_proj).
-    """
+    """y = x W^T (+ b), with W [output_size, input_size] whole on every rank; the base of the
+    sharded linears below."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -192,7 +190,6 @@ class Linear(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        """Copies the whole checkpoint tensor (a TP rank would copy its slice)."""
         default_weight_loader(param, loaded_weight)
 
     # {rows: fn(x, w)}, a GEMM measured faster than F.linear at that many rows; run only
@@ -209,70 +206,152 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class _FusedLinear(Linear):
-    """A Linear whose output rows are several checkpoint tensors laid end to end.
+class RowParallelLinear(Linear):
+    """A linear whose input features are split over the tensor-parallel ranks (o_proj,
+    down_proj): each rank multiplies its slice, and an all-reduce sums the partial outputs.
+    Only rank 0 holds the bias; the others hold zeros, so the sum adds it once."""
 
-    `shard_ranges` maps a shard id to its (row offset, row count). Each parameter lists its
-    `shard_ids`, so a loader can tell when all of a fused parameter's pieces have arrived.
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp = get_tp()
+        if input_size % tp.size:
+            raise ValueError(
+                f"tensor_parallel_size={tp.size} does not divide {input_size} input features"
+            )
+        super().__init__(input_size // tp.size, output_size, bias)
+        self.weight.checkpoint_shapes = {None: (output_size, input_size)}
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        tp = get_tp()
+        if param.dim() == 2:
+            start, count = shard_range(loaded_weight.shape[1], tp.rank, tp.size)
+            loaded_weight = loaded_weight.narrow(1, start, count)
+        elif tp.rank > 0:
+            param.data.zero_()
+            return
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(super().forward(x))
+
+
+class _FusedLinear(Linear):
+    """A column-parallel linear whose output rows are several checkpoint tensors laid end to
+    end, each split over the tensor-parallel ranks.
+
+    `shards` maps a shard id to (rows here, first row taken from the checkpoint tensor, the
+    checkpoint tensor's rows). Each parameter lists its `shard_ids`, so a loader can tell when
+    all of a fused parameter's pieces have arrived, and `checkpoint_shapes`, the shapes of
+    the tensors its loader takes.
     """
 
     def __init__(
-        self, input_size: int, shard_ranges: dict[str | int, tuple[int, int]], bias: bool
+        self, input_size: int, shards: dict[str | int, tuple[int, int, int]], bias: bool
     ) -> None:
-        output_size = sum(size for _, size in shard_ranges.values())
-        super().__init__(input_size, output_size, bias)
-        self.shard_ranges = shard_ranges
+        super().__init__(input_size, sum(rows for rows, _, _ in shards.values()), bias)
+        self.shards = shards
+        offsets = [0]
+        for rows, _, _ in shards.values():
+            offsets.append(offsets[-1] + rows)
+        self.offsets = dict(zip(shards, offsets, strict=False))
         for param in self.parameters():
-            param.shard_ids = tuple(shard_ranges)
+            param.shard_ids = tuple(shards)
+            param.checkpoint_shapes = {
+                sid: (full, *param.shape[1:]) for sid, (_, _, full) in shards.items()
+            }
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int
     ) -> None:
-        """Copies one checkpoint tensor (e.g. k_proj's) into its rows of the fused param."""
-        if shard_id not in self.shard_ranges:
+        """Copies this rank's rows of one checkpoint tensor (e.g. k_proj's) into their place."""
+        if shard_id not in self.shards:
+            raise ValueError(f"unknown shard {shard_id!r}; expected one of {list(self.shards)}")
+        rows, start, full = self.shards[shard_id]
+        expected = (full, *param.shape[1:])
+        if tuple(loaded_weight.shape) != expected:
             raise ValueError(
-                f"unknown shard {shard_id!r}; expected one of {list(self.shard_ranges)}"
+                f"checkpoint shard has shape {tuple(loaded_weight.shape)}, expected {expected}"
             )
-        offset, size = self.shard_ranges[shard_id]
-        _copy_rows(param, loaded_weight, offset, size)
+        param.data.narrow(0, self.offsets[shard_id], rows).copy_(
+            loaded_weight.narrow(0, start, rows)
+        )
 
 
 class QKVLinear(_FusedLinear):
-    """q, k and v projections in one matmul: [T, hidden] -> [T, (H + 2 * KVH) * D]."""
+    """q, k and v projections in one matmul: [T, hidden] -> [T, (H + 2 * KVH) * D], with this
+    rank's H / N query heads and its KV heads (see parallel.kv_head_range)."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
     ) -> None:
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        ranges = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
-        super().__init__(hidden_size, ranges, bias)
-        self.q_size, self.kv_size = q_size, kv_size
+        tp = get_tp()
+        q_start, q_heads = shard_range(num_heads, tp.rank, tp.size)
+        kv_start, kv_heads = kv_head_range(num_kv_heads, tp.rank, tp.size)
+        q = (q_heads * head_dim, q_start * head_dim, num_heads * head_dim)
+        kv = (kv_heads * head_dim, kv_start * head_dim, num_kv_heads * head_dim)
+        super().__init__(hidden_size, {"q": q, "k": kv, "v": kv}, bias)
+        self.q_size, self.kv_size = q[0], kv[0]
 
 
 class MergedLinear(_FusedLinear):
-    """Several projections of the same input stacked (gate and up: shard ids 0 and 1)."""
+    """Several projections of the same input stacked (gate and up: shard ids 0 and 1), each
+    split over the tensor-parallel ranks."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
-        offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-        ranges = {i: (offsets[i], size) for i, size in enumerate(output_sizes)}
-        super().__init__(input_size, ranges, bias)
+        tp = get_tp()
+        shards = {}
+        for i, size in enumerate(output_sizes):
+            if size % tp.size:
+                raise ValueError(
+                    f"tensor_parallel_size={tp.size} does not divide {size} output features"
+                )
+            start, rows = shard_range(size, tp.rank, tp.size)
+            shards[i] = (rows, start, size)
+        super().__init__(input_size, shards, bias)
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding table [vocab, hidden]; its weight may be shared with the LM head."""
+    """Token embedding table [vocab, hidden], its rows split over the tensor-parallel ranks
+    (the vocabulary padded to a multiple of their number); the LM head may share it."""
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-        self.weight.weight_loader = default_weight_loader
+        tp = get_tp()
+        self.vocab_size = vocab_size
+        self.rows = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+        self.weight.weight_loader = self.weight_loader
+        self.weight.checkpoint_shapes = {None: (vocab_size, hidden_size)}
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if get_tp().size == 1:
+            default_weight_loader(param, loaded_weight)
+            return
+        if tuple(loaded_weight.shape) != (self.vocab_size, param.shape[1]):
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+                f"expected {(self.vocab_size, param.shape[1])}"
+            )
+        count = max(0, min(self.rows, self.vocab_size - self.start))
+        param.data.zero_()
+        param.data[:count].copy_(loaded_weight.narrow(0, self.start, count))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)  # [T, hidden]
+        if get_tp().size == 1:
+            return F.embedding(input_ids, self.weight)  # [T, hidden]
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class LMHead(VocabEmbedding):
-    """Projects hidden states to logits in the model's dtype: [N, hidden] -> [N, vocab].
+    """Projects hidden states to logits in the model's dtype: [N, hidden] -> [N, vocab]; each
+    rank computes its vocabulary rows' logits and an all-gather joins them.
     The sampler upcasts to float32 where it computes with them."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight)
+        if get_tp().size == 1:
+            return logits
+        return all_gather_columns(logits)[:, : self.vocab_size]

@@ -7,7 +7,8 @@ The three share one implementation; class attributes and the config pick the dif
     Qwen3   RMSNorm on each q and k head before rope; explicit head_dim
 
 Input is a flat batch of T tokens (no padding); the attention layer reads the paged KV
-cache through the explicit AttentionMetadata.
+cache through the explicit AttentionMetadata. Under tensor parallelism each rank builds its
+shard: its share of the heads and of the MLP's columns (model/parallel.py).
 """
 
 from __future__ import annotations
@@ -20,18 +21,24 @@ from transformers import PretrainedConfig
 
 from octavo.attention.backend import AttentionMetadata
 from octavo.attention.layer import Attention
-from octavo.model.hf_config import get_head_dim, get_rope_scaling, get_rope_theta
+from octavo.model.hf_config import (
+    get_head_dim,
+    get_num_kv_heads,
+    get_rope_scaling,
+    get_rope_theta,
+)
 from octavo.model.layers import (
-    Linear,
     LMHead,
     MergedLinear,
     QKVLinear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     SiluAndMul,
     VocabEmbedding,
     default_weight_loader,
 )
+from octavo.model.parallel import check_tp_size, get_tp, kv_head_range
 
 # Checkpoint projection name -> (fused parameter's module, shard id).
 STACKED_PARAMS: dict[str, tuple[str, str | int]] = {
@@ -56,14 +63,15 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_heads, num_kv_heads = config.num_attention_heads, get_num_kv_heads(config)
+        tp = get_tp()
+        check_tp_size(num_heads, num_kv_heads, tp.size)
+        self.num_heads = num_heads // tp.size  # this rank's heads
+        self.num_kv_heads = kv_head_range(num_kv_heads, tp.rank, tp.size)[1]
         self.head_dim = get_head_dim(config)
         hidden = config.hidden_size
-        self.qkv_proj = QKVLinear(
-            hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias
-        )
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.qkv_proj = QKVLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary_emb = RotaryEmbedding(
@@ -96,7 +104,7 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

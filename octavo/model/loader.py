@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from octavo.model.layers import RMSNorm
+from octavo.model.layers import RMSNorm, default_weight_loader
 from octavo.model.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -83,15 +84,28 @@ def _cpu_threads(num_threads: int | None):
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Norm weights 1.0, everything else normal(0, 0.02): activations stay O(1) in bf16."""
+    """Norm weights 1.0, everything else normal(0, 0.02): activations stay O(1) in bf16.
+
+    Each checkpoint tensor is drawn whole from a seed of its own and goes through its
+    parameter's loader, so every tensor-parallel rank keeps its slice of the same model.
+    """
     norm_params = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for _, param in model.named_parameters():  # shared (tied) parameters appear once
+    for name, param in model.named_parameters():  # shared (tied) parameters appear once
         if id(param) in norm_params:
             param.fill_(1.0)
-        else:
-            param.normal_(0.0, DUMMY_STD, generator=generator)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        shapes = getattr(param, "checkpoint_shapes", {None: tuple(param.shape)})
+        for shard_id, shape in shapes.items():
+            key = zlib.crc32(f"{seed}:{name}:{shard_id}".encode())
+            generator = torch.Generator(device=device).manual_seed(key)
+            full = torch.empty(shape, dtype=param.dtype, device=device)
+            full.normal_(0.0, DUMMY_STD, generator=generator)
+            if shard_id is None:
+                loader(param, full)
+            else:
+                loader(param, full, shard_id)
 
 
 def iter_weights(model: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -123,7 +137,21 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                yield name, LazyTensor(f.get_slice(name))
+
+
+class LazyTensor:
+    """A safetensors tensor not read yet: `narrow` reads only the rows or columns asked for,
+    so a tensor-parallel rank reads its slices and never the whole checkpoint."""
+
+    def __init__(self, tensor_slice) -> None:
+        self._slice = tensor_slice
+        self.shape = tuple(tensor_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
 
 
 def _check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:

@@ -9,8 +9,9 @@ import torch
 
 from octavo.attention.backend import build_metadata
 from octavo.config import CacheConfig
-from octavo.model.hf_config import get_head_dim
+from octavo.model.hf_config import get_head_dim, get_num_kv_heads
 from octavo.model.layers import Linear
+from octavo.model.parallel import get_tp, kv_head_range
 from octavo.runner.sampler import Sampler
 from octavo.runner.sampling_metadata import SamplingMetadata
 from octavo.sampling_params import SamplingParams
@@ -21,9 +22,15 @@ if TYPE_CHECKING:
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
+def local_kv_heads(hf_config) -> int:
+    """The KV heads this tensor-parallel rank keeps (all of them at world size 1)."""
+    tp = get_tp()
+    return kv_head_range(get_num_kv_heads(hf_config), tp.rank, tp.size)[1]
+
+
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
-    """layers x (K and V) x block_size x kv_heads x head_dim x dtype bytes."""
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    """layers x (K and V) x block_size x this rank's kv_heads x head_dim x dtype bytes."""
+    num_kv_heads = local_kv_heads(hf_config)
     elem = torch.empty((), dtype=dtype).element_size()
     return (
         hf_config.num_hidden_layers * 2 * block_size * num_kv_heads * get_head_dim(hf_config) * elem

@@ -15,6 +15,7 @@ from octavo.attention.layer import bind_kv_caches
 from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
 from octavo.model.hf_config import get_head_dim
 from octavo.model.loader import load_model
+from octavo.model.parallel import broadcast_from_first
 from octavo.runner.cuda_graph import (
     CudaGraphRunner,
     GraphShape,
@@ -24,7 +25,7 @@ from octavo.runner.cuda_graph import (
 from octavo.runner.gemm_tuning import tune_linears
 from octavo.runner.host_copy import to_device
 from octavo.runner.inputs import InputBuilder
-from octavo.runner.kv_setup import warm_up_eager_decode, warm_up_linears
+from octavo.runner.kv_setup import local_kv_heads, warm_up_eager_decode, warm_up_linears
 from octavo.runner.logprobs import gather_logprobs
 from octavo.runner.outputs import ModelRunnerOutput, PendingOutput, PromptLogprobSpan
 from octavo.runner.sampler import Sampler, SamplerOutput
@@ -47,6 +48,8 @@ class CachedRequestState:
 
 class ModelRunner:
     """Loads the model, allocates the paged KV cache, and executes scheduled steps."""
+
+    pin_host_memory = property(lambda self: self.device.type == "cuda")
 
     def __init__(
         self,
@@ -106,8 +109,7 @@ class ModelRunner:
         CUDA graph; the KV cache manager never hands it out.
         """
         cfg = self.hf_config
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        shape = (2, num_blocks + 1, self.block_size, num_kv_heads, get_head_dim(cfg))
+        shape = (2, num_blocks + 1, self.block_size, local_kv_heads(cfg), get_head_dim(cfg))
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(cfg.num_hidden_layers)
@@ -137,6 +139,9 @@ class ModelRunner:
         if warm_up and self.device.type == "cuda":
             warm_up_linears(self.model, max_num_batched_tokens)
             warm_up_eager_decode(self, max_num_seqs)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the model lives in this process (see MultiprocRunner)."""
 
     def _graph_shape(self, so: SchedulerOutput) -> GraphShape | None:
         """The CUDA graph to replay for this step, if one fits it."""
@@ -221,6 +226,8 @@ class ModelRunner:
         self, rows: list, logits: torch.Tensor, grammar_bitmask: GrammarBitmask | None
     ) -> SamplerOutput:
         out = self.sampler(logits, self._sampling_metadata(rows, grammar_bitmask))
+        # Tensor-parallel ranks sample alike, and take rank 0's tokens so they never differ.
+        broadcast_from_first(out.sampled_token_ids)
         self._last_sampled = (
             {request_id: row for row, (request_id, _, _) in enumerate(rows)},
             out.sampled_token_ids,

@@ -1,0 +1,84 @@
+"""Tensor parallelism as the layers see it: this process's rank among the model's shards and
+the two collectives the sharded layers call.
+
+A process that runs a whole model (world size 1) never touches torch.distributed; a tensor-
+parallel worker sets the group once, before it builds its shard (runner/worker.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+
+
+_tp = TPGroup()
+# all_gather_into_tensor's newer name (torch >= 2.13), else the older one.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def get_tp() -> TPGroup:
+    return _tp
+
+
+def set_tp(rank: int, size: int, group: dist.ProcessGroup | None) -> None:
+    global _tp
+    _tp = TPGroup(rank, size, group)
+
+
+def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:
+    """(start, count) of rank's equal share of `total` rows; `total` divisible by `size`."""
+    count = total // size
+    return rank * count, count
+
+
+def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """(first KV head, count) a rank holds: an equal share when there are at least as many
+    KV heads as ranks, else one head that `size // num_kv_heads` ranks each keep a copy of."""
+    if num_kv_heads >= size:
+        return shard_range(num_kv_heads, rank, size)
+    return rank * num_kv_heads // size, 1
+
+
+def check_tp_size(num_heads: int, num_kv_heads: int, size: int) -> None:
+    """Raises ValueError unless the heads split evenly over `size` ranks."""
+    if num_heads % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the model's {num_heads} attention heads"
+        )
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={size} and the model's {num_kv_heads} KV heads: one must "
+            "divide the other"
+        )
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sums x over the ranks, in place (a no-op at world size 1)."""
+    if _tp.size > 1:
+        dist.all_reduce(x, group=_tp.group)
+    return x
+
+
+def all_gather_columns(x: torch.Tensor) -> torch.Tensor:
+    """[R, C] on each rank -> [R, size * C], rank r's columns r * C .. (r + 1) * C - 1."""
+    if _tp.size == 1:
+        return x
+    out = torch.empty((_tp.size * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+    _all_gather(out, x.contiguous(), group=_tp.group)
+    return out.view(_tp.size, *x.shape).permute(1, 0, 2).reshape(x.shape[0], -1)
+
+
+def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x on every rank, in place (a no-op at world size 1)."""
+    if _tp.size > 1:
+        dist.broadcast(x, src=dist.get_global_rank(_tp.group, 0), group=_tp.group)
+    return x

@@ -1,0 +1,275 @@
+"""The engine's handle on its tensor-parallel workers: ModelRunner's interface over one
+connection per worker (runner/worker.py).
+
+The engine sends each step's SchedulerOutput, pickled once, to every worker; rank 0 sends
+back the step's tokens when the engine asks for them. Workers on this node are spawned here;
+workers on other nodes connect from `octavo serve --node-rank R` (see launch_node).
+
+A worker that dies or fails is found while the engine waits for any answer (its connection
+closes) or sends (the pipe breaks): the engine then stops every other worker and raises
+WorkerDied, now and on every later call.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from collections import deque
+from multiprocessing.connection import Connection, Listener, wait
+
+import torch
+
+from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
+from octavo.runner.outputs import ModelRunnerOutput
+from octavo.runner.worker import authkey, split_addr
+
+DIST_TIMEOUT_S = 600.0  # a collective that waits longer than this fails its worker
+STOP_GRACE_S = 5.0
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker is gone or failed; the engine cannot go on."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_workers(
+    ranks: range, world_size: int, connect: str, dist_addr: str
+) -> list[subprocess.Popen]:
+    """Starts one worker process per rank of this node (local rank = position in `ranks`),
+    importing octavo from where this process does."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    procs = []
+    for local, rank in enumerate(ranks):
+        args = [f"--rank={rank}", f"--world-size={world_size}", f"--local-rank={local}"]
+        command = [sys.executable, "-m", "octavo.runner.worker", f"--connect={connect}"]
+        procs.append(subprocess.Popen([*command, f"--dist-addr={dist_addr}", *args], env=env))
+    return procs
+
+
+def launch_node(tensor_parallel_size: int, nnodes: int, node_rank: int, dist_init_addr: str) -> int:
+    """Runs the workers of node `node_rank` > 0 until they exit; returns the worst exit code.
+    The engine and API run on node 0, which listens on `dist_init_addr`."""
+    host, port = split_addr(dist_init_addr)
+    per_node = tensor_parallel_size // nnodes
+    ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
+    procs = launch_workers(ranks, tensor_parallel_size, dist_init_addr, f"{host}:{port + 1}")
+    try:
+        return max(proc.wait() for proc in procs)
+    finally:
+        _kill(procs)
+
+
+class _RemotePending:
+    """A step launched on the workers; `result()` asks rank 0 for its tokens."""
+
+    def __init__(self, runner: MultiprocRunner, step_id: int) -> None:
+        self.runner, self.step_id = runner, step_id
+
+    def result(self) -> ModelRunnerOutput:
+        return self.runner._call_first("result", self.step_id)
+
+
+class MultiprocRunner:
+    """ModelRunner's interface for `tensor_parallel_size` workers, spread evenly over
+    `nnodes` nodes; this process is on node 0 and holds no model."""
+
+    pin_host_memory = False
+
+    def __init__(
+        self,
+        runner_options: dict,
+        cache,
+        budgets: tuple[int, int],
+        device_type: str,
+        tensor_parallel_size: int,
+        nnodes: int = 1,
+        dist_init_addr: str | None = None,
+    ) -> None:
+        self.hf_config = runner_options["hf_config"]
+        self.dtype = runner_options["dtype"]
+        self.vocab_size = self.hf_config.vocab_size
+        self.device = torch.device(device_type)
+        self.size = tensor_parallel_size
+        self.dead: str | None = None
+        self._inbox: list[deque] = [deque() for _ in range(tensor_parallel_size)]
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
+        if dist_init_addr is None:
+            host, port = "127.0.0.1", 0
+            listener = Listener((host, port), authkey=authkey())
+            connect = f"{host}:{listener.address[1]}"
+            dist_addr = f"{host}:{free_port()}"
+        else:
+            host, port = split_addr(dist_init_addr)
+            listener = Listener(("0.0.0.0", port), authkey=authkey())
+            connect, dist_addr = dist_init_addr, f"{host}:{port + 1}"
+        try:
+            per_node = tensor_parallel_size // nnodes
+            self._procs += launch_workers(range(per_node), tensor_parallel_size, connect, dist_addr)
+            self._conns += self._accept(listener)
+        finally:
+            listener.close()
+        threads = None if device_type == "cuda" else max(1, (os.cpu_count() or 1) // per_node)
+        options = {
+            "runner": runner_options,
+            "cache": cache,
+            "budgets": budgets,
+            "device_type": device_type,
+            "timeout_s": DIST_TIMEOUT_S,
+            "cpu_threads": threads if "OMP_NUM_THREADS" not in os.environ else None,
+        }
+        for conn in self._conns:
+            conn.send(options)
+        # Each worker sizes its cache and all agree on the smallest count.
+        counts = [self._receive(rank) for rank in range(self.size)]
+        self.num_blocks = counts[0]
+
+    def _accept(self, listener: Listener) -> list[Connection]:
+        """Every worker's connection, in rank order; fails if a local worker exits first."""
+        conns: dict[int, Connection] = {}
+        errors: list[BaseException] = []
+
+        def accept() -> None:
+            try:
+                while len(conns) < self.size:
+                    conn = listener.accept()
+                    conns[conn.recv()] = conn
+            except BaseException as e:  # noqa: BLE001 - the listener closed, or a bad handshake
+                errors.append(e)
+
+        thread = threading.Thread(target=accept, name="octavo-tp-accept", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            for rank, proc in enumerate(self._procs):
+                if proc.poll() is not None:
+                    _stop(self._procs, list(conns.values()))
+                    raise WorkerDied(f"tensor-parallel worker rank {rank} exited at start-up")
+        if errors:
+            _stop(self._procs, list(conns.values()))
+            raise WorkerDied(f"tensor-parallel workers failed to connect: {errors[0]}")
+        return [conns[rank] for rank in range(self.size)]
+
+    # ModelRunner's interface, as the engine and the builder use it.
+
+    def allocate_kv_cache(self, *args) -> None:
+        self._send("allocate", args)
+        for rank in range(self.size):
+            self._receive(rank)
+
+    def execute_async(self, so: SchedulerOutput) -> _RemotePending:
+        if so.grammar_bitmask is not None:  # a view of the engine's buffer: send its rows
+            so.grammar_bitmask = _own_rows(so.grammar_bitmask)
+        self._send("step", so)
+        return _RemotePending(self, so.step_id)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.execute_async(so).result()
+
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask) -> None:
+        self._send("sample", _own_rows(grammar_bitmask))
+
+    def cancel_held(self) -> None:
+        if self.dead is None:
+            self._send("cancel", None)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    # Messages.
+
+    def _send(self, op: str, arg) -> None:
+        self._check()
+        data = pickle.dumps((op, arg), protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                self._die(f"tensor-parallel worker rank {rank} is gone{self._exit_code(rank)}")
+
+    def _call_first(self, op: str, arg):
+        self._check()
+        try:
+            self._conns[0].send_bytes(pickle.dumps((op, arg)))
+        except OSError:
+            self._die(f"tensor-parallel worker rank 0 is gone{self._exit_code(0)}")
+        return self._receive(0)
+
+    def _receive(self, rank: int):
+        """Waits for `rank`'s answer, watching every other worker meanwhile (an answer of
+        another rank waits in its inbox)."""
+        while not self._inbox[rank]:
+            for conn in wait(self._conns, timeout=1.0):
+                sender = self._conns.index(conn)
+                try:
+                    tag, value = conn.recv()
+                except (EOFError, OSError):
+                    self._die(f"tensor-parallel worker rank {sender} died{self._exit_code(sender)}")
+                if tag == "error":
+                    self._die(f"tensor-parallel worker rank {sender} failed: {value}")
+                self._inbox[sender].append(value)
+            for local, proc in enumerate(self._procs):
+                if proc.poll() is not None:
+                    self._die(f"tensor-parallel worker rank {local} died{self._exit_code(local)}")
+        return self._inbox[rank].popleft()
+
+    def _exit_code(self, rank: int) -> str:
+        if rank < len(self._procs):
+            try:
+                code = self._procs[rank].wait(1.0)
+            except subprocess.TimeoutExpired:
+                return ""
+            return f" (exit code {code})"
+        return ""
+
+    def _check(self) -> None:
+        if self.dead is not None:
+            raise WorkerDied(self.dead)
+
+    def _die(self, message: str):
+        self.dead = message
+        _kill(self._procs)
+        self._finalizer()
+        raise WorkerDied(message)
+
+
+def _own_rows(grammar_bitmask: GrammarBitmask) -> GrammarBitmask:
+    return GrammarBitmask(grammar_bitmask.request_ids, grammar_bitmask.bitmask.clone())
+
+
+def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
+    """Asks the workers to stop, then kills whichever has not within STOP_GRACE_S."""
+    data = pickle.dumps(("stop", None))
+    for conn in conns:
+        try:
+            conn.send_bytes(data)
+        except OSError:
+            pass
+    for proc in procs:
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    _kill(procs)
+    for conn in conns:
+        conn.close()
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
