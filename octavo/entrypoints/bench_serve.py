@@ -119,16 +119,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         model = args.model or await _first_model(client, args.base_url, headers)
         url = args.base_url.rstrip("/") + args.endpoint
-        payloads = [
-            _payload(args, model, p)
-            for p in synthetic_prompts(
-                args.num_prompts,
-                args.input_len,
-                args.seed,
-                args.random_range_ratio,
-                args.token_ids,
-            )
-        ]
+        prompts = synthetic_prompts(
+            args.num_prompts, args.input_len, args.seed, args.random_range_ratio, args.token_ids
+        )
+        payloads = [_payload(args, model, p) for p in prompts]
         warmup = await send_request(client, url, payloads[0], headers)
         if not warmup.ok:
             raise ValueError(f"the test request failed: {warmup.error}")
