@@ -68,7 +68,7 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_outputs needs exactly one of {', '.join(_CONSTRAINTS)}; got {found}"
             )
-        kinds = {"json": (str, dict), "regex": str, "grammar": str, "json_object": bool}
+        kinds = {"json": (str, dict), "regex": (str,), "grammar": (str,), "json_object": (bool,)}
         name = given[0]
         if name == "choice":
             ok = isinstance(self.choice, (list, tuple)) and bool(self.choice)
@@ -78,16 +78,12 @@ class StructuredOutputsParams:
         else:
             value = getattr(self, name)
             _check(isinstance(value, kinds[name]), f"structured_outputs.{name}",
-                   " or ".join(k.__name__ for k in _as_tuple(kinds[name])), value)  # fmt: skip
+                   " or ".join(k.__name__ for k in kinds[name]), value)  # fmt: skip
         _check(isinstance(self.disable_any_whitespace, bool),
                "structured_outputs.disable_any_whitespace", "a bool", self.disable_any_whitespace)  # fmt: skip
 
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
 
 
 @dataclass
@@ -302,9 +298,8 @@ class SamplingParams:
     @property
     def needs_output_token_ids(self) -> bool:
         """Whether the sampler reads the request's earlier tokens on the host: penalties
-        count them, and a bad word of several tokens matches its start against them. (A
-        structured output's grammar needs them too, but its step samples later: see
-        `ModelRunner.sample_tokens`.)"""
+        count them, and a bad word of several tokens matches its start against them (a
+        structured output's grammar takes them in the engine)."""
         if self.has_penalties:
             return True
         entries = self.__dict__.get("_bad_words_token_ids")
@@ -373,15 +368,16 @@ def _as_int(
 def _as_float(
     name: str, value: object, allowed: str, lo: float | None = None, hi: float | None = None
 ) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    result = _to_float(value) if ok else math.nan
+    result = _to_float(value)
     _check(math.isfinite(result), name, allowed, value)
     _check((lo is None or result >= lo) and (hi is None or result <= hi), name, allowed, value)
     return result
 
 
-def _to_float(value: numbers.Real) -> float:
-    """float(value), with an int too large for a float as +-inf rather than OverflowError."""
+def _to_float(value: object) -> float:
+    """float(value) for a real number (an int too large for a float: +-inf), else NaN."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return math.nan
     try:
         return float(value)
     except OverflowError:
@@ -390,8 +386,7 @@ def _to_float(value: numbers.Real) -> float:
 
 def _as_bias(value: object, allowed: str) -> float:
     """A logit bias as a float; one at or below BAN_LOGIT_BIAS is a ban: -inf."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    result = _to_float(value) if ok else math.nan
+    result = _to_float(value)
     _check(result <= MAX_LOGIT_BIAS, "logit_bias", allowed, value)  # NaN fails too
     return -math.inf if result <= BAN_LOGIT_BIAS else result
 

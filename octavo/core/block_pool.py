@@ -22,16 +22,10 @@ import xxhash
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Hashes one full block, chained to the hash of the block before it.
-
-    Args:
-        parent_hash: hash of the previous block of the sequence, None for the first block.
-        token_ids: the block's token ids (non-negative).
-
-    Returns:
-        A 64-bit hash, the same in every process (xxh3 over a fixed byte encoding; Python's
-        `hash()` is salted per process and would break sharing across workers or runs).
-    """
+    """Hashes one full block's (non-negative) token ids, chained to `parent_hash`, the hash
+    of the block before it (None for the first block). A 64-bit xxh3 hash of a fixed byte
+    encoding, the same in every process (Python's `hash()` is salted per process and would
+    break sharing across workers or runs)."""
     # NOTE: the leading flag keeps "no parent" apart from a parent whose hash happens to be 0.
     head = [0] if parent_hash is None else [1, parent_hash]
     return xxhash.xxh3_64_intdigest(array("Q", head + list(token_ids)).tobytes())

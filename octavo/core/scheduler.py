@@ -90,10 +90,6 @@ class Scheduler:
         aborted = [self.finish_request(rid, RequestStatus.FINISHED_ABORTED) for rid in request_ids]
         return [r for r in aborted if r is not None]
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -217,13 +213,9 @@ class Scheduler:
         # changes, so the list sent before, if it is the same object, needs only its tail.
         block_ids = self.kv.get_block_ids(request.request_id)
         if request.sent_block_ids is None:
+            params = request.sampling_params
             new_requests.append(
-                NewRequestData(
-                    request.request_id,
-                    request.prompt_token_ids,
-                    list(outputs),
-                    request.sampling_params,
-                )
+                NewRequestData(request.request_id, request.prompt_token_ids, list(outputs), params)
             )
             request.num_sent_outputs = len(outputs)
             blocks_start, new_blocks = 0, list(block_ids)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -36,7 +35,7 @@ from tqdm.auto import tqdm
 
 from octavo.core.request import Request, RequestStatus
 from octavo.outputs import Logprob
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import SamplingParams, _as_float, _as_int, _check
 
 if TYPE_CHECKING:
     from octavo.engine.engine import Engine
@@ -88,20 +87,15 @@ class BeamSearchParams:
 
     def validate(self) -> None:
         """Checks every field, normalizing as at construction."""
-        self.beam_width = _as_int("beam_width", self.beam_width, 1, MAX_BEAM_WIDTH)
-        self.max_tokens = _as_int("max_tokens", self.max_tokens, 1, None)
+        allowed = f"an integer in [1, {MAX_BEAM_WIDTH}]"
+        self.beam_width = _as_int("beam_width", self.beam_width, allowed, 1, MAX_BEAM_WIDTH)
+        self.max_tokens = _as_int("max_tokens", self.max_tokens, "an integer >= 1", lo=1)
         for name in ("ignore_eos", "include_stop_str_in_output"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be a bool, got {value!r}")  # noqa: TRY004
-        self.temperature = _as_float("temperature", self.temperature, "a number >= 0")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+            _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
+        self.temperature = _as_float("temperature", self.temperature, "a number >= 0", lo=0)
         self.length_penalty = _as_float("length_penalty", self.length_penalty, "a finite number")
-        if self.early_stopping not in (True, False, "never"):
-            raise ValueError(
-                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
-            )
+        value = self.early_stopping
+        _check(value in (True, False, "never"), "early_stopping", "True, False or 'never'", value)
 
 
 @dataclass
@@ -170,10 +164,6 @@ class BeamSearchInstance:
         if not self.live:
             self.live = [_Beam(self.root, 0.0, [])]
 
-    @property
-    def num_candidates(self) -> int:
-        return num_candidates(self.params, self.eos_token_ids)
-
     def advance(self) -> list[_Candidate]:
         """Runs one selection step over the reports. Returns the candidates that continue,
         best first (empty once the search is done); updates `finished` and `done`."""
@@ -198,7 +188,7 @@ class BeamSearchInstance:
         return [] if self.done else chosen
 
     def _top_candidates(self, step: int) -> list[_Candidate]:
-        k = self.num_candidates
+        k = num_candidates(self.params, self.eos_token_ids)
         candidates = [
             (beam.cum_logprob + logprob, beam, token)
             for beam in self.live
@@ -419,18 +409,3 @@ def _decode(tokenizer, seq: BeamSearchSequence, prompt_len: int, params: BeamSea
     if eos and params.include_stop_str_in_output:
         text += tokenizer.decode(eos)
     return text
-
-
-def _as_int(name: str, value: object, lo: int, hi: int | None) -> int:
-    allowed = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not ok or value < lo or (hi is not None and value > hi):  # type: ignore[operator]
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-    return int(value)  # type: ignore[arg-type]
-
-
-def _as_float(name: str, value: object, allowed: str) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value):  # type: ignore[arg-type]
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]

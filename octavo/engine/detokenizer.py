@@ -14,10 +14,9 @@ only the text that the newest tokens added, once it is complete:
 After an emission the window slides (prefix_offset = read_offset, read_offset = end), so
 each step decodes a few tokens, never the whole output. Plain Python, no torch.
 
-For a Rust-backed HF tokenizer, the same two decodes a token run inside the `tokenizers`
-library's `DecodeStream` (one call a token, much cheaper than two `tokenizer.decode` calls
-from Python): its window rule is the one above. The Python loop takes over for good where the
-stream cannot follow (a window that would grow without bound, a prefix the decoder rewrote).
+For a Rust-backed HF tokenizer, `tokenizers`' `DecodeStream` runs the same window rule in one
+call a token, much cheaper than two `tokenizer.decode` calls from Python. The Python loop
+takes over for good where the stream cannot follow (an unbounded window, a rewritten prefix).
 """
 
 from __future__ import annotations
@@ -80,10 +79,9 @@ class IncrementalDetokenizer:
     Invariant: with no stop string matched, the finished `output_text` equals
     `tokenizer.decode(output_token_ids, skip_special_tokens=...)` in one shot.
 
-    NOTE: vLLM seeds the window with the prompt's last tokens. That changes the text only where
-    it breaks the invariant above: a SentencePiece word after the prompt would gain a leading
-    space that a one-shot decode of the output drops, and output bytes that finish a character
-    the prompt began would vanish. So the window starts at the first output token.
+    NOTE: vLLM seeds the window with the prompt's last tokens, which breaks that invariant (a
+    SentencePiece word after the prompt gains a leading space; output bytes that finish a
+    character the prompt began vanish). So the window starts at the first output token, and
     `prompt_token_ids` is accepted for the engine's convenience and not used.
     """
 
@@ -109,11 +107,9 @@ class IncrementalDetokenizer:
         # The Rust fast path, while it lasts (see the module docstring); it moves the same
         # offsets as _detokenize_step, so the Python loop can take over at any token.
         self._backend = rust_backend(tokenizer)
-        self._stream = (
-            DecodeStream(skip_special_tokens=self.skip_special_tokens)
-            if self._backend is not None
-            else None
-        )
+        self._stream = None
+        if self._backend is not None:
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Appends generated tokens, extends `output_text` with the text they finalize, and
@@ -153,8 +149,7 @@ class IncrementalDetokenizer:
             self._stream = None
             self._flush()
         final = finished or self.stop_reason is not None
-        length = len(self.output_text) - (0 if final else self.stop_buffer_length)
-        length = max(length, 0)
+        length = max(len(self.output_text) - (0 if final else self.stop_buffer_length), 0)
         if not delta:
             return self.output_text[:length]
         start = self._num_chars_returned
@@ -174,13 +169,10 @@ class IncrementalDetokenizer:
 
     def _stream_step(self, token_id: int) -> str | None:
         """The newest token's text by the `DecodeStream` ("" while a character is
-        unfinished); None once the stream is dropped, and then the Python loop decodes this
-        token and every later one.
-
-        The stream is dropped where its window would pass MAX_HELD_TOKENS (it has no bound
-        of its own) and where it raises: a decoder that rewrote the text of the tokens before
-        the window's end (the stream's "invalid prefix").
-        """
+        unfinished); None once the stream is dropped, and the Python loop decodes this token
+        and every later one. The stream is dropped where its window would pass
+        MAX_HELD_TOKENS (it has no bound of its own) and where it raises (a decoder that
+        rewrote the text before the window's end: the stream's "invalid prefix")."""
         ids = self.output_token_ids
         try:
             text = self._stream.step(self._backend, token_id)

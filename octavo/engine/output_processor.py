@@ -184,15 +184,10 @@ class OutputProcessor:
         text = ""
         if state.detokenizer is not None:
             text = state.detokenizer.get_next_output_text(request.is_finished, delta=False)
-        return CompletionOutput(
-            index=request.index,
-            text=text,
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=state.cumulative_logprob,
-            logprobs=state.logprobs,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-        )
+        return CompletionOutput(  # positional, as in make_output
+            request.index, text, list(request.output_token_ids), state.cumulative_logprob,
+            state.logprobs, request.status.finish_reason, request.stop_reason,
+        )  # fmt: skip
 
     def _delta(self, request: Request) -> CompletionOutput | None:
         """What is new in one sequence since its last output; None if nothing is."""

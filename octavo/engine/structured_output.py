@@ -23,7 +23,7 @@ import logging
 import torch
 
 from octavo.core.sched_output import GrammarBitmask
-from octavo.runner.bitmask import bitmask_width, outside_of_bitmask
+from octavo.runner.penalties import bitmask_width, outside_of_bitmask
 from octavo.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

@@ -183,13 +183,7 @@ def serial_floor(work: SerialWork, ceilings: DeviceCeilings) -> float:
     steps = max(work.output_lens, default=0)
     decode_tokens = sum(max(o - 1, 0) for o in work.output_lens)
     flops = work.prefill_flops() + 2.0 * work.num_params * decode_tokens
-    # sum over decode steps t = 1 .. o - 1 of (prompt + t) = (o - 1) x prompt + o x (o - 1) / 2
-    kv_tokens = sum(
-        (o - 1) * p + o * (o - 1) // 2
-        for p, o in zip(work.prompt_lens, work.output_lens, strict=True)
-        if o > 1
-    )
-    kv_bytes = work.kv_bytes_per_token * kv_tokens
+    kv_bytes = sum(work.decode_kv_bytes(t) for t in range(1, steps))
     gemm_s = max(
         steps * work.weight_bytes / ceilings.copy_bytes_per_s, flops / ceilings.matmul_flops
     )

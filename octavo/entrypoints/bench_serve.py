@@ -1,11 +1,8 @@
 """`octavo bench serve`: an online serving benchmark against any OpenAI-compatible server.
 
-Requests arrive as a Poisson process (exponential gaps at `--request-rate` per second; `inf`
-sends all at once), each a streaming POST /v1/completions of synthetic random text, or of
-random token ids with `--token-ids N` (ids below N, for a model without a tokenizer, e.g.
-`--load-format dummy`). Prompt lengths are `--input-len`, or uniform over `--input-len` x
-(1 -/+ `--random-range-ratio`) as in vLLM's random dataset. The metrics are vLLM's `bench
-serve` ones:
+Requests arrive as a Poisson process at `--request-rate` per second (`inf`: all at once), each
+a streaming POST /v1/completions of synthetic random text or token ids, with lengths as in
+vLLM's random dataset. The metrics are vLLM's `bench serve` ones:
 
     TTFT  time from sending to the first streamed chunk with a choice in it
     TPOT  (latency - TTFT) / (output tokens - 1), per request: the first token excluded
@@ -14,8 +11,7 @@ serve` ones:
 A chunk counts even when its text is empty (a special token, a model without a tokenizer), as
 in vLLM. Output tokens come from the server's usage (stream_options.include_usage), else from
 the number of chunks. `ignore_eos` is sent as a vLLM-style extra field so that every request
-produces exactly --max-tokens tokens (--no-ignore-eos for servers that reject it; --extra-body
-passes a server's own fields, e.g. transformers serve's `generation_config`).
+produces exactly --max-tokens tokens (--no-ignore-eos for servers that reject it).
 """
 
 from __future__ import annotations
@@ -119,16 +115,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         model = args.model or await _first_model(client, args.base_url, headers)
         url = args.base_url.rstrip("/") + args.endpoint
-        payloads = [
-            _payload(args, model, p)
-            for p in synthetic_prompts(
-                args.num_prompts,
-                args.input_len,
-                args.seed,
-                args.random_range_ratio,
-                args.token_ids,
-            )
-        ]
+        prompts = synthetic_prompts(
+            args.num_prompts, args.input_len, args.seed, args.random_range_ratio, args.token_ids
+        )
+        payloads = [_payload(args, model, p) for p in prompts]
         warmup = await send_request(client, url, payloads[0], headers)
         if not warmup.ok:
             raise ValueError(f"the test request failed: {warmup.error}")

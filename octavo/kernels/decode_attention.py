@@ -128,9 +128,7 @@ def _decode_split_kernel(
     head_ok = offs_g < GROUP
     q_off = seq.to(tl.int64) * stride_q_tok + head * stride_q_head
     if FUSED_QK:
-        # The new token's q heads, k and v come raw from the qkv projection. It attends to
-        # itself from registers (below), so the cache loop stops one position short, and the
-        # program whose split holds that position writes k and v to the cache.
+        # The new token's q, k and v come raw from the qkv projection (module docstring, 4.).
         pos = tl.maximum(seq_len - 1, 0)
         half: tl.constexpr = HEAD_DIM // 2
         cs_row = cos_sin_ptr + pos.to(tl.int64) * HEAD_DIM
@@ -251,11 +249,8 @@ def num_sms(device: torch.device) -> int:
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sms: int) -> int:
     """Splits per sequence so that num_seqs * num_kv_heads * splits programs fill the GPU
     about twice over, with each split at least MIN_SPLIT_LEN positions of the longest context
-    allowed. Depends on shapes only (CUDA-graph safe). A power of two, at most MAX_SPLITS.
-
-    NOTE: the best count also depends on the step's actual lengths, which a CUDA graph cannot
-    see; choosing it from the step's mean context did not pay end to end (see
-    docs/PERFORMANCE.md)."""
+    allowed. Depends on shapes only (CUDA-graph safe), not on the step's actual lengths. A
+    power of two, at most MAX_SPLITS."""
     programs = max(num_seqs * num_kv_heads, 1)
     wanted = triton.cdiv(2 * sms, programs)
     by_length = max(max_context // MIN_SPLIT_LEN, 1)

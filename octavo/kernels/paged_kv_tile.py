@@ -39,11 +39,7 @@ def attend_kv_chunk(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """One online-softmax step over context positions kv_start .. kv_start + BLOCK_N - 1.
-
-    Shared by the prefill and decode kernels. Keys and values are gathered through the block
-    table: position p lives in page block_table[p // BLOCK_SIZE], row p % BLOCK_SIZE.
-    """
+    """One online-softmax step over context positions kv_start .. kv_start + BLOCK_N - 1."""
     offs_n = kv_start + tl.arange(0, BLOCK_N)  # [N] context positions
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:

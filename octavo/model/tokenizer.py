@@ -238,10 +238,6 @@ def apply_chat_template(
         add_special_tokens: the tokenizer's special tokens (a BOS, say) on top of those the
             template writes, as vLLM's /tokenize offers; off for generation.
 
-    Returns:
-        The prompt's token ids (the template writes the special tokens itself, so by
-        default the tokenizer adds none).
-
     Raises:
         ValueError: no tokenizer or no chat template, malformed messages, or a template
             that rejects the conversation (e.g. roles that must alternate).

@@ -1,16 +1,14 @@
 """Measured GEMM algorithms for the projections that CUDA graphs capture.
 
-At the row counts of decode steps a projection is latency-bound, and cuBLAS's first heuristic
-pick (what `F.linear` runs) is sometimes well off the best it has (see docs/PERFORMANCE.md). At
-start-up, before graph capture, `tune_linears` times `F.linear` against cuBLASLt's candidates
-for each distinct projection and row count, and hands each winner to the projections of that
-shape: their `forward` runs it while a CUDA graph captures (kernels/cublaslt.py). Eager steps
-keep `F.linear`, where a ctypes call would cost more host time than it saves.
+At decode row counts a projection is latency-bound, and cuBLAS's first heuristic pick (what
+`F.linear` runs) is sometimes well off its best. At start-up, before graph capture,
+`tune_linears` times `F.linear` against cuBLASLt's candidates (kernels/cublaslt.py) for each
+distinct projection and row count; the winners run inside CUDA graphs, while eager steps keep
+`F.linear` (a ctypes call would cost more host time than it saves).
 
-Timing is a CUDA graph of the candidate over enough weights of the shape to overflow L2, as in
-a decode step, whose attention streams the KV cache between the projections. The choices are
-kept in octavo's cache (octavo/cache.py), one file per GPU model and library versions, so
-only the first start-up on a machine pays for them. OCTAVO_LT_GEMMS=0 turns all this off.
+Each candidate is timed as a CUDA graph over enough weights of the shape to overflow L2, as in
+a decode step. The choices are kept in octavo's cache, one file per GPU model and library
+versions, so only the first start-up on a machine pays. OCTAVO_LT_GEMMS=0 turns it all off.
 """
 
 from __future__ import annotations

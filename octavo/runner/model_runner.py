@@ -26,9 +26,8 @@ from octavo.runner.gemm_tuning import tune_linears
 from octavo.runner.host_copy import to_device
 from octavo.runner.inputs import InputBuilder
 from octavo.runner.kv_setup import local_kv_heads, warm_up_eager_decode, warm_up_linears
-from octavo.runner.logprobs import gather_logprobs
 from octavo.runner.outputs import ModelRunnerOutput, PendingOutput, PromptLogprobSpan
-from octavo.runner.sampler import Sampler, SamplerOutput
+from octavo.runner.sampler import Sampler, SamplerOutput, gather_logprobs
 from octavo.runner.sampling_metadata import GrammarMasks, SamplingMetadata, seeded_rows
 from octavo.sampling_params import SamplingParams
 

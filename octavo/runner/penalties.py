@@ -1,8 +1,9 @@
 """Penalties and bans: what a row may not sample now, and how earlier tokens weigh on it.
 
 Bans (-inf): min_tokens (EOS and stop ids), bad words, allowed_token_ids, structured outputs'
-grammars (a packed bitmask of the allowed tokens); penalties: repetition, frequency and
-presence over the row's earlier tokens.
+grammars (a packed bitmask of the allowed tokens: token t allowed when bit t % 32 of int32
+word t // 32 is set); penalties: repetition, frequency and presence over the row's earlier
+tokens.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from octavo.runner.bitmask import outside_of_bitmask
 from octavo.runner.host_copy import to_device, upload
 from octavo.sampling_params import SamplingParams
 
@@ -39,8 +39,7 @@ def flat_index(
     """(row, token id) of every listed token, as two [N] int64 tensors."""
     rows = [row for row, tokens in tokens_of_row.items() for _ in tokens]
     ids = [t for tokens in tokens_of_row.values() for t in tokens]
-    row_index, id_index = to_device([rows, ids], torch.int64, device)  # [2, N]
-    return row_index, id_index
+    return to_device([rows, ids], torch.int64, device).unbind()  # [2, N] -> two [N]
 
 
 def build_penalties(
@@ -103,13 +102,28 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyState) -> torch.Tens
     if penalties.repetition is not None:
         rep = penalties.repetition
         penalized = torch.where(logits > 0, logits / rep, logits * rep)
-        # A penalty near float32's limits must not make a logit inf (inf - inf is NaN later).
+        # A penalty near float32's limits must not make a logit inf (inf - inf is NaN later),
+        # but a banned token (-inf) stays banned.
         fmax = torch.finfo(torch.float32).max
-        # ... but a banned token (-inf) stays banned.
         penalized = torch.where(logits.isinf(), logits, penalized.clamp(-fmax, fmax))
         logits = torch.where(penalties.seen, penalized, logits)
     counts = penalties.output_counts
     return logits - penalties.frequency * counts - penalties.presence * (counts > 0)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words of a grammar's bitmask over `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def outside_of_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 bitmasks -> [R, vocab_size] bool, True for a token the grammar bans.
+    Unpacked a byte at a time (token t is bit t % 8 of little-endian byte t // 8), so the
+    temporaries take a byte per token."""
+    octets = bitmask.contiguous().view(torch.uint8)  # [R, 4W]
+    bits = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    allowed = (octets.unsqueeze(-1) >> bits) & 1  # [R, 4W, 8]
+    return (allowed == 0).flatten(1)[:, :vocab_size]
 
 
 def ban_outside_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from octavo.runner.host_copy import to_device
-from octavo.runner.logprobs import gather_logprobs
 from octavo.runner.penalties import apply_penalties, ban_outside, ban_outside_bitmask
 from octavo.runner.sampling_metadata import SamplingMetadata
 
@@ -50,6 +49,19 @@ class SamplerOutput:
     sampled_token_ranks: torch.Tensor | None = None  # [B] int64, 1 = the most likely token
 
 
+def gather_logprobs(
+    raw: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From log-probs [B, V] and a chosen token per row [B]: the token ids [B, k + 1] and
+    log-probs [B, k + 1] of the chosen token then the top k, and the chosen token's rank
+    [B] (1 + the number of tokens more likely than it)."""
+    chosen_logprob = raw.gather(-1, chosen[:, None])  # [B, 1]
+    top_logprobs, top_ids = raw.topk(k, dim=-1)  # [B, k]
+    token_ids = torch.cat([chosen[:, None], top_ids], dim=-1)
+    logprobs = torch.cat([chosen_logprob, top_logprobs], dim=-1)
+    return token_ids, logprobs, (raw > chosen_logprob).sum(-1) + 1
+
+
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drops (-inf) tokens whose probability is below min_p[row] times the row's largest.
     In log space: logit < max logit + log(min_p). logits: [B, V], min_p: [B]."""
@@ -65,15 +77,14 @@ def apply_top_k_top_p(
     max_top_k: int | None = None,
 ) -> torch.Tensor:
     """Keeps each row's top_k most likely tokens, then, of those (renormalized), the smallest
-    set whose probability reaches top_p; the most likely token always stays. The rest gets
-    -inf. top_k: [B] int64 in [1, V] (V = off); top_p: [B] float in (0, 1] (1 = off).
+    set whose probability reaches top_p (at least the most likely token); the rest gets -inf.
+    top_k: [B] int64 in [1, V] (V = off); top_p: [B] float in (0, 1] (1 = off).
 
-    Rows are cut at a logit value found in each row's descending head: the largest top_k
-    (or `head_size` tokens with top_p) via torch.topk, which on a CPU is much cheaper than
-    a sort; only when some row's kept set does not fit in the head is the whole row sorted.
-    NOTE: a token tied with the last kept one is kept too. On CUDA nothing here waits for
-    the device: `max_top_k` (the largest top_k < V, from the host) sizes the head, and with
-    top_p the whole row is sorted, since whether the head decides it is known only there.
+    Rows are cut at a logit found in their descending head (torch.topk of the largest top_k,
+    or of `head_size` with top_p: on a CPU much cheaper than a sort); whole rows are sorted
+    only when a kept set overflows the head. A token tied with the last kept one stays. On
+    CUDA nothing waits for the device: `max_top_k` comes from the host, and with top_p the
+    rows are sorted, since only the device knows whether the head decides them.
     """
     vocab = logits.shape[-1]
     on_cuda = logits.device.type == "cuda"
@@ -144,12 +155,8 @@ class Sampler:
         self._host_rng = random.Random(seed)  # noise seeds of the fused CUDA path
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """Samples one token per row. logits: [B, V], any float dtype; not modified.
-
-        On CUDA, random rows sample through two small Triton kernels (`sample_tokens`, by the
-        inverse CDF); the logits stay in their dtype unless a log-prob, ban, penalty or filter
-        needs float32.
-        """
+        """Samples one token per row. logits: [B, V], any float dtype; not modified. On CUDA
+        they stay in their dtype unless a log-prob, ban, penalty or filter needs float32."""
         assert logits.shape == (md.num_rows, md.vocab_size), (logits.shape, md.num_rows)
         given = logits
         if not (logits.is_cuda and md.is_plain):

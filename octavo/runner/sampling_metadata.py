@@ -1,9 +1,4 @@
-"""Sampling metadata: a step's per-row settings as device tensors, built on the host.
-
-A field is None when no row needs it, so an all-greedy batch without bans or log-probs costs
-the sampler one argmax. A seeded row's noise seed hashes its seed and its number of outputs
-(`seeded_rows`), so its tokens do not depend on the batch, the step split or preemption.
-"""
+"""Sampling metadata: a step's per-row settings as device tensors, built on the host."""
 
 from __future__ import annotations
 
@@ -14,12 +9,7 @@ import torch
 
 from octavo.core.sched_output import GrammarBitmask
 from octavo.runner.host_copy import to_device, upload
-from octavo.runner.penalties import (
-    PenaltyState,
-    build_bans,
-    build_penalties,
-    row_index,
-)
+from octavo.runner.penalties import PenaltyState, build_bans, build_penalties, row_index
 from octavo.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -125,16 +115,14 @@ class SamplingMetadata:
         num_output_tokens: list[int] | None = None,
     ) -> SamplingMetadata:
         """Builds the step's metadata; row i samples for params[i], whose sequence is
-        prompt_token_ids[i] + output_token_ids[i]. EOS and stop ids are banned while a row
-        has fewer than min_tokens outputs (EOS not when it ignores EOS), and so is a bad
-        word's last token where the output ends with the rest of it.
+        prompt_token_ids[i] + output_token_ids[i].
 
         `num_output_tokens[i]` is how many tokens row i's sequence has generated before
         this one (default: len(output_token_ids[i])); with async scheduling it counts a
         token still on its way from the previous step. Penalties and bad words of several
         tokens read output_token_ids, so they need every earlier token on the host
         (`SamplingParams.needs_output_token_ids`). Structured outputs' bans follow their
-        grammars, not the tokens: the runner adds them each step (`GrammarMasks`).
+        grammars: the runner adds them each step (`GrammarMasks`).
         """
         if not len(params) == len(prompt_token_ids) == len(output_token_ids):
             raise ValueError("params, prompt_token_ids and output_token_ids differ in length")

@@ -16,8 +16,8 @@ INTERPRET = os.environ.get("OCTAVO_TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
 
-from octavo.runner.bitmask import bitmask_width, outside_of_bitmask
 from octavo.kernels.token_bitmask import BLOCK, ban_outside_bitmask_
+from octavo.runner.penalties import bitmask_width, outside_of_bitmask
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cpu" if INTERPRET else "cuda"

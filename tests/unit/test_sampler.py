@@ -13,8 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from octavo.engine.structured_output import GrammarBitmaskBuilder
-from octavo.runner.bitmask import bitmask_width, outside_of_bitmask
-from octavo.runner.penalties import apply_penalties
+from octavo.runner.penalties import apply_penalties, bitmask_width, outside_of_bitmask
 from octavo.runner.sampler import Sampler, apply_filters, apply_top_k_top_p
 from octavo.runner.sampling_metadata import GrammarMasks, SamplingMetadata, seeded_rows
 from octavo.sampling_params import SamplingParams as SP
