@@ -1,0 +1,76 @@
+"""The server under load and faults: /health answers while the largest allowed request is
+being prepared.
+
+A real uvicorn server on the session's embedded engine with the default body limit.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from server_fixture import ServerThread
+
+from octavo.entrypoints.openai.api_server import build_app
+from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, MAX_CHARS_PER_TOKEN
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with ServerThread(build_app(llm.engine, MODEL)) as s:
+        yield s
+
+
+def _health_latencies(url: str, stop: threading.Event) -> tuple[list[float], threading.Thread]:
+    """Polls /health every 20 ms on a thread until `stop`: the time each answer took (a
+    list the thread fills), and the thread, to join before reading the list."""
+    latencies: list[float] = []
+
+    def poll() -> None:
+        while not stop.is_set():  # a connection each: no delayed ACK on a kept-alive one
+            start = time.perf_counter()
+            assert httpx.get(url + "/health", timeout=30).status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    return latencies, thread
+
+
+def _largest_bodies(max_model_len: int) -> dict[str, bytes]:
+    """Bodies near the limits that the server must tokenize in full before it can refuse
+    them for the context: as many prompts at the character limit as the default body
+    limit holds, and conversations of many messages with that many characters in all."""
+    chars = MAX_CHARS_PER_TOKEN * max_model_len
+    words = "The quick brown fox jumps over the lazy dog. "
+    text = (words * (chars // len(words) + 1))[:chars]
+    num_prompts = DEFAULT_MAX_REQUEST_BYTES // (chars + 16)
+    messages = [{"role": "user", "content": words[:32]}] * (chars // 32)
+    bodies = {
+        "/v1/completions": {"model": MODEL, "prompt": [text] * num_prompts},
+        "/v1/chat/completions": {"model": MODEL, "messages": messages},
+        "/tokenize": {"model": MODEL, "messages": messages, "return_token_strs": True},
+    }
+    return {path: json.dumps(body).encode() for path, body in bodies.items()}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_health_answers_within_100_ms_while_the_largest_request_is_prepared(server, path):
+    body = _largest_bodies(server.ctx.max_model_len)[path]  # encoded before the clock starts
+    stop = threading.Event()
+    latencies, poller = _health_latencies(server.url, stop)
+    time.sleep(0.2)
+    start = time.perf_counter()
+    headers = {"Content-Type": "application/json"}
+    r = httpx.post(server.url + path, content=body, headers=headers, timeout=120)
+    took = time.perf_counter() - start
+    stop.set()
+    poller.join(30)
+    assert r.status_code in (200, 400), r.text[:300]
+    assert max(latencies) < 0.1, (sorted(latencies)[-5:], took)
