@@ -1,12 +1,16 @@
 """The server under load and faults: /health answers while the largest allowed request is
-being prepared.
+being prepared; an engine that cannot come back stops the server with status 1; a shutdown
+gives streams a grace period, then ends them with an error event.
 
-A real uvicorn server on the session's embedded engine with the default body limit.
+Real uvicorn servers (octavo's Server) on the session's embedded engine, in this process;
+the signals are played by calling the server's handler. tests/e2e/test_serve_process.py
+sends real ones to `octavo serve`, and test_engine_process.py kills an engine process.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
@@ -74,3 +78,37 @@ def test_health_answers_within_100_ms_while_the_largest_request_is_prepared(serv
     poller.join(30)
     assert r.status_code in (200, 400), r.text[:300]
     assert max(latencies) < 0.1, (sorted(latencies)[-5:], took)
+
+
+def _stream_events(server, max_tokens: int):
+    """The `data:` lines of a streamed completion, as they come."""
+    body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        yield from (line for line in r.iter_lines() if line.startswith("data:"))
+
+
+def test_a_dead_engine_that_cannot_restart_stops_the_server_with_status_1(llm):
+    with ServerThread(build_app(llm.engine, MODEL), restart_engine=False) as server:
+        server.ctx.engine._commands.put(None)  # a command the engine loop cannot read: it dies
+        server.thread.join(30)
+        assert not server.thread.is_alive() and server.server.exit_code == 1
+
+
+def test_shutdown_gives_a_stream_its_grace_then_ends_it_with_an_error_and_done(llm):
+    app = build_app(llm.engine, MODEL)
+    with ServerThread(app, shutdown_timeout=1.0) as server:
+        events = _stream_events(server, max_tokens=4000)
+        assert next(events).startswith("data: {")
+        signalled = time.perf_counter()
+        server.server.handle_exit(signal.SIGTERM, None)
+        rest = list(events)
+        ended = time.perf_counter() - signalled
+        server.thread.join(30)
+        with pytest.raises(httpx.ConnectError):  # no longer accepting
+            httpx.get(server.url + "/health")
+    assert 1.0 <= ended < 10, ended
+    assert len(rest) > 3  # tokens kept coming during the grace period
+    error = json.loads(rest[-2][len("data: ") :])["error"]
+    assert "shutting down" in error["message"] and rest[-1] == "data: [DONE]"
+    assert not server.thread.is_alive() and server.server.exit_code == 0
