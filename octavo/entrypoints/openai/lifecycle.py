@@ -43,6 +43,9 @@ class Server(uvicorn.Server):
         restart_engine: bool = True,
         shutdown_timeout: float = 30.0,
     ) -> None:
+        # A response still open 5 s past the deadline (a client that does not read its
+        # stream) has its task cancelled by uvicorn.
+        config.timeout_graceful_shutdown = shutdown_timeout + 5
         super().__init__(config)
         self.engine = engine
         self.restart_engine = restart_engine
