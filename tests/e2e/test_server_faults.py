@@ -9,6 +9,7 @@ sends real ones to `octavo serve`, and test_engine_process.py kills an engine pr
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import threading
@@ -19,6 +20,7 @@ import pytest
 from server_fixture import ServerThread
 
 from octavo.entrypoints.openai.api_server import build_app
+from octavo.entrypoints.openai.cli_serve import add_parser
 from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES, MAX_CHARS_PER_TOKEN
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -112,3 +114,15 @@ def test_shutdown_gives_a_stream_its_grace_then_ends_it_with_an_error_and_done(l
     error = json.loads(rest[-2][len("data: ") :])["error"]
     assert "shutting down" in error["message"] and rest[-1] == "data: [DONE]"
     assert not server.thread.is_alive() and server.server.exit_code == 0
+
+
+def test_serve_restarts_and_waits_30_s_unless_told_otherwise():
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve"])
+    assert args.restart and args.shutdown_timeout == 30.0
+    args = parser.parse_args(["serve", "--no-restart", "--shutdown-timeout", "0.5"])
+    assert not args.restart and args.shutdown_timeout == 0.5
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--shutdown-timeout", bad])
