@@ -55,13 +55,22 @@ class _Stop:
 
 class EngineProcess(AsyncEngine):
     """An AsyncEngine whose Engine lives in a child process. Build it with `start_process`,
-    then use it as an AsyncEngine (`call` is not available: the Engine is not here)."""
+    then use it as an AsyncEngine (`call` is not available: the Engine is not here); after
+    the process dies, `restart` starts another."""
 
     def __init__(
-        self, process, conn, max_model_len: int, vocab_size: int, stats: dict, tokenizer
+        self,
+        process,
+        conn,
+        max_model_len: int,
+        vocab_size: int,
+        stats: dict,
+        tokenizer,
+        options: dict | None = None,
     ) -> None:
         # NOTE: AsyncEngine.__init__ is not called: it needs the Engine, which is not here.
         self.engine = None
+        self._options = options  # build_engine's, for a restart
         self._process = process
         self._conn = conn
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands for the writer
@@ -81,29 +90,28 @@ class EngineProcess(AsyncEngine):
     def start_process(cls, **options: Any) -> EngineProcess:
         """Spawns the engine process, which runs `build_engine(**options)`; waits until it
         is built and raises what building raised (ValueError for bad options)."""
-        context = multiprocessing.get_context("spawn")
-        conn, child_conn = context.Pipe()
-        process = context.Process(
-            target=_engine_process_main, args=(child_conn, options), name="octavo-engine",
-            daemon=True,
-        )  # fmt: skip
-        process.start()
-        child_conn.close()
         # The server's own tokenizer loads while the engine is built (a GGUF tokenizer takes
         # seconds to convert); an error in building wins over one in loading.
         loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="octavo-tokenizer")
         tokenizer = loader.submit(_server_tokenizer, options)
         loader.shutdown(wait=False)
-        try:
-            message = conn.recv()
-        except EOFError:
-            process.join()
-            raise RuntimeError(f"the engine process exited ({process.exitcode})") from None
-        if message[0] == "failed":
-            process.join()
-            raise message[1]
-        _, max_model_len, vocab_size, stats = message
-        return cls(process, conn, max_model_len, vocab_size, stats, tokenizer.result())
+        process, conn, (max_model_len, vocab_size, stats) = _spawn(options)
+        return cls(process, conn, max_model_len, vocab_size, stats, tokenizer.result(), options)
+
+    async def restart(self) -> None:
+        """Starts a new engine process with the same options once this one has died (the
+        requests it held have failed with EngineDeadError); raises what building raises.
+        Requests made meanwhile fail with EngineDeadError."""
+        if self._options is None:
+            raise RuntimeError("this engine was not started by start_process: no options")
+        await self.shutdown()  # joins the pipe's threads, so no message of the old process is left
+        await asyncio.sleep(0)  # runs the reader's last callback (`_close`) before we reopen
+        self._process, self._conn, (_, _, self._stats) = await asyncio.to_thread(
+            _spawn, self._options
+        )
+        self._outbox = queue.SimpleQueue()  # aborts for the old process: nobody to read them
+        self._closed, self.error = False, None
+        self.start()
 
     # ---- what the server reads --------------------------------------------------------
 
@@ -136,7 +144,10 @@ class EngineProcess(AsyncEngine):
 
     async def shutdown(self) -> None:
         """Stops the engine process after its current step; unfinished requests are aborted.
-        A process that does not stop within 30 s (a hung device, say) is killed."""
+        A process that does not stop within 30 s (a hung device, say) is killed. Calling it
+        again does nothing."""
+        if self._conn.closed:
+            return
         if self._writer is not None:
             self._send(_Stop())
         else:  # never started: no writer thread
@@ -226,6 +237,28 @@ class EngineProcess(AsyncEngine):
     def _forget(self, request_id: str) -> None:
         self._prompt_ids.pop(self._engine_ids.get(request_id, ""), None)
         super()._forget(request_id)
+
+
+def _spawn(options: dict) -> tuple[Any, Any, tuple[int, int, dict]]:
+    """Spawns an engine process that runs `build_engine(**options)` and waits until it is
+    built: (process, the server's end of the pipe, (max_model_len, vocab_size, stats))."""
+    context = multiprocessing.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    process = context.Process(
+        target=_engine_process_main, args=(child_conn, options), name="octavo-engine",
+        daemon=True,
+    )  # fmt: skip
+    process.start()
+    child_conn.close()
+    try:
+        message = conn.recv()
+    except EOFError:
+        process.join()
+        raise RuntimeError(f"the engine process exited ({process.exitcode})") from None
+    if message[0] == "failed":
+        process.join()
+        raise message[1]
+    return process, conn, tuple(message[1:])
 
 
 def _server_tokenizer(options: dict):

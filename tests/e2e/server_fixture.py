@@ -1,5 +1,5 @@
-"""A real `octavo serve` app under uvicorn, in a background thread of the test process, on a
-free loopback port (the socket is bound to port 0 before uvicorn starts)."""
+"""A real `octavo serve` app under octavo's uvicorn server, in a background thread of the test
+process, on a free loopback port (the socket is bound to port 0 before uvicorn starts)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,23 @@ from typing import Self
 
 import uvicorn
 
+from octavo.entrypoints.openai.lifecycle import Server
 from octavo.entrypoints.openai.serving import ServingContext
 
 
 class ServerThread:
-    """Runs an ASGI app with uvicorn until the `with` block ends."""
+    """Runs an app of `build_app` with octavo's Server until the `with` block ends;
+    `lifecycle` are the Server's options (restart_engine, shutdown_timeout). The server
+    cannot catch signals off the main thread: `server.handle_exit` plays them."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, **lifecycle) -> None:
         self.app = app
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = Server(config, app.state.ctx.engine, **lifecycle)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )

@@ -11,6 +11,8 @@ import contextlib
 import json
 import multiprocessing
 import multiprocessing.connection
+import os
+import signal
 import threading
 import types
 
@@ -98,6 +100,32 @@ def test_disconnect_aborts_and_frees_kv_blocks(served):
         assert engine.stats["kv_blocks_free"] < free_before
     assert wait_for(lambda: engine.stats["kv_blocks_free"] == free_before, timeout=30)
     assert engine.stats["num_requests_running"] == 0
+
+
+def test_a_killed_engine_process_fails_its_stream_and_comes_back(served):
+    """kill -9 of the engine process: the stream in flight ends with an error event and
+    [DONE]; /health is 503 and /metrics shows the engine down, without its last gauges,
+    until a new engine process runs; then completions work again."""
+    server, engine = served
+    dead = engine._process
+    body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    url = server.url + "/v1/completions"
+    with httpx.Client(timeout=60) as h, h.stream("POST", url, json=body) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        os.kill(dead.pid, signal.SIGKILL)
+        events = [line for line in lines if line.startswith("data:")]
+    error = json.loads(events[-2][len("data: ") :])["error"]
+    assert "engine process exited (-9)" in error["message"] and events[-1] == "data: [DONE]"
+    assert httpx.get(server.url + "/health").status_code == 503
+    scraped = httpx.get(server.url + "/metrics").text
+    assert "octavo_engine_up 0.0" in scraped and "octavo_num_requests_running" not in scraped
+    assert wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, timeout=60)
+    assert engine._process is not dead and engine._process.is_alive()
+    assert "octavo_engine_up 1.0" in httpx.get(server.url + "/metrics").text
+    good = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(url, json=good, timeout=60).json()["usage"]["completion_tokens"] == 2
 
 
 def test_a_failing_step_fails_only_its_requests(llm):
@@ -285,9 +313,8 @@ def test_bad_options_raise_in_the_server_process():
 
 
 def test_serve_runs_the_engine_in_a_process_unless_told_otherwise(monkeypatch):
-    import uvicorn
-
     from octavo.entrypoints import cli
+    from octavo.entrypoints.openai.lifecycle import Server
 
     started, served = [], []
     fake = types.SimpleNamespace(
@@ -298,7 +325,7 @@ def test_serve_runs_the_engine_in_a_process_unless_told_otherwise(monkeypatch):
         "start_process",
         lambda **options: started.append(options) or AsyncEngine(fake),
     )
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    monkeypatch.setattr(Server, "run", lambda self: served.append(self.config.app))
     args = cli.build_parser().parse_args(["serve", "--max-num-seqs", "7"])
     assert args.func(args) == 0
     assert len(started) == 1 and started[0]["max_num_seqs"] == 7

@@ -12,6 +12,7 @@ no error reaches the engine loop or the other requests.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from contextlib import asynccontextmanager
@@ -72,7 +73,7 @@ def build_app(
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
-    metrics = ServerMetrics(lambda: async_engine.stats)
+    metrics = ServerMetrics(lambda: async_engine.stats if async_engine.is_running else None)
     ctx = ServingContext(async_engine, model_name, async_engine.max_model_len, metrics)
 
     @asynccontextmanager
@@ -141,11 +142,11 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def tokenize_route(
         req: TokenizeCompletionRequest | TokenizeChatRequest,
     ) -> TokenizeResponse:
-        return tokenize(ctx, req)
+        return await asyncio.to_thread(tokenize, ctx, req)  # off the event loop
 
     @app.post("/detokenize", responses=_errors(400, 401, 404, 413))
     async def detokenize_route(req: DetokenizeRequest) -> DetokenizeResponse:
-        return detokenize(ctx, req)
+        return await asyncio.to_thread(detokenize, ctx, req)
 
     @app.get("/version", responses=_errors(401))
     async def version() -> dict[str, str]:

@@ -37,6 +37,16 @@ def add_parser(sub) -> None:
         "--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
         help="refuse a request body larger than this with a 413 (default: 4 MiB)",
     )  # fmt: skip
+    p.add_argument(
+        "--restart", action=argparse.BooleanOptionalAction, default=True,
+        help="start the engine again when its process dies (up to 3 times in a row, with "
+        "backoff); with --no-restart the server exits with status 1 instead",
+    )  # fmt: skip
+    p.add_argument(
+        "--shutdown-timeout", type=_non_negative_float, default=30.0,
+        help="seconds that requests in flight get to finish after SIGTERM or Ctrl-C; the rest "
+        "then fail (streams with an error event); a second signal exits at once",
+    )  # fmt: skip
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -67,6 +77,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def api_key(args: argparse.Namespace) -> str | None:
     """--api-key, else $OCTAVO_API_KEY; an empty value means no key."""
     return args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -88,6 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from octavo.engine.builder import build_engine
     from octavo.engine.engine_process import EngineProcess
     from octavo.entrypoints.openai.api_server import build_app
+    from octavo.entrypoints.openai.lifecycle import Server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     names = (
@@ -109,5 +127,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
     )
     print(f"octavo: serving {name} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = Server(
+        config, engine, restart_engine=args.restart, shutdown_timeout=args.shutdown_timeout
+    )
+    server.run()
+    return server.exit_code

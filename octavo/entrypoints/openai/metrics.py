@@ -3,8 +3,8 @@ process, as in the tests).
 
 Per request (observed by the serving code): outcome, time to first token, time per output
 token after the first, end-to-end latency, prompt and generated tokens. Engine state (read
-from the engine loop's stats snapshot at scrape time): running and waiting requests, KV
-blocks, prefix-cache hit rate, preemptions.
+from the engine loop's stats snapshot at scrape time): whether it is up, running and waiting
+requests, KV blocks, prefix-cache hit rate, preemptions; while it is down, only that.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
 class ServerMetrics:
     """The metrics of one server; `render()` is the body of GET /metrics."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, int | float]]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, int | float] | None]) -> None:
+        """`engine_stats` gives the engine's stats snapshot, or None while it is down."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -115,7 +116,7 @@ class RequestTimer:
 class _EngineStatsCollector:
     """Turns the engine's stats snapshot into gauges and counters at scrape time."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, int | float]]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, int | float] | None]) -> None:
         self.engine_stats = engine_stats
 
     def describe(self):
@@ -123,6 +124,10 @@ class _EngineStatsCollector:
 
     def collect(self):
         s = self.engine_stats()
+        up = 0 if s is None else 1
+        yield GaugeMetricFamily("octavo_engine_up", "1 while the engine runs, else 0", up)
+        if s is None:  # a dead engine's last snapshot would show requests it no longer has
+            return
         total, free = s.get("kv_blocks_total", 0), s.get("kv_blocks_free", 0)
         queries, hits = s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0)
         gauges = {

@@ -3,6 +3,7 @@ the assistant's reply out, whole or streamed."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request as HTTPRequest
@@ -36,41 +37,19 @@ from octavo.entrypoints.openai.serving import (
 )
 from octavo.model.tokenizer import apply_chat_template
 from octavo.outputs import RequestOutput
+from octavo.sampling_params import SamplingParams
 
 
 async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, raw: HTTPRequest
 ) -> Response:
     """Validates the request, renders the conversation, and answers with JSON or SSE."""
-    ctx.check_model(req.model)
-    reject_unsupported(req, tools=req.tools)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise OpenAIError("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
-    prompt = render_conversation(ctx, req)
-    keep = ctx.prompt_tokens_kept(req)
-    if keep is not None:  # the rendering adds no special tokens
-        prompt = prompt[-keep:]
-    max_tokens = (
-        req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
-    )
-    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    aliases = {"logprobs": "top_logprobs"}  # errors name the request's fields
-    if req.max_completion_tokens is not None:
-        aliases["max_tokens"] = "max_completion_tokens"
-    max_tokens = ctx.check_context(
-        prompt, max_tokens, aliases.get("max_tokens", "max_tokens"), prompt_param="messages"
-    )
-    params = sampling_params(
-        req,
-        max_tokens,
-        num_logprobs,
-        ctx.engine.vocab_size,
-        aliases,
-        prompt_logprobs=req.prompt_logprobs,
-    )
+    # On a thread, as rendering and tokenizing a long conversation take a while: the event
+    # loop goes on answering other requests, /health among them.
+    prompt, params = await asyncio.to_thread(_prepare, ctx, req)
     request_id = random_id("chatcmpl")
     outputs = ctx.generate([prompt], [params], request_id)
-    formatter = _Formatter(ctx.model_name, request_id, num_logprobs)
+    formatter = _Formatter(ctx.model_name, request_id, params.logprobs)
     if req.stream:
         chunks = formatter.stream(outputs, ChoiceTracker(req.n), req.include_usage)
         return await start_stream(ctx, raw, chunks)
@@ -102,6 +81,38 @@ async def create_chat_completion(
     return JSONResponse(response.model_dump())
 
 
+def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    """The request checked and turned into engine input: the prompt's ids and the sampling
+    parameters; an OpenAIError for anything the request gets wrong."""
+    ctx.check_model(req.model)
+    reject_unsupported(req, tools=req.tools)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise OpenAIError("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
+    prompt = render_conversation(ctx, req)
+    keep = ctx.prompt_tokens_kept(req)
+    if keep is not None:  # the rendering adds no special tokens
+        prompt = prompt[-keep:]
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
+    )
+    num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    aliases = {"logprobs": "top_logprobs"}  # errors name the request's fields
+    if req.max_completion_tokens is not None:
+        aliases["max_tokens"] = "max_completion_tokens"
+    max_tokens = ctx.check_context(
+        prompt, max_tokens, aliases.get("max_tokens", "max_tokens"), prompt_param="messages"
+    )
+    params = sampling_params(
+        req,
+        max_tokens,
+        num_logprobs,
+        ctx.engine.vocab_size,
+        aliases,
+        prompt_logprobs=req.prompt_logprobs,
+    )
+    return prompt, params
+
+
 def render_conversation(
     ctx: ServingContext,
     req: ChatCompletionRequest | TokenizeChatRequest,
@@ -109,7 +120,7 @@ def render_conversation(
 ) -> list[int]:
     """The request's messages through the chat template, as token ids; a 400 naming the
     field for flags that contradict each other, text too long for the context, or messages
-    the template refuses."""
+    the template refuses. Slow for a long conversation: call it on a thread."""
     if req.add_generation_prompt and req.continue_final_message:
         message = "`continue_final_message` needs `add_generation_prompt` set to false"
         raise OpenAIError(message, param="continue_final_message")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -30,12 +31,46 @@ from octavo.entrypoints.openai.serving import (
 )
 from octavo.model.tokenizer import encode_text
 from octavo.outputs import PromptLogprobs, RequestOutput
+from octavo.sampling_params import SamplingParams
 
 
 async def create_completion(
     ctx: ServingContext, req: CompletionRequest, raw: HTTPRequest
 ) -> Response:
     """Validates the request, runs its prompts, and answers with JSON or an SSE stream."""
+    # On a thread, which the tokenizer lets run without the GIL: the event loop goes on
+    # answering other requests, /health among them, while a large request is prepared.
+    prompts, params, echo = await asyncio.to_thread(_prepare, ctx, req)
+    request_id = random_id("cmpl")
+    outputs = ctx.generate(prompts, params, request_id)
+    formatter = _Formatter(ctx, request_id, req, echo)
+    if req.stream:
+        return await start_stream(ctx, raw, formatter.stream(outputs, ChoiceTracker(req.n)))
+    finals: dict[int, RequestOutput] = {}
+
+    async def collect() -> None:
+        async for i, out in outputs:  # deltas: join them
+            finals[i] = finals[i].add(out) if i in finals else out
+
+    await unless_disconnected(raw, collect())
+    tracker = ChoiceTracker(req.n)
+    for i in sorted(finals):
+        formatter.note(i, finals[i])
+    deltas = [d for i in sorted(finals) for d in tracker.update(i, finals[i])]
+    response = CompletionResponse(
+        id=request_id,
+        model=ctx.model_name,
+        choices=[formatter.choice(d) for d in sorted(deltas, key=lambda d: d.index)],
+        usage=tracker.usage(),
+    )
+    return JSONResponse(response.model_dump())
+
+
+def _prepare(
+    ctx: ServingContext, req: CompletionRequest
+) -> tuple[list[list[int]], list[SamplingParams], list[_Echo] | None]:
+    """The request checked and turned into engine input: each prompt's ids and sampling
+    parameters, and what `echo` shows; an OpenAIError for anything the request gets wrong."""
     ctx.check_model(req.model)
     if req.best_of is not None and req.best_of < max(req.n, 1):  # OpenAI's and vLLM's rule
         message = f"best_of must be an integer >= 1 and >= n ({req.n}), got {req.best_of}"
@@ -62,29 +97,7 @@ async def create_completion(
         )
         for ids in prompts
     ]
-    request_id = random_id("cmpl")
-    outputs = ctx.generate(prompts, params, request_id)
-    formatter = _Formatter(ctx, request_id, req, echo)
-    if req.stream:
-        return await start_stream(ctx, raw, formatter.stream(outputs, ChoiceTracker(req.n)))
-    finals: dict[int, RequestOutput] = {}
-
-    async def collect() -> None:
-        async for i, out in outputs:  # deltas: join them
-            finals[i] = finals[i].add(out) if i in finals else out
-
-    await unless_disconnected(raw, collect())
-    tracker = ChoiceTracker(req.n)
-    for i in sorted(finals):
-        formatter.note(i, finals[i])
-    deltas = [d for i in sorted(finals) for d in tracker.update(i, finals[i])]
-    response = CompletionResponse(
-        id=request_id,
-        model=ctx.model_name,
-        choices=[formatter.choice(d) for d in sorted(deltas, key=lambda d: d.index)],
-        usage=tracker.usage(),
-    )
-    return JSONResponse(response.model_dump())
+    return prompts, params, echo
 
 
 @dataclass

@@ -1,0 +1,102 @@
+"""`octavo serve` as a process, as a supervisor sees it: SIGTERM with a stream in flight
+ends the stream with an error event after --shutdown-timeout and exits 0; a second signal
+exits at once with 128 + its number; with --no-restart, a killed engine process makes the
+server exit with status 1.
+
+Each test starts a server on the embedded model (seconds to load): all are slow.
+tests/e2e/test_server_faults.py covers the same behaviour in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from server_fixture import wait_for
+
+pytestmark = pytest.mark.slow
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+@pytest.fixture
+def serve(smollm2_path):
+    """Starts `octavo serve` with extra arguments on a free port; yields (process, url)
+    once /health answers, and kills the process if the test left it running."""
+    procs = []
+
+    def start(*args: str) -> tuple[subprocess.Popen, str]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        argv = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", "--port", str(port)]
+        proc = subprocess.Popen([*argv, *args], env=ENV, stderr=subprocess.PIPE)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        assert wait_for(lambda: proc.poll() is not None or _healthy(url), timeout=120)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        return proc, url
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _stream(url: str):
+    """The `data:` lines of a long streamed completion, as they come."""
+    body = {"prompt": "Tell me a story", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        yield from (line for line in r.iter_lines() if line.startswith("data:"))
+
+
+def _engine_pid(pid: int) -> int:
+    """The engine process among `pid`'s children (the other is multiprocessing's tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"resource_tracker" not in f.read():
+                return child
+    raise AssertionError(f"no engine process among {children}")
+
+
+def test_sigterm_ends_a_stream_after_the_grace_period_and_exits_0(serve):
+    proc, url = serve("--shutdown-timeout", "1")
+    events = _stream(url)
+    assert next(events).startswith("data: {")
+    proc.send_signal(signal.SIGTERM)
+    rest = list(events)
+    error = json.loads(rest[-2][len("data: ") :])["error"]
+    assert "shutting down" in error["message"] and rest[-1] == "data: [DONE]"
+    assert proc.wait(30) == 0
+
+
+def test_a_second_signal_exits_at_once_with_128_plus_its_number(serve):
+    proc, url = serve("--shutdown-timeout", "60")
+    events = _stream(url)
+    assert next(events).startswith("data: {")
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 128 + signal.SIGTERM
+
+
+def test_no_restart_exits_1_when_the_engine_process_dies(serve):
+    proc, _ = serve("--no-restart")
+    os.kill(_engine_pid(proc.pid), signal.SIGKILL)
+    assert proc.wait(30) == 1
