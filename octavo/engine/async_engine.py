@@ -29,6 +29,7 @@ from octavo.core.request import Request
 from octavo.engine.engine import Engine, request_id_list
 from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.outputs import RequestOutput
+from octavo.runner.multiproc import WorkerDied
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -99,18 +100,21 @@ def step_engine(
     """One step of `engine`; finished requests leave `live`. If the step fails, the engine
     has aborted the requests in it: those go to `fail(request_ids, error)`. If it aborted
     none, all are aborted, since the engine's state is unknown. Returns the step's outputs
-    ([] after a failure)."""
+    ([] after a failure). A dead tensor-parallel worker fails every request, and is raised
+    again: the engine cannot go on."""
     try:
         outputs = engine.step()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         logger.error("engine step failed:\n%s", traceback.format_exc())
         dropped = [rid for rid, request in live.items() if request.is_finished]
-        if not dropped and live:
+        if isinstance(e, WorkerDied) or not dropped and live:
             dropped = list(live)
             engine.abort_request(dropped)
         for request_id in dropped:
             del live[request_id]
         fail(dropped, EngineStepError(f"the engine failed on this request: {e!r}"))
+        if isinstance(e, WorkerDied):
+            raise
         return []
     for out in outputs:
         if out.finished:

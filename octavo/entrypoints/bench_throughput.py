@@ -18,6 +18,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from octavo.entrypoints.parallel_args import add_parallel_args
+
 
 @dataclass
 class Workload:
@@ -121,8 +123,11 @@ def run_hf_continuous_batching(model_dir: str, w: Workload, timeout_s: float) ->
         )
     model = model.eval()
     gen = GenerationConfig(
-        max_new_tokens=max(w.max_tokens), do_sample=True, temperature=0.6,
-        eos_token_id=-1, pad_token_id=0,
+        max_new_tokens=max(w.max_tokens),
+        do_sample=True,
+        temperature=0.6,
+        eos_token_id=-1,
+        pad_token_id=0,
     )
     done = tokens = 0
     # NOTE: at the timeout the unfinished requests are cancelled, so that leaving the context
@@ -160,13 +165,20 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     vocab = llm.engine.vocab_size
-    w = nanovllm_workload() if args.workload == "nanovllm" else cpu_workload(vocab, args.num_prompts)
+    w = (
+        nanovllm_workload()
+        if args.workload == "nanovllm"
+        else cpu_workload(vocab, args.num_prompts)
+    )
     print(f"{'engine':<22}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     results = [_report(run_octavo(llm, w, progress))]
-    floor = measured_floor(llm, w) if llm.engine.runner.device.type == "cuda" else None
+    # The floor times this process's GPU; with tensor parallelism it holds no model.
+    on_gpu = llm.engine.runner.device.type == "cuda" and args.tensor_parallel_size == 1
+    floor = measured_floor(llm, w) if on_gpu else None
     report: dict = {}
     if floor is not None:
         fl, ceil = floor
@@ -250,15 +262,20 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=None,
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
         help="tokens per step (default: 16384 for --workload nanovllm, as nano-vllm; else 8192)",
     )
+    add_parallel_args(p)
     p.add_argument("--peer", default=None, choices=["hf"])
     p.add_argument("--peer-timeout", type=float, default=300.0, help="seconds (GPU peer)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
-        "--cuda-graph-max-tokens", type=int, default=512,
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=512,
         help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
     )
     p.add_argument(

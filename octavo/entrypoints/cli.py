@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from typing import Self
 
+from octavo.entrypoints.parallel_args import add_parallel_args
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 EXIT_USAGE = 2
@@ -68,6 +69,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "dummy"],
         help="auto reads the weights; dummy makes random ones (for tests and benchmarks)",
     )
+    add_parallel_args(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -91,6 +93,7 @@ def _llm(args: argparse.Namespace):
         device=args.device,
         max_model_len=args.max_model_len,
         load_format=args.load_format,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

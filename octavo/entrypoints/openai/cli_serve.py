@@ -10,6 +10,7 @@ import logging
 import os
 
 from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
+from octavo.entrypoints.parallel_args import add_parallel_args, parallel_options
 
 API_KEY_ENV = "OCTAVO_API_KEY"
 
@@ -62,6 +63,7 @@ def add_parser(sub) -> None:
         help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    add_parallel_args(p, nodes=True)
     p.add_argument(
         "--engine-in-thread", action="store_true",
         help="step the engine on a thread of the server's process, not in a process of its own",
@@ -113,7 +115,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_prefix_caching",
         "enforce_eager", "cuda_graph_max_tokens", "seed",
     )  # fmt: skip
-    options = {name: getattr(args, name) for name in names}
+    options = {name: getattr(args, name) for name in names} | parallel_options(args)
+    if args.node_rank > 0:  # a worker node: no engine, no API
+        from octavo.config import ParallelConfig
+        from octavo.runner.multiproc import launch_node
+
+        ParallelConfig(args.tensor_parallel_size, args.nnodes, args.dist_init_addr)
+        print(f"octavo: node {args.node_rank} of {args.nnodes}, workers for node 0 at "
+              f"{args.dist_init_addr}", flush=True)  # fmt: skip
+        return launch_node(args.tensor_parallel_size, args.nnodes, args.node_rank,
+                           args.dist_init_addr)  # fmt: skip
     if args.engine_in_thread:  # on the thread that will step it (see AsyncEngine.build)
         engine = AsyncEngine.build(lambda: build_engine(**options))
     else:

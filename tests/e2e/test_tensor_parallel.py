@@ -1,0 +1,186 @@
+"""Tensor parallelism on the CPU (gloo, float32): N ranks give N = 1's tokens and HF's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from model_utils import TINY, hf_greedy
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from octavo import LLM, SamplingParams
+from octavo.config import ParallelConfig
+from octavo.engine.builder import _check_parallel
+from octavo.model.hf_config import load_hf_config
+from octavo.runner.multiproc import WorkerDied, free_port
+
+CONFIGS = {
+    # KV heads split over the ranks (2 each of 4 -> 1 each).
+    "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=True),
+    # One KV head that both ranks keep a copy of; untied head; per-head q/k norms.
+    "qwen3": lambda: Qwen3Config(
+        **(TINY | {"num_key_value_heads": 1}), head_dim=24, tie_word_embeddings=False
+    ),
+}
+OPTIONS = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 64, "max_model_len": 256}
+GREEDY = SamplingParams(max_tokens=10, min_tokens=10, temperature=0.0)
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TINY["vocab_size"], (length,), generator=gen).tolist()
+
+
+def _tiny_model(arch: str, path) -> torch.nn.Module:
+    """An HF model of `arch` with random weights of a useful scale, saved to `path`."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(
+        CONFIGS[arch](), attn_implementation="eager", dtype=torch.float32
+    )
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+    hf.eval().save_pretrained(path)
+    return hf
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list[list[int]]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[list(c.token_ids) for c in out.outputs] for out in outs]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def tiny(request, tmp_path_factory):
+    """(path, HF model, N = 1 engine, N = 2 engine) of one tiny architecture."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = _tiny_model(request.param, path)
+    one = LLM(str(path), **OPTIONS)
+    two = LLM(str(path), tensor_parallel_size=2, **OPTIONS)
+    yield str(path), hf, one, two
+    two.shutdown()
+
+
+def test_two_ranks_give_one_ranks_greedy_tokens_and_hfs(tiny):
+    _, hf, one, two = tiny
+    prompts = [_prompt(i, 5 + 7 * i) for i in range(3)]
+    expected = [[hf_greedy(hf, p, GREEDY.max_tokens)] for p in prompts]
+    assert _tokens(one, prompts) == expected
+    assert _tokens(two, prompts) == expected
+
+
+def test_two_ranks_sample_n_like_one_rank(tiny):
+    _, _, one, two = tiny
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+    prompts = [_prompt(10, 12), _prompt(11, 20)]
+    assert _tokens(two, prompts, params) == _tokens(one, prompts, params)
+
+
+def test_two_ranks_share_prefixes_like_one_rank(tiny):
+    _, _, one, two = tiny
+    prefix = _prompt(20, 48)
+    prompts = [prefix + _prompt(21, 5), prefix + _prompt(22, 9)]
+    hits = two.engine.get_stats()["prefix_cache_hits"]
+    assert _tokens(two, prompts[:1]) == _tokens(one, prompts[:1])
+    assert _tokens(two, prompts[1:]) == _tokens(one, prompts[1:])
+    assert two.engine.get_stats()["prefix_cache_hits"] >= hits + 48
+
+
+def test_two_ranks_beam_search_like_one_rank(tiny):
+    from octavo.engine.beam_search import BeamSearchParams
+
+    _, _, one, two = tiny
+    params = BeamSearchParams(beam_width=3, max_tokens=6)
+    prompts = [{"prompt_token_ids": _prompt(30, 10)}]
+    seqs = [[b.tokens for b in llm.beam_search(prompts, params)[0].sequences] for llm in (one, two)]
+    assert seqs[0] == seqs[1]
+
+
+@pytest.mark.slow
+def test_two_ranks_preempt_like_one_rank(tmp_path):
+    _tiny_model("llama", tmp_path)
+    options = OPTIONS | {"num_kv_blocks": 12, "block_size": 16, "max_model_len": 128}
+    prompts = [_prompt(40 + i, 30) for i in range(6)]  # 6 x 3 blocks > 12: preemption
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0.0)
+    one = LLM(str(tmp_path), **options)
+    two = LLM(str(tmp_path), tensor_parallel_size=2, **options)
+    try:
+        assert _tokens(two, prompts, params) == _tokens(one, prompts, params)
+        assert two.engine.get_stats()["num_preemptions"] > 0
+    finally:
+        two.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_with_three_ranks_gives_one_ranks_text(llm):
+    """The embedded model's 9 heads and 3 KV heads over 3 ranks: one KV head each."""
+    three = LLM(tensor_parallel_size=3, num_kv_blocks=64, max_model_len=512)
+    try:
+        prompts = ["The capital of France is", "def fibonacci(n):"]
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        texts = [[o.outputs[0].text for o in m.generate(prompts, params, use_tqdm=False)]
+                 for m in (llm, three)]  # fmt: skip
+        assert texts[1] == texts[0]
+    finally:
+        three.shutdown()
+
+
+def test_sizes_that_do_not_split_the_model_are_refused_before_anything_starts(llm):
+    cfg = llm.engine.runner.hf_config  # SmolLM2: 9 heads, 3 KV heads
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*9 attention heads"):
+        _check_parallel(ParallelConfig(2), cfg, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"needs 3 GPUs on this node, but \d+ are visible"):
+        if torch.cuda.device_count() >= 3:
+            pytest.skip("this machine has the GPUs")
+        _check_parallel(ParallelConfig(3), cfg, torch.device("cuda"))
+    with pytest.raises(ValueError, match="nnodes=2 does not divide tensor_parallel_size=3"):
+        ParallelConfig(3, nnodes=2, dist_init_addr="127.0.0.1:5000")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 .*9 attention heads"):
+        LLM(tensor_parallel_size=2)
+
+
+def test_a_killed_worker_fails_the_requests_and_stops_the_others(tmp_path):
+    _tiny_model("llama", tmp_path)
+    two = LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS)
+    procs = list(two.engine.runner._procs)
+    engine = two.engine
+    for i in range(4):
+        engine.add_request(_prompt(i, 20), GREEDY, f"r{i}")
+    engine.step()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match="rank 1"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 30
+    assert not engine.has_unfinished_requests()
+    assert engine.get_stats()["kv_blocks_free"] == engine.get_stats()["kv_blocks_total"]
+    assert all(proc.poll() is not None for proc in procs)  # no orphan
+    with pytest.raises(WorkerDied):  # and no hang afterwards
+        two.generate([{"prompt_token_ids": _prompt(9, 5)}], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tiny", ["llama"], indirect=True)
+def test_two_nodes_launched_as_separate_commands(tiny, tmp_path):
+    """Node 1 runs only its worker (`octavo serve --node-rank 1`); node 0 runs the engine."""
+    path, _, one, _ = tiny
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "octavo.entrypoints.cli", "serve", "--tensor-parallel-size", "2",
+         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr],
+    )  # fmt: skip
+    try:
+        two = LLM(path, tensor_parallel_size=2, nnodes=2, dist_init_addr=addr, **OPTIONS)
+        prompts = [_prompt(50, 9), _prompt(51, 17)]
+        assert _tokens(two, prompts) == _tokens(one, prompts)
+        two.shutdown()
+        assert node1.wait(30) == 0
+    finally:
+        node1.kill()
