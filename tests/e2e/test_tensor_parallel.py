@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 from octavo import LLM, SamplingParams
 from octavo.config import ParallelConfig
 from octavo.engine.builder import _check_parallel
-from octavo.model.hf_config import load_hf_config
 from octavo.runner.multiproc import WorkerDied, free_port
 
 CONFIGS = {
