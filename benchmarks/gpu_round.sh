@@ -14,9 +14,15 @@
 #   runprof06, runprof8b    the workload's kernels by step, and its bounds (run_profile.py)
 #   kernels, kernels-sweep, prefill-sweep  the attention kernels against the copy ceiling
 #                  (gpu_kernels.py)
+#   tptests        tensor parallelism's GPU tests (tests/gpu/test_tp_gpu.py)
+#   tpthru, tplat, tpfloor  TPMODEL (qwen3-8b) at each of TPSIZES (1 2): the nano-vllm
+#                  workload, then one request and a decode batch of 256 (latency.py), then
+#                  the TPSIZE-GPU floor and the all-reduce's share of a step (tp_bench.py)
 #   host           short-context decode steps, plain and streamed; STRUCTURED=integer|string
 #                  adds a JSON schema to every request (decode_host.py; HOST_ARGS are passed on)
 set -u
+# NVLink multicast stays off (NCCL's NVLS and torch's symmetric memory).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 # The CLI, with every thread's stack dumped each 90 s (to see where a slow run spends it).
 OCTAVO=(python3 -c "import faulthandler, sys; faulthandler.dump_traceback_later(90, repeat=True)
@@ -85,6 +91,23 @@ for stage in $stages; do
             timeout 400 python3 benchmarks/decode_host.py ${STRUCTURED:+--structured $STRUCTURED} \
             ${HOST_ARGS:-} --json "$OUT/decode_host_$kind.json" 2>&1 | grep -v '^{' \
             | tee "$OUT/decode_host_$kind.log" | tail -12 ;;
+    tptests) timeout 560 python3 -m pytest tests/gpu/test_tp_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.log" | tail -15 ;;
+    tpthru) m=${TPMODEL:-qwen3-8b}  # the nano-vllm workload at each TPSIZES size
+            for n in ${TPSIZES:-1 2}; do
+              timeout 400 "${OCTAVO[@]}" bench throughput --model $m --max-model-len 4096 \
+                --load-format dummy --workload nanovllm --tensor-parallel-size $n \
+                --json "$OUT/throughput_${m}_tp$n.json" 2>&1 | tee "$OUT/tpthru_${m}_$n.log" | tail -3
+            done ;;
+    tplat) m=${TPMODEL:-qwen3-8b}  # one request, and a decode batch of 256, at each size
+            for n in ${TPSIZES:-1 2}; do for b in 1 256; do
+              timeout 300 python3 benchmarks/latency.py --model $m --tensor-parallel-size $n \
+                --batch $b --json "$OUT/latency_${m}_tp${n}_b$b.json" 2>&1 | tail -1
+            done; done ;;
+    tpfloor) m=${TPMODEL:-qwen3-8b}; n=${TPSIZE:-2}  # the N-GPU floor, all-reduce costs
+            timeout 300 python3 benchmarks/tp_bench.py --model $m --tp $n \
+              --bench $(ls "$OUT"/throughput_${m}_tp$n.json 2>/dev/null) \
+              --latency $(ls "$OUT"/latency_${m}_tp${n}_b*.json 2>/dev/null) \
+              --json "$OUT/tp_floor_${m}_tp$n.json" 2>&1 | tee "$OUT/tpfloor_$m.log" | tail -6 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"

@@ -4,7 +4,10 @@ token after it (TPOT), against the weight-read floor W / B per token (W: the byt
 weight a forward pass reads; B: the device's copy bandwidth, measured in the same process).
 
     python benchmarks/latency.py --model qwen3-8b [--enforce-eager] [--json out.json]
-        [--profile] [--trace]
+        [--profile] [--trace] [--tensor-parallel-size N] [--batch B]
+
+With N GPUs the floor is W / N / B (each reads its shard). `--batch B` runs B such requests
+at once; TPOT is then the time of one decode step of the batch.
 
 `--profile` then decodes once more under cProfile (where the host's time goes), `--trace`
 under torch.profiler (the device's busy time and its idle gaps between kernels).
@@ -21,7 +24,7 @@ import time
 import torch
 
 from octavo import LLM, RequestOutputKind, SamplingParams
-from octavo.entrypoints.bench_floor import measure_ceilings, weights_read_per_step
+from octavo.entrypoints.bench_floor import measure_ceilings, meta_model, weights_read_per_step
 
 
 def main() -> None:
@@ -30,6 +33,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--profile",
@@ -48,8 +53,9 @@ def main() -> None:
         args.model,
         load_format="dummy",
         max_model_len=2048,
-        max_num_seqs=8,
+        max_num_seqs=max(8, args.batch),
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     rng = random.Random(0)
     prompt = [rng.randint(0, 10000) for _ in range(args.prompt_len)]
@@ -65,23 +71,30 @@ def main() -> None:
     llm.generate([{"prompt_token_ids": warm}], params, use_tqdm=False)
 
     engine = llm.engine
+    others = [[rng.randint(0, 10000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     torch.cuda.synchronize()
     start = time.perf_counter()
+    for other in others[1:]:
+        add(engine, other, params)
     request_id = add(engine, prompt, params)
     finished, _ = step_until(engine, request_id, first_token=True)
     first = time.perf_counter()
     if not finished:
         step_until(engine, request_id)
     end = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
     tpot = (end - first) / max(args.output_len - 1, 1)
 
     runner = engine.runner
-    params_ = weights_read_per_step(runner.model)
+    params_ = weights_read_per_step(meta_model(runner.hf_config, runner.dtype))
     weight_bytes = sum(p.numel() * p.element_size() for p in params_)
     ceilings = measure_ceilings(runner.dtype)
-    floor = weight_bytes / ceilings.copy_bytes_per_s
+    floor = weight_bytes / args.tensor_parallel_size / ceilings.copy_bytes_per_s
     report = {
         "model": args.model,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "batch": args.batch,
         "ttft_s": first - start,
         "tpot_s": tpot,
         "weight_bytes": weight_bytes,

@@ -85,19 +85,29 @@ def _matmul_rate(dtype: torch.dtype, device: str, n: int = 8192) -> float:
     return 2 * n**3 / _time_cuda(lambda: a @ b, 20)
 
 
+def meta_model(hf_config, dtype: torch.dtype) -> torch.nn.Module:
+    """The whole model (world size 1) on the meta device: its parameters' shapes, no memory;
+    what a floor counts when the model's shards live in other processes."""
+    from octavo.model.loader import _default_dtype
+    from octavo.model.registry import get_model_class
+
+    with _default_dtype(dtype), torch.device("meta"):
+        return get_model_class(hf_config)(hf_config)
+
+
 def weights_read_per_step(model: torch.nn.Module) -> list[torch.Tensor]:
     """The parameters one forward pass reads whole: all of them, tied ones once, except an
     input embedding table that is not also the LM head (a step reads only its batch's rows
     of that table)."""
     from octavo.model.layers import VocabEmbedding
 
-    heads = {p.data_ptr() for p in lm_head_weights(model)}
+    heads = {id(p) for p in lm_head_weights(model)}
     lookups = {
-        m.weight.data_ptr()
+        id(m.weight)
         for m in model.modules()
-        if type(m) is VocabEmbedding and m.weight.data_ptr() not in heads
+        if type(m) is VocabEmbedding and id(m.weight) not in heads
     }
-    params = {p.data_ptr(): p for p in model.parameters() if p.data_ptr() not in lookups}
+    params = {id(p): p for p in model.parameters() if id(p) not in lookups}
     return list(params.values())
 
 
@@ -138,7 +148,7 @@ def lm_head_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     """The LM head's weight (once, if several modules share it)."""
     from octavo.model.layers import LMHead
 
-    heads = {m.weight.data_ptr(): m.weight for m in model.modules() if isinstance(m, LMHead)}
+    heads = {id(m.weight): m.weight for m in model.modules() if isinstance(m, LMHead)}
     return list(heads.values())
 
 
