@@ -26,7 +26,7 @@ import torch
 
 from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
 from octavo.runner.outputs import ModelRunnerOutput
-from octavo.runner.worker import authkey, split_addr
+from octavo.runner.worker import authkey, no_delay, split_addr
 
 DIST_TIMEOUT_S = 600.0  # a collective that waits longer than this fails its worker
 STOP_GRACE_S = 5.0
@@ -145,7 +145,7 @@ class MultiprocRunner:
         def accept() -> None:
             try:
                 while len(conns) < self.size:
-                    conn = listener.accept()
+                    conn = no_delay(listener.accept())
                     conns[conn.recv()] = conn
             except BaseException as e:  # noqa: BLE001 - the listener closed, or a bad handshake
                 errors.append(e)
