@@ -76,7 +76,9 @@ def _all_reduce_worker(rank: int, size: int, hidden: int, out_path: str) -> None
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
-    dist.destroy_process_group()
+    torch.cuda.synchronize()
+    dist.barrier()
+    os._exit(0)  # NOTE: tearing the group down after graph capture can wait forever
 
 
 def main() -> None:
@@ -90,7 +92,12 @@ def main() -> None:
     cfg = load_hf_config(resolve_model(args.model))
     hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
     path = f"/tmp/tp_bench_allreduce_{args.tp}.json"
-    mp.spawn(_all_reduce_worker, args=(args.tp, hidden, path), nprocs=args.tp)
+    ctx = mp.start_processes(
+        _all_reduce_worker, args=(args.tp, hidden, path), nprocs=args.tp, join=False
+    )
+    ctx.join(timeout=120)
+    for proc in ctx.processes:
+        proc.kill()
     with open(path) as f:
         ar = json.load(f)
     ceilings = measure_ceilings(torch.bfloat16)
