@@ -203,10 +203,9 @@ def test_abort_takes_one_id_or_several_as_the_engine_does():
 
 
 def test_serve_in_thread_builds_its_engine_on_the_engine_thread(monkeypatch):
-    import uvicorn
-
     import octavo.engine.builder
     from octavo.entrypoints import cli
+    from octavo.entrypoints.openai.lifecycle import Server
 
     built_on, served = [], []
 
@@ -215,7 +214,7 @@ def test_serve_in_thread_builds_its_engine_on_the_engine_thread(monkeypatch):
         return _fake_engine()
 
     monkeypatch.setattr(octavo.engine.builder, "build_engine", fake_build_engine)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.append(app))
+    monkeypatch.setattr(Server, "run", lambda self: served.append(self.config.app))
     args = cli.build_parser().parse_args(["serve", "--engine-in-thread"])
     assert args.func(args) == 0
     (async_engine,) = (app.state.ctx.engine for app in served)
