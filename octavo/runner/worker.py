@@ -27,7 +27,7 @@ from multiprocessing.connection import Client, Connection
 import torch
 import torch.distributed as dist
 
-from octavo.model.parallel import set_tp
+from octavo.model.parallel import set_tp, use_symmetric_memory
 from octavo.runner import kv_setup
 from octavo.runner.model_runner import ModelRunner
 
@@ -85,6 +85,8 @@ def init_distributed(args, device_type: str, timeout_s: float) -> torch.device:
         device_id=device if device.type == "cuda" else None,
     )
     set_tp(args.rank, args.world_size, dist.group.WORLD)
+    if device.type == "cuda":
+        use_symmetric_memory(device)
     return device
 
 
