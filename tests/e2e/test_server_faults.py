@@ -68,18 +68,25 @@ def _largest_bodies(max_model_len: int) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
 def test_health_answers_within_100_ms_while_the_largest_request_is_prepared(server, path):
+    """A blocked event loop stalls /health every time; a busy machine's scheduler only now
+    and then: the better of two tries must stay under 100 ms."""
     body = _largest_bodies(server.ctx.max_model_len)[path]  # encoded before the clock starts
-    stop = threading.Event()
-    latencies, poller = _health_latencies(server.url, stop)
-    time.sleep(0.2)
-    start = time.perf_counter()
-    headers = {"Content-Type": "application/json"}
-    r = httpx.post(server.url + path, content=body, headers=headers, timeout=120)
-    took = time.perf_counter() - start
-    stop.set()
-    poller.join(30)
-    assert r.status_code in (200, 400), r.text[:300]
-    assert max(latencies) < 0.1, (sorted(latencies)[-5:], took)
+    tries = []
+    for _ in range(2):
+        stop = threading.Event()
+        latencies, poller = _health_latencies(server.url, stop)
+        time.sleep(0.2)
+        start = time.perf_counter()
+        headers = {"Content-Type": "application/json"}
+        r = httpx.post(server.url + path, content=body, headers=headers, timeout=120)
+        took = time.perf_counter() - start
+        stop.set()
+        poller.join(30)
+        assert r.status_code in (200, 400), r.text[:300]
+        tries.append((max(latencies), sorted(latencies)[-5:], took))
+        if tries[-1][0] < 0.1:
+            break
+    assert min(t[0] for t in tries) < 0.1, tries
 
 
 def _stream_events(server, max_tokens: int):
