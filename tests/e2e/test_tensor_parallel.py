@@ -183,3 +183,35 @@ def test_two_nodes_launched_as_separate_commands(tiny, tmp_path):
         assert node1.wait(30) == 0
     finally:
         node1.kill()
+
+
+@pytest.mark.slow
+def test_a_served_engine_whose_worker_dies_fails_the_stream_and_comes_back(tmp_path):
+    """`octavo serve` over two ranks: a killed worker ends the stream in flight with an
+    error, /health is 503 until a new engine process with new workers runs, and no worker
+    of the old one is left."""
+    import httpx
+    import psutil
+    from server_fixture import ServerThread, wait_for
+
+    from octavo.engine.engine_process import EngineProcess
+    from octavo.entrypoints.openai.api_server import build_app
+
+    _tiny_model("llama", tmp_path)
+    engine = EngineProcess.start_process(model=str(tmp_path), tensor_parallel_size=2, **OPTIONS)
+    with ServerThread(build_app(engine, "tiny")) as server:
+        old = psutil.Process(engine._process.pid).children()
+        assert len(old) == 2
+        url = server.url + "/v1/completions"
+        body = {"model": "tiny", "prompt": _prompt(60, 10), "max_tokens": 200, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        with httpx.Client(timeout=60) as h, h.stream("POST", url, json=body) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            old[1].kill()
+            events = [line for line in lines if line.startswith("data:")]
+        assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+        assert wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, 60)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in old)
+        good = {"model": "tiny", "prompt": _prompt(61, 5), "max_tokens": 3}
+        assert httpx.post(url, json=good, timeout=60).json()["usage"]["completion_tokens"] == 3
