@@ -1,10 +1,13 @@
 """Start-up: one read of a GGUF file serves the config, the tokenizer and the weights; the
-fast dequantizers and the tokenizer class octavo picks match what the slower paths give."""
+fast dequantizers and the tokenizer class octavo picks match what the slower paths give; the
+engine is built without the heavy modules it does not need."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -120,3 +123,30 @@ def test_a_gguf_tokenizer_is_the_one_autotokenizer_builds(tmp_path, arch):
     assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
     assert ours.special_tokens_map == auto.special_tokens_map
     assert ours.encode("hi hi", add_special_tokens=True) == auto.encode("hi hi")
+
+
+# Modules that building an engine for a GGUF model on the CPU must not import: transformers'
+# config classes pull in torch.distributed.tensor, sympy and accelerate (over a second), and
+# the server and structured outputs' libraries load only when used.
+LAZY_MODULES = (
+    "transformers.models.llama.configuration_llama",
+    "torch.distributed.tensor",
+    "sympy",
+    "accelerate",
+    "fastapi",
+    "llguidance",
+)
+
+
+def test_building_an_engine_leaves_the_heavy_modules_unimported(smollm2_path):
+    code = (
+        "import sys\n"
+        "from octavo import LLM\n"
+        f"LLM({smollm2_path!r}, num_kv_blocks=8, max_model_len=64)\n"
+        f"print([m for m in {LAZY_MODULES!r} if m in sys.modules])\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]"
