@@ -1,6 +1,7 @@
 """Start-up: one read of a GGUF file serves the config, the tokenizer and the weights; the
 fast dequantizers and the tokenizer class octavo picks match what the slower paths give; the
-engine is built without the heavy modules it does not need."""
+engine is built without the heavy modules it does not need, and one rotary table serves
+every layer."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
-from transformers import AutoTokenizer
+from model_utils import TINY
+from transformers import AutoTokenizer, LlamaConfig
 
 from octavo.model import gguf_loader
 from octavo.model import tokenizer as tokenizer_module
+from octavo.model.layers import RotaryEmbedding
+from octavo.model.llama import LlamaForCausalLM
 
 Q = gguf.GGMLQuantizationType
 
@@ -150,3 +154,14 @@ def test_building_an_engine_leaves_the_heavy_modules_unimported(smollm2_path):
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_every_layer_shares_one_rotary_table():
+    """The layers' tables are one tensor; other frequencies get a table of their own."""
+    model = LlamaForCausalLM(LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
+    tables = [m.cos_sin_cache for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    assert len(tables) == TINY["num_hidden_layers"] >= 2
+    assert all(t is tables[0] for t in tables)
+    other = RotaryEmbedding(16, TINY["max_position_embeddings"], 500.0)
+    assert other.cos_sin_cache is not tables[0]
+    assert not torch.equal(other.cos_sin_cache, tables[0])
