@@ -1,7 +1,7 @@
 """Start-up: one read of a GGUF file serves the config, the tokenizer and the weights; the
 fast dequantizers and the tokenizer class octavo picks match what the slower paths give; the
-engine is built without the heavy modules it does not need, and one rotary table serves
-every layer."""
+engine is built without the heavy modules it does not need, one rotary table serves every
+layer, and the CPU KV cache is not written at start-up."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from octavo.model import gguf_loader
 from octavo.model import tokenizer as tokenizer_module
 from octavo.model.layers import RotaryEmbedding
 from octavo.model.llama import LlamaForCausalLM
+from octavo.runner.kv_setup import zeroed_kv_cache
 
 Q = gguf.GGMLQuantizationType
 
@@ -165,3 +166,18 @@ def test_every_layer_shares_one_rotary_table():
     other = RotaryEmbedding(16, TINY["max_position_embeddings"], 500.0)
     assert other.cos_sin_cache is not tables[0]
     assert not torch.equal(other.cos_sin_cache, tables[0])
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+def test_the_cpu_kv_cache_is_zeros_that_take_memory_only_when_touched():
+    before = _resident_bytes()
+    cache = zeroed_kv_cache((2, 8192, 16, 4, 64), torch.float32, torch.device("cpu"))  # 256 MiB
+    assert _resident_bytes() - before < 32 << 20  # torch.zeros would write all 256 MiB
+    assert cache.shape == (2, 8192, 16, 4, 64) and cache.dtype == torch.float32
+    cache[1, 7] = 1.0
+    assert cache[1, 7].sum().item() == torch.count_nonzero(cache).item() == 16 * 4 * 64
