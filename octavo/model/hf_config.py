@@ -66,7 +66,26 @@ def get_rope_scaling(config: PretrainedConfig) -> dict | None:
     return None if scaling["rope_type"] == "default" else scaling
 
 
-_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+class GGUFLlamaConfig(PretrainedConfig):
+    """A config read from a GGUF file: the fields octavo's models read, in the form
+    transformers 5's LlamaConfig gives them (`rope_parameters` holds theta and scaling).
+
+    NOTE: transformers' own config classes are not used here: importing their modules pulls
+    in torch.distributed and transformers' model-loading code, over a second of start-up.
+    """
+
+    model_type = "llama"
+
+
+class GGUFQwen2Config(GGUFLlamaConfig):
+    model_type = "qwen2"
+
+
+class GGUFQwen3Config(GGUFLlamaConfig):
+    model_type = "qwen3"
+
+
+_GGUF_CONFIGS = {"llama": GGUFLlamaConfig, "qwen2": GGUFQwen2Config, "qwen3": GGUFQwen3Config}
 
 
 def gguf_to_hf_config(path: str) -> PretrainedConfig:
@@ -105,7 +124,7 @@ def gguf_to_hf_config(path: str) -> PretrainedConfig:
         "head_dim": head_dim,
         "max_position_embeddings": int(get("context_length", 2048)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
         "vocab_size": int(tensors["token_embd.weight"].shape[0]),  # HF order: [vocab, hidden]
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -115,10 +134,9 @@ def gguf_to_hf_config(path: str) -> PretrainedConfig:
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
         kwargs["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
-    scaling = _gguf_rope_scaling(get)
-    if scaling is not None:
-        kwargs["rope_scaling"] = scaling
-    config = AutoConfig.for_model(_GGUF_MODEL_TYPES[arch], **kwargs)
+    scaling = _gguf_rope_scaling(get) or {"rope_type": "default"}
+    kwargs["rope_parameters"] = {"rope_theta": float(get("rope.freq_base", 10000.0))} | scaling
+    config = _GGUF_CONFIGS[arch](**kwargs)
     if "rope_freqs.weight" in tensors:
         config.rope_freq_factors = dequantize_tensor(tensors["rope_freqs.weight"]).tolist()
     return config

@@ -3,6 +3,8 @@ launch, so that none loads in the middle of it."""
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +28,23 @@ def local_kv_heads(hf_config) -> int:
     """The KV heads this tensor-parallel rank keeps (all of them at world size 1)."""
     tp = get_tp()
     return kv_head_range(get_num_kv_heads(hf_config), tp.rank, tp.size)[1]
+
+
+def zeroed_kv_cache(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """One layer's KV cache tensor, all zeros.
+
+    NOTE: the cache must start as zeros, not as whatever memory held: the torch backend's
+    decode gathers whole blocks, past each context too, and masked slots holding NaN would
+    still turn the output into NaN. On the CPU the zeros come from an anonymous memory map,
+    whose pages the kernel zeroes on first touch: start-up writes nothing, and only the
+    blocks in use take memory.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # private, anonymous: zeros
+    return torch.frombuffer(pages, dtype=dtype).view(shape)  # keeps `pages` alive
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:

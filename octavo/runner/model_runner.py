@@ -25,7 +25,12 @@ from octavo.runner.cuda_graph import (
 from octavo.runner.gemm_tuning import tune_linears
 from octavo.runner.host_copy import to_device
 from octavo.runner.inputs import InputBuilder
-from octavo.runner.kv_setup import local_kv_heads, warm_up_eager_decode, warm_up_linears
+from octavo.runner.kv_setup import (
+    local_kv_heads,
+    warm_up_eager_decode,
+    warm_up_linears,
+    zeroed_kv_cache,
+)
 from octavo.runner.outputs import ModelRunnerOutput, PendingOutput, PromptLogprobSpan
 from octavo.runner.sampler import Sampler, SamplerOutput, gather_logprobs
 from octavo.runner.sampling_metadata import GrammarMasks, SamplingMetadata, seeded_rows
@@ -110,8 +115,7 @@ class ModelRunner:
         cfg = self.hf_config
         shape = (2, num_blocks + 1, self.block_size, local_kv_heads(cfg), get_head_dim(cfg))
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(cfg.num_hidden_layers)
+            zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)
         ]
         bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
         max_blocks = -(-max_model_len // self.block_size)

@@ -1,20 +1,28 @@
 """Start-up: one read of a GGUF file serves the config, the tokenizer and the weights; the
-fast dequantizers and the tokenizer class octavo picks match what the slower paths give."""
+fast dequantizers and the tokenizer class octavo picks match what the slower paths give; the
+engine is built without the heavy modules it does not need, one rotary table serves every
+layer, and the CPU KV cache is not written at start-up."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
-from transformers import AutoTokenizer
+from model_utils import TINY
+from transformers import AutoTokenizer, LlamaConfig
 
 from octavo.model import gguf_loader
 from octavo.model import tokenizer as tokenizer_module
+from octavo.model.layers import RotaryEmbedding
+from octavo.model.llama import LlamaForCausalLM
+from octavo.runner.kv_setup import zeroed_kv_cache
 
 Q = gguf.GGMLQuantizationType
 
@@ -120,3 +128,56 @@ def test_a_gguf_tokenizer_is_the_one_autotokenizer_builds(tmp_path, arch):
     assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
     assert ours.special_tokens_map == auto.special_tokens_map
     assert ours.encode("hi hi", add_special_tokens=True) == auto.encode("hi hi")
+
+
+# Modules that building an engine for a GGUF model on the CPU must not import: transformers'
+# config classes pull in torch.distributed.tensor, sympy and accelerate (over a second), and
+# the server and structured outputs' libraries load only when used.
+LAZY_MODULES = (
+    "transformers.models.llama.configuration_llama",
+    "torch.distributed.tensor",
+    "sympy",
+    "accelerate",
+    "fastapi",
+    "llguidance",
+)
+
+
+def test_building_an_engine_leaves_the_heavy_modules_unimported(smollm2_path):
+    code = (
+        "import sys\n"
+        "from octavo import LLM\n"
+        f"LLM({smollm2_path!r}, num_kv_blocks=8, max_model_len=64)\n"
+        f"print([m for m in {LAZY_MODULES!r} if m in sys.modules])\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_every_layer_shares_one_rotary_table():
+    """The layers' tables are one tensor; other frequencies get a table of their own."""
+    model = LlamaForCausalLM(LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]))
+    tables = [m.cos_sin_cache for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    assert len(tables) == TINY["num_hidden_layers"] >= 2
+    assert all(t is tables[0] for t in tables)
+    other = RotaryEmbedding(16, TINY["max_position_embeddings"], 500.0)
+    assert other.cos_sin_cache is not tables[0]
+    assert not torch.equal(other.cos_sin_cache, tables[0])
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+def test_the_cpu_kv_cache_is_zeros_that_take_memory_only_when_touched():
+    before = _resident_bytes()
+    cache = zeroed_kv_cache((2, 8192, 16, 4, 64), torch.float32, torch.device("cpu"))  # 256 MiB
+    assert _resident_bytes() - before < 32 << 20  # torch.zeros would write all 256 MiB
+    assert cache.shape == (2, 8192, 16, 4, 64) and cache.dtype == torch.float32
+    cache[1, 7] = 1.0
+    assert cache[1, 7].sum().item() == torch.count_nonzero(cache).item() == 16 * 4 * 64
