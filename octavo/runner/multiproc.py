@@ -128,6 +128,7 @@ class MultiprocRunner:
             "cache": cache,
             "budgets": budgets,
             "device_type": device_type,
+            "nnodes": nnodes,
             "timeout_s": DIST_TIMEOUT_S,
             "cpu_threads": threads if "OMP_NUM_THREADS" not in os.environ else None,
         }

@@ -69,7 +69,7 @@ def connect(addr: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
             time.sleep(0.2)
 
 
-def init_distributed(args, device_type: str, timeout_s: float) -> torch.device:
+def init_distributed(args, device_type: str, timeout_s: float, nnodes: int) -> torch.device:
     """Joins the process group (NCCL on CUDA, gloo on the CPU) and sets the layers' group."""
     if device_type == "cuda":
         device = torch.device("cuda", args.local_rank)
@@ -85,7 +85,7 @@ def init_distributed(args, device_type: str, timeout_s: float) -> torch.device:
         device_id=device if device.type == "cuda" else None,
     )
     set_tp(args.rank, args.world_size, dist.group.WORLD)
-    if device.type == "cuda":
+    if device.type == "cuda" and nnodes == 1:  # peers' memory is reachable within a node
         use_symmetric_memory(device)
     return device
 
@@ -95,7 +95,9 @@ def serve(conn: Connection, args) -> None:
     options = conn.recv()
     if options.get("cpu_threads"):
         torch.set_num_threads(options["cpu_threads"])
-    device = init_distributed(args, options["device_type"], options["timeout_s"])
+    device = init_distributed(
+        args, options["device_type"], options["timeout_s"], options.get("nnodes", 1)
+    )
     runner = ModelRunner(device=device, **options["runner"])
     num_blocks = kv_setup.num_kv_blocks(runner, options["cache"], *options["budgets"])
     count = torch.tensor([num_blocks], device=device)
