@@ -13,6 +13,7 @@ from octavo.engine.engine import Engine
 from octavo.model.embedded import embedded_model_path
 from octavo.model.hf_config import get_num_kv_heads, load_hf_config
 from octavo.model.parallel import check_tp_size
+from octavo.model.quantization import check_quantization
 from octavo.model.tokenizer import eos_token_ids, load_tokenizer
 from octavo.runner import kv_setup
 from octavo.runner.model_runner import ModelRunner
@@ -88,6 +89,7 @@ def build_engine(
     nnodes: int = 1,
     dist_init_addr: str | None = None,
     load_format: str = "auto",
+    quantization: str | None = None,
     seed: int = 0,
     attention_backend: str | None = None,
     async_scheduling: bool | None = None,
@@ -107,6 +109,7 @@ def build_engine(
     hf_config = load_hf_config(model_path)
     dev = resolve_device(device)
     _check_parallel(parallel, hf_config, dev)
+    check_quantization(quantization, dev)
     torch_dtype = resolve_dtype(dtype, dev)
     tok = load_tokenizer(tokenizer or model_path)
     config_eos = getattr(hf_config, "eos_token_id", None)
@@ -116,6 +119,7 @@ def build_engine(
         "block_size": block_size, "load_format": load_format, "seed": seed,
         "attention_backend": attention_backend, "enforce_eager": enforce_eager,
         "cuda_graph_max_tokens": cuda_graph_max_tokens, "eos_token_ids": eos,
+        "quantization": quantization,
     }  # fmt: skip
     # Size the KV cache (profiling a step on CUDA), then allocate it once.
     if tensor_parallel_size == 1:

@@ -160,6 +160,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         load_format=args.load_format,
+        quantization=args.quantization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or _default_batched_tokens(args),
         max_model_len=args.max_model_len,
@@ -258,6 +259,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"])
     p.add_argument("--workload", default="cpu", choices=["cpu", "nanovllm"])
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=256)

@@ -69,6 +69,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=["auto", "dummy"],
         help="auto reads the weights; dummy makes random ones (for tests and benchmarks)",
     )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4", "fp8"],
+        help="quantize the linear layers' weights on load: int8 (W8A16), int4 (W4A16, group "
+        "128) or fp8 (W8A8) (default: none)",
+    )
     add_parallel_args(p)
 
 
@@ -93,6 +100,7 @@ def _llm(args: argparse.Namespace):
         device=args.device,
         max_model_len=args.max_model_len,
         load_format=args.load_format,
+        quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
     )
 

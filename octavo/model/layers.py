@@ -34,6 +34,7 @@ from octavo.model.parallel import (
     kv_head_range,
     shard_range,
 )
+from octavo.model.quantization import quantize_weight
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -206,9 +207,16 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.register_module("quant", None)  # a QuantizedWeight once quantize() ran
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         default_weight_loader(param, loaded_weight)
+
+    def quantize(self, method: str) -> None:
+        """Replaces the loaded weight (this rank's shard) by its `method` quantization
+        (model/quantization.py); `weight` is None from then on."""
+        self.quant = quantize_weight(method, self.weight.detach())
+        self.weight = None
 
     # {rows: fn(x, w)}, a GEMM measured faster than F.linear at that many rows; run only
     # while a CUDA graph captures (runner/gemm_tuning.py). Shared by projections of a shape.
@@ -216,6 +224,9 @@ class Linear(nn.Module):
     tuned: dict[int, Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.quant(x)
+            return y if self.bias is None else y + self.bias
         tuned = self.tuned.get(x.shape[0]) if self.tuned and x.dim() == 2 else None
         if tuned is not None and x.is_contiguous() and _capturing(x):
             y = tuned(x, self.weight)

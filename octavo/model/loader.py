@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from octavo.model.layers import RMSNorm, default_weight_loader
+from octavo.model.layers import Linear, RMSNorm, default_weight_loader
+from octavo.model.quantization import check_quantization
 from octavo.model.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -26,6 +27,7 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Builds the model class of `hf_config` on `device` in `dtype` and loads its weights.
 
@@ -33,15 +35,18 @@ def load_model(
         model: an HF directory (or a path inside it, e.g. its config.json) or a `.gguf` file.
         load_format: "auto" reads the weights from `model`; "dummy" fills them with random
             values of a sane scale, the same for the same seed (on the same device).
+        quantization: None, or "int8", "int4" or "fp8": the linear layers' weights
+            (qkv, o, gate_up, down) are quantized once loaded (model/quantization.py).
     Returns:
         The model in eval mode, with requires_grad off.
     Raises:
-        ValueError: unknown load_format, no weight files, or a checkpoint that misses or
-            has extra weights.
+        ValueError: unknown load_format or quantization, fp8 on a GPU without FP8, no
+            weight files, or a checkpoint that misses or has extra weights.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     device = torch.device(device)
+    check_quantization(quantization, device)
     with _default_dtype(dtype), device:
         net = get_model_class(hf_config)(hf_config)
     net.eval().requires_grad_(False)
@@ -51,6 +56,11 @@ def load_model(
         else:
             loaded = net.load_weights(iter_weights(model, hf_config))
             _check_all_loaded(net, loaded, model)
+    if quantization is not None:
+        with torch.no_grad():
+            for module in list(net.modules()):
+                if isinstance(module, Linear):
+                    module.quantize(quantization)
     return net
 
 

@@ -156,7 +156,8 @@ class TunedGemm:
 def _tunable(module: Linear) -> bool:
     w = module.weight
     return (
-        module.bias is None
+        w is not None  # None: a quantized weight, which runs its own product
+        and module.bias is None
         and w.is_cuda
         and w.dtype in cublaslt.SUPPORTED_DTYPES
         and w.dim() == 2

@@ -135,20 +135,26 @@ def warm_up_linears(model: torch.nn.Module, max_rows: int) -> int:
     linears: dict[tuple, Linear] = {}
     for module in model.modules():
         if isinstance(module, Linear):
-            w = module.weight
+            w = module.weight if module.quant is None else module.quant.qweight
             linears.setdefault((tuple(w.shape), w.dtype, module.bias is not None), module)
-    flats: dict[torch.dtype, torch.Tensor] = {}  # one zero input buffer per weight dtype
+    flats: dict[torch.dtype, torch.Tensor] = {}  # one zero input buffer per activation dtype
     for module in linears.values():
-        w, size = module.weight, max_rows * module.input_size
-        if w.dtype not in flats or flats[w.dtype].numel() < size:
-            flats[w.dtype] = torch.zeros(size, dtype=w.dtype, device=w.device)
+        dtype, size = _input_dtype(module), max_rows * module.input_size
+        if dtype not in flats or flats[dtype].numel() < size:
+            device = next(module.parameters()).device
+            flats[dtype] = torch.zeros(size, dtype=dtype, device=device)
     launched = 0
     for rows in warm_up_rows(max_rows):
         for module in linears.values():
-            flat = flats[module.weight.dtype]
+            flat = flats[_input_dtype(module)]
             module(flat[: rows * module.input_size].view(rows, module.input_size))
             launched += 1
     return launched
+
+
+def _input_dtype(module: Linear) -> torch.dtype:
+    """The activations' dtype: the weight's, or the one a quantized weight was made from."""
+    return module.weight.dtype if module.quant is None else module.quant.dtype
 
 
 @torch.inference_mode()

@@ -68,13 +68,16 @@ class ModelRunner:
         enforce_eager: bool = False,
         cuda_graph_max_tokens: int = 512,
         eos_token_ids: list[int] | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.hf_config = hf_config
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
         self.vocab_size = hf_config.vocab_size
-        self.model = load_model(model_path, hf_config, dtype, device, load_format, seed)
+        self.model = load_model(
+            model_path, hf_config, dtype, device, load_format, seed, quantization
+        )
         backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(backend)
         self.sampler = Sampler(seed=seed)

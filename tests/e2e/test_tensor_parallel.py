@@ -101,6 +101,35 @@ def test_two_ranks_beam_search_like_one_rank(tiny):
     assert seqs[0] == seqs[1]
 
 
+def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return torch.tensor(
+        [
+            o.prompt_logprobs[i][p[i]].logprob
+            for o, p in zip(outs, prompts)
+            for i in range(1, len(p))
+        ]
+    )
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_two_ranks_quantize_their_shards(tiny, method):
+    """Each rank quantizes its own shard (a row-parallel shard gets scales of its own), so
+    N = 2 is not N = 1 bit for bit but as close to float32 as N = 1."""
+    path, _, one, _ = tiny
+    prompts = [_prompt(50 + i, 24) for i in range(3)]
+    exact = _prompt_logprobs(one, prompts)
+    one_q = LLM(path, quantization=method, **OPTIONS)
+    two_q = LLM(path, tensor_parallel_size=2, quantization=method, **OPTIONS)
+    try:
+        err_one = (_prompt_logprobs(one_q, prompts) - exact).abs().mean().item()
+        err_two = (_prompt_logprobs(two_q, prompts) - exact).abs().mean().item()
+    finally:
+        two_q.shutdown()
+    assert 0 < err_two < max(2 * err_one, 1e-3), (err_one, err_two)
+
+
 @pytest.mark.slow
 def test_two_ranks_preempt_like_one_rank(tmp_path):
     _tiny_model("llama", tmp_path)

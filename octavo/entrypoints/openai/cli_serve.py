@@ -51,6 +51,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -111,7 +112,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     names = (
-        "model", "dtype", "device", "load_format", "max_model_len", "max_num_seqs",
+        "model", "dtype", "device", "load_format", "quantization", "max_model_len", "max_num_seqs",
         "max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_prefix_caching",
         "enforce_eager", "cuda_graph_max_tokens", "seed",
     )  # fmt: skip

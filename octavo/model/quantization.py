@@ -1,0 +1,220 @@
+"""Linear weights quantized on load by round-to-nearest, and y = x W^T through them.
+
+    int8  W8A16: int8 weights, one scale per output row (symmetric).
+    int4  W4A16: 4-bit weights in groups of GROUP_SIZE input columns, each with a scale and a
+          minimum (asymmetric, as GGUF's Q4_1 and AWQ): w ~ q * scale + min, q in 0..15.
+    fp8   W8A8: e4m3 weights with one scale per output row, and activations quantized to e4m3
+          with one scale per token at each call.
+
+Each method is a `QuantizedWeight` module that a `Linear` (model/layers.py) holds in place of
+its float weight, built from the shard this rank loaded, so tensor parallelism needs nothing
+more. The quantize/dequantize functions are the reference the forwards are tested against.
+
+On the CPU, int8 and int4 run torch's weight-packed kernels, which are fast with bfloat16
+activations only: the activations pass through bfloat16 there (the "A16"). fp8 runs
+torch._scaled_mm on Hopper and is emulated elsewhere (activations quantized to e4m3 and back,
+then a matmul), so that its accuracy can be measured on any machine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+METHODS = ("int8", "int4", "fp8")
+GROUP_SIZE = 128
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+# Up to this many rows the CPU's int8 kernel beats dequantizing the weight for one float GEMM.
+INT8_KERNEL_MAX_ROWS = 64
+# Whether the CPU paths use torch's weight-packed kernels (the tests turn them off to check
+# the dequantize-then-matmul paths that other devices take).
+CPU_KERNELS = hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(
+    torch, "_weight_int8pack_mm"
+)
+
+
+def check_quantization(method: str | None, device: torch.device) -> None:
+    """Raises ValueError for an unknown method, or fp8 on a CUDA GPU without FP8 (below sm89)."""
+    if method is not None and method not in METHODS:
+        raise ValueError(f"quantization must be None or one of {METHODS}, got {method!r}")
+    if method == "fp8" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(
+                "quantization='fp8' needs a GPU with FP8 support (compute capability 8.9 or "
+                f"newer); this one has {capability[0]}.{capability[1]}"
+            )
+
+
+def quantize_weight(method: str, weight: torch.Tensor) -> QuantizedWeight:
+    """weight [N, K] (output rows, input columns) -> its `method` quantization."""
+    classes = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight}
+    if method not in classes:
+        raise ValueError(f"quantization must be None or one of {METHODS}, got {method!r}")
+    return classes[method](weight)
+
+
+# --- round-to-nearest quantizers and their inverses -----------------------------------------
+
+
+def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int8 [N, K], scale [N]) with w ~ q * scale, |q| <= 127."""
+    scale = (w.float().abs().amax(dim=1) / 127).clamp(min=1e-12).to(scale_dtype)
+    q = torch.round(w.float() / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return q.to(dtype) * scale.to(dtype)[:, None]
+
+
+def quantize_int4(
+    w: torch.Tensor, group_size: int, param_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q uint8 [N, Kp] in 0..15, scale [N, G], min [N, G]) with
+    w ~ q * scale + min per group of `group_size` columns.
+
+    K is padded to Kp = G * group_size: a last, partial group takes its range from its real
+    columns only, and its padding columns meet zero activations.
+    """
+    n, k = w.shape
+    groups = -(-k // group_size)
+    pad = groups * group_size - k
+    w = w.float()
+    lo = F.pad(w, (0, pad), value=float("inf")).view(n, groups, group_size).amin(dim=2)
+    hi = F.pad(w, (0, pad), value=float("-inf")).view(n, groups, group_size).amax(dim=2)
+    scale = ((hi - lo) / 15).clamp(min=1e-12).to(param_dtype)
+    lo = lo.to(param_dtype)
+    grouped = F.pad(w, (0, pad)).view(n, groups, group_size)
+    q = torch.round((grouped - lo.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
+    return q.view(n, -1).to(torch.uint8), scale, lo
+
+
+def dequantize_int4(
+    q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, in_features: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The inverse of quantize_int4: [N, K] in `dtype`."""
+    n, groups = scale.shape
+    grouped = q.view(n, groups, -1).to(dtype)
+    w = grouped * scale.to(dtype)[..., None] + lo.to(dtype)[..., None]
+    return w.view(n, -1)[:, :in_features]
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (q e4m3 [R, C], scale float32 [R]) with x ~ q * scale, one scale per row
+    (a weight's output channel, or an activation's token)."""
+    scale = (x.float().abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+# --- the weights a Linear holds -------------------------------------------------------------
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    """A parameter, so that the weight counts among the model's (e.g. in memory floors)."""
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _uses_cpu_kernels(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and CPU_KERNELS
+
+
+class QuantizedWeight(nn.Module):
+    """A quantized weight [N, K] and its product: forward(x [T, K]) -> x W^T [T, N] in x's
+    dtype. `dtype` is the float dtype the weight had (and the activations have)."""
+
+    method: str
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+
+
+class Int8Weight(QuantizedWeight):
+    """W8A16: int8 [N, K] and a scale per row. On the CPU, bfloat16 scales for torch's kernel."""
+
+    method = "int8"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        self.cpu_kernel = _uses_cpu_kernels(weight)
+        q, scale = quantize_int8(weight, torch.bfloat16 if self.cpu_kernel else weight.dtype)
+        self.qweight, self.scale = _frozen(q), _frozen(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale)
+            return y.to(x.dtype)
+        return F.linear(x, dequantize_int8(self.qweight, self.scale, x.dtype))
+
+
+class Int4Weight(QuantizedWeight):
+    """W4A16, group GROUP_SIZE. On the CPU the weight is in the layout of torch's int4 kernel
+    (`qscale_zero` [G, N, 2], its zero being min + 8 * scale); elsewhere two values a byte
+    (low nibble first) with `scale` and `min` [N, G], dequantized for each product."""
+
+    method = "int4"
+
+    def __init__(self, weight: torch.Tensor, group_size: int = GROUP_SIZE) -> None:
+        super().__init__(weight)
+        self.group_size = group_size
+        self.cpu_kernel = _uses_cpu_kernels(weight)
+        param_dtype = torch.bfloat16 if self.cpu_kernel else weight.dtype
+        q, scale, lo = quantize_int4(weight, group_size, param_dtype)
+        self.padded_in_features = q.shape[1]
+        if self.cpu_kernel:
+            packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
+            self.qweight = _frozen(packed)
+            self.qscale_zero = _frozen(torch.stack([scale.t(), zero.t()], dim=-1).contiguous())
+        else:
+            self.qweight = _frozen(q[:, 0::2] | (q[:, 1::2] << 4))  # [N, Kp / 2]
+            self.scale, self.min = _frozen(scale), _frozen(lo)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel:
+            x16 = F.pad(x.to(torch.bfloat16), (0, self.padded_in_features - self.in_features))
+            y = torch._weight_int4pack_mm_for_cpu(
+                x16, self.qweight, self.group_size, self.qscale_zero
+            )
+            return y.to(x.dtype)
+        packed = self.qweight
+        q = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
+        w = dequantize_int4(q, self.scale, self.min, self.in_features, x.dtype)
+        return F.linear(x, w)
+
+
+class Fp8Weight(QuantizedWeight):
+    """W8A8: e4m3 [N, K] and a float32 scale per row; each call quantizes x per token."""
+
+    method = "fp8"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(weight)
+        q, scale = quantize_fp8(weight)
+        self.qweight, self.scale = _frozen(q), _frozen(scale)
+        # torch._scaled_mm's row-wise scales need Hopper, bfloat16 out and dims of 16s.
+        self.scaled_mm = (
+            weight.is_cuda
+            and torch.cuda.get_device_capability(weight.device) >= (9, 0)
+            and weight.dtype == torch.bfloat16
+            and self.in_features % 16 == 0
+            and self.out_features % 16 == 0
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq, x_scale = quantize_fp8(x)  # [T, K] e4m3, [T]
+        if self.scaled_mm:
+            return torch._scaled_mm(
+                xq, self.qweight.t(), scale_a=x_scale[:, None], scale_b=self.scale[None, :],
+                out_dtype=x.dtype,
+            )  # fmt: skip
+        y = F.linear(xq.to(x.dtype), self.qweight.to(x.dtype))
+        return y * x_scale.to(x.dtype)[:, None] * self.scale.to(x.dtype)

@@ -1,0 +1,176 @@
+"""Weight quantization (model/quantization.py): each method's product against a torch
+dequantize-then-matmul reference on fresh random inputs, on the CPU kernels and on the
+dequantizing paths other devices take; the round trips' error bounds; the ValueErrors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo.model import quantization as q
+from octavo.model.layers import MergedLinear, RowParallelLinear
+from octavo.model.parallel import set_tp
+
+# (rows, in features, out features): a decode row, batches on either side of the int8
+# kernel's row limit, and in-features with a partial last int4 group (576 = 4.5 x 128, as
+# SmolLM2's hidden size) or less than one group (64).
+SHAPES = [(1, 256, 96), (7, 576, 960), (65, 576, 64), (3, 64, 32), (130, 1536, 192)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture(params=[True, False], ids=["cpu-kernels", "dequantize"])
+def kernels(request, monkeypatch):
+    monkeypatch.setattr(q, "CPU_KERNELS", request.param)
+    return request.param
+
+
+def _tolerance(kernels: bool) -> float:
+    # The CPU kernels take bfloat16 activations and give bfloat16 outputs (8-bit mantissas):
+    # about 2**-9 relative each. A wrong packing order, scale or group is off by O(1).
+    return 1e-2 if kernels else 1e-5
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_int8_matches_dequantized_reference(kernels, rows, k, n):
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    weight = q.Int8Weight(w)
+    ref = x @ q.dequantize_int8(weight.qweight, weight.scale, torch.float32).T
+    y = weight(x)
+    assert y.dtype == x.dtype and y.shape == (rows, n)
+    assert rel_err(y, ref) < _tolerance(kernels and rows <= q.INT8_KERNEL_MAX_ROWS)
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_int4_matches_dequantized_reference(kernels, rows, k, n):
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    weight = q.Int4Weight(w)
+    # The reference quantizes the same way, with the parameters in the dtype the path keeps.
+    codes, scale, lo = q.quantize_int4(w, q.GROUP_SIZE, torch.bfloat16 if kernels else w.dtype)
+    ref = x @ q.dequantize_int4(codes, scale, lo, k, torch.float32).T
+    y = weight(x)
+    assert y.dtype == x.dtype and y.shape == (rows, n)
+    assert rel_err(y, ref) < _tolerance(kernels)
+
+
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_fp8_matches_emulated_reference(rows, k, n):
+    w, x = torch.randn(n, k), torch.randn(rows, k) * 3
+    weight = q.Fp8Weight(w)
+    xq, x_scale = q.quantize_fp8(x)  # per token
+    ref = (
+        q.dequantize_fp8(xq, x_scale, torch.float64)
+        @ q.dequantize_fp8(weight.qweight, weight.scale, torch.float64).T
+    )
+    assert rel_err(weight(x), ref) < 1e-5
+    assert 1e-3 < rel_err(weight(x), x @ w.T) < 0.1  # activations are quantized too
+
+
+def test_int8_round_trip_within_half_a_step():
+    w = torch.randn(64, 300) * torch.logspace(-3, 1, 64)[:, None]  # rows of any scale
+    codes, scale = q.quantize_int8(w, torch.float32)
+    assert codes.dtype == torch.int8 and codes.abs().max() == 127
+    err = (q.dequantize_int8(codes, scale, torch.float32) - w).abs()
+    assert (err <= scale[:, None] / 2 * (1 + 1e-5)).all()
+
+
+def test_int4_round_trip_within_half_a_step_per_group():
+    w = torch.randn(16, 192)  # groups of 128 and of 64 (the last, partial)
+    w[:, 128:] = 5 + torch.rand(16, 64)  # far from 0: padding must not widen its range
+    codes, scale, lo = q.quantize_int4(w, 128, torch.float32)
+    assert codes.shape == (16, 256) and scale.shape == lo.shape == (16, 2)
+    assert 0 <= codes.min() and codes.max() <= 15
+    back = q.dequantize_int4(codes, scale, lo, 192, torch.float32)
+    assert back.shape == w.shape
+    step = scale.repeat_interleave(128, dim=1)[:, :192]
+    assert ((back - w).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert (scale[:, 1] < 1 / 15 + 1e-6).all()  # the partial group's range is its own
+
+
+def test_fp8_round_trip_relative_error():
+    w = torch.randn(32, 128)
+    w[3] = 0  # an all-zero row stays zero, with no NaN
+    codes, scale = q.quantize_fp8(w)
+    back = q.dequantize_fp8(codes, scale, torch.float32)
+    assert torch.equal(back[3], torch.zeros(128))
+    big = w.abs() > scale[:, None] * 2**-6  # e4m3's normal range: 3 mantissa bits
+    assert ((back - w).abs()[big] <= w.abs()[big] * 2**-4).all()
+
+
+def test_linear_quantize_keeps_bias_and_counts_the_quantized_weight():
+    linear = RowParallelLinear(256, 96, bias=True)
+    with torch.no_grad():
+        linear.weight.normal_()
+        linear.bias.normal_()
+    w, x = linear.weight.detach().clone(), torch.randn(5, 256)
+    linear.quantize("int8")
+    assert linear.weight is None
+    assert {name for name, _ in linear.named_parameters()} == {
+        "bias", "quant.qweight", "quant.scale"
+    }  # fmt: skip
+    ref = x @ q.dequantize_int8(linear.quant.qweight, linear.quant.scale, torch.float32).T
+    assert rel_err(linear(x), ref + linear.bias) < 1e-2
+    assert rel_err(linear(x), x @ w.T + linear.bias) < 2e-2
+
+
+def test_each_rank_quantizes_its_own_shard():
+    """Tensor parallelism: a rank quantizes the shard it loaded; its product is that shard's."""
+    full = torch.randn(2 * 192, 576)  # gate and up, 192 rows each
+    x = torch.randn(3, 576)
+    try:
+        outputs = []
+        for rank in range(2):
+            set_tp(rank, 2, None)
+            merged = MergedLinear(576, [192, 192])
+            merged.weight_loader(merged.weight, full[:192], 0)
+            merged.weight_loader(merged.weight, full[192:], 1)
+            merged.quantize("int4")
+            outputs.append(merged(x))  # [3, 96 gate + 96 up]
+    finally:
+        set_tp(0, 1, None)
+    gate = torch.cat([o[:, :96] for o in outputs], dim=1)
+    up = torch.cat([o[:, 96:] for o in outputs], dim=1)
+    assert rel_err(torch.cat([gate, up], dim=1), x @ full.T) < 0.15  # int4's own error
+
+
+def test_unknown_method_is_a_value_error():
+    with pytest.raises(ValueError, match="quantization must be None or one of"):
+        q.check_quantization("nf4", torch.device("cpu"))
+    with pytest.raises(ValueError, match="quantization"):
+        q.quantize_weight("awq", torch.randn(4, 4))
+    q.check_quantization(None, torch.device("cpu"))
+    for method in q.METHODS:
+        q.check_quantization(method, torch.device("cpu"))
+
+
+def test_build_engine_refuses_an_unknown_method_before_loading():
+    from octavo.engine.builder import build_engine
+
+    with pytest.raises(ValueError, match="quantization must be None or one of"):
+        build_engine("qwen3-0.6b", load_format="dummy", quantization="gptq")
+
+
+def test_fp8_needs_a_gpu_with_fp8(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="quantization='fp8' needs a GPU with FP8"):
+        q.check_quantization("fp8", cuda)
+    q.check_quantization("int8", cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    q.check_quantization("fp8", cuda)
+
+
+def test_warm_up_runs_quantized_projections_on_float_inputs():
+    from torch import nn
+
+    from octavo.model.layers import Linear
+    from octavo.runner.kv_setup import warm_up_linears, warm_up_rows
+
+    quantized, plain = Linear(256, 64), Linear(256, 64)
+    for linear in (quantized, plain):
+        nn.init.normal_(linear.weight)
+    quantized.quantize("int4")
+    launched = warm_up_linears(nn.ModuleList([quantized, plain]), 9)
+    assert launched == 2 * len(warm_up_rows(9))
