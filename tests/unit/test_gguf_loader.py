@@ -4,8 +4,6 @@ come back as the original HF weights."""
 
 from __future__ import annotations
 
-import os
-
 import gguf
 import numpy as np
 import pytest
@@ -31,17 +29,10 @@ CHAT_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_path):
-    """(HF model from the GGUF, octavo model from the GGUF, octavo's config)."""
-    pytest.importorskip("accelerate")
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path),
-        gguf_file=os.path.basename(smollm2_path),
-        dtype=torch.float32,
-        attn_implementation="eager",
-    ).eval()
+def smollm2(smollm2_path, hf_smollm2):
+    """(HF model from the GGUF (the session's), octavo model from the GGUF, octavo's config)."""
     cfg = load_hf_config(smollm2_path)
-    return hf, load_model(smollm2_path, cfg, torch.float32, CPU), cfg
+    return hf_smollm2, load_model(smollm2_path, cfg, torch.float32, CPU), cfg
 
 
 def test_smollm2_config_from_gguf_metadata(smollm2):
