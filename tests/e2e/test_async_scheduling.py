@@ -89,6 +89,7 @@ def test_async_greedy_equals_sync(llm_factory, chat_prompt_ids, greedy_reference
         assert stats["num_preemptions"] > preemptions
 
 
+@pytest.mark.slow
 def test_async_mixed_sampling_equals_sync(llm, chat_prompt_ids):
     """Seeds, penalties (which wait for the tokens on the host), n > 1 (which forks when
     its first tokens arrive), logprobs, min_tokens, EOS and stop strings."""

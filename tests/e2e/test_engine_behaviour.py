@@ -41,6 +41,7 @@ def test_prefix_caching_on_gives_same_outputs_and_hits(llm_factory, chat_prompt_
     assert queries > 0 and hits / queries > 0.5
 
 
+@pytest.mark.slow
 def test_small_kv_budget_preempts_and_gives_same_outputs(llm_factory, chat_prompt_ids, reference):
     # 8 prompts of ~40 tokens (3 blocks each) + 12 outputs need 32 blocks at once; give 14.
     llm = llm_factory(num_kv_blocks=14, enable_prefix_caching=False)

@@ -115,6 +115,7 @@ def test_rows_that_read_their_tokens_build_metadata_each_step(llm, chat_prompt_i
     assert builds >= 6
 
 
+@pytest.mark.slow
 def test_min_tokens_rows_reuse_their_metadata_once_past_it(llm, chat_prompt_ids, monkeypatch):
     """A stop id is banned until min_tokens: the metadata is built each step until then, and
     reused after, sampling as metadata built each step does."""

@@ -113,7 +113,8 @@ def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     )
 
 
-@pytest.mark.parametrize("method", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_two_ranks_quantize_their_shards(tiny, method):
     """Each rank quantizes its own shard (a row-parallel shard gets scales of its own), so
     N = 2 is not N = 1 bit for bit but as close to float32 as N = 1."""

@@ -28,6 +28,8 @@ CHAT_PROMPTS = [
 ]
 
 
+# The real model against HF's own GGUF reader: HF's load takes ~13 s on 2 cores, so these
+# run in the full suite; the tiny models of test_models_vs_hf check the same paths quickly.
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path, hf_smollm2):
     """(HF model from the GGUF (the session's), octavo model from the GGUF, octavo's config)."""
@@ -35,6 +37,7 @@ def smollm2(smollm2_path, hf_smollm2):
     return hf_smollm2, load_model(smollm2_path, cfg, torch.float32, CPU), cfg
 
 
+@pytest.mark.slow
 def test_smollm2_config_from_gguf_metadata(smollm2):
     _, _, cfg = smollm2
     assert cfg.architectures == ["LlamaForCausalLM"]
@@ -44,6 +47,7 @@ def test_smollm2_config_from_gguf_metadata(smollm2):
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.vocab_size) == (1, 2, 49152)
 
 
+@pytest.mark.slow
 def test_smollm2_logits_match_hf_from_the_same_gguf(smollm2):
     hf, ours, cfg = smollm2
     outs = PagedRunner(ours, cfg, num_blocks=16, block_size=16).step(list(enumerate(CHAT_PROMPTS)))
@@ -51,6 +55,7 @@ def test_smollm2_logits_match_hf_from_the_same_gguf(smollm2):
         assert rel_err(logits, hf_logits(hf, ids)) < 1e-4
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_tokens_match_hf(smollm2):
     hf, ours, cfg = smollm2
     runner = PagedRunner(ours, cfg, num_blocks=16, block_size=16)
