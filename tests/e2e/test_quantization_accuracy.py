@@ -20,7 +20,7 @@ from octavo import SamplingParams
 TEXT = Path(__file__).parents[1] / "data" / "gpl-3.0.txt"
 CHUNK = 512
 SCORE = SamplingParams(prompt_logprobs=0, max_tokens=1, temperature=0)
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def perplexity(llm, num_tokens: int) -> float:

@@ -114,6 +114,7 @@ def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tiny", ["llama"], indirect=True)
 @pytest.mark.parametrize("method", ["int8", "fp8"])
 def test_two_ranks_quantize_their_shards(tiny, method):
     """Each rank quantizes its own shard (a row-parallel shard gets scales of its own), so
