@@ -118,9 +118,14 @@ def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 
 def test_triton_logprobs_match_hf(model_dir, prompts):
+    assert_logprobs_match_hf(model_dir, prompts, run(model_dir, prompts, "triton"))
+
+
+def assert_logprobs_match_hf(model_dir, prompts, outs) -> None:
+    """The sampled tokens' log-probs are within bf16 tolerance of HF's float32 ones: at most
+    twice HF's own bf16 error (plus a floor for tiny errors)."""
     from transformers import AutoModelForCausalLM
 
-    outs = run(model_dir, prompts, "triton")
     hf = {
         dtype: AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
         for dtype in (torch.bfloat16, torch.float32)
@@ -134,7 +139,6 @@ def test_triton_logprobs_match_hf(model_dir, prompts):
         )
         ours_err = max(ours_err, (ours - ref).abs().max().item())
         hf_bf16_err = max(hf_bf16_err, (hf_bf16 - ref).abs().max().item())
-    # Within bf16 tolerance: at most twice HF's own bf16 error (plus a floor for tiny errors).
     assert ours_err <= 2 * hf_bf16_err + 0.02, (ours_err, hf_bf16_err)
 
 

@@ -26,8 +26,9 @@ pytestmark = pytest.mark.gpu
 DEVICE = "cpu" if INTERPRET else "cuda"
 # bf16 outputs: the kernels round once, the torch layers after every op.
 TOLERANCE = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-DTYPES = [torch.bfloat16, torch.float32] if INTERPRET else [torch.bfloat16, torch.float16,
-                                                           torch.float32]
+DTYPES = (
+    [torch.bfloat16, torch.float32] if INTERPRET else [torch.bfloat16, torch.float16, torch.float32]
+)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -96,8 +97,13 @@ def test_qk_norm_rope_matches_the_torch_layers(dtype, head_dim, heads, qk_norm):
             else (None, None)
         )
         got_q, got_k = qk_norm_rope(
-            qkv.to(DEVICE), positions.to(DEVICE), rope.cos_sin_cache.to(DEVICE),
-            num_heads, num_kv_heads, head_dim, *weights,
+            qkv.to(DEVICE),
+            positions.to(DEVICE),
+            rope.cos_sin_cache.to(DEVICE),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            *weights,
         )
         assert got_q.shape == (num_tokens, num_heads, head_dim)
         assert got_k.shape == (num_tokens, num_kv_heads, head_dim)
@@ -106,7 +112,9 @@ def test_qk_norm_rope_matches_the_torch_layers(dtype, head_dim, heads, qk_norm):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (12, 3)] if not INTERPRET else [(4, 2), (6, 3)])
+@pytest.mark.parametrize(
+    "heads", [(16, 8), (32, 8), (12, 3)] if not INTERPRET else [(4, 2), (6, 3)]
+)
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_qk_norm_rope_store_writes_k_and_v_to_their_slots(dtype, heads, qk_norm):
     """The fused variant returns the same q as `qk_norm_rope` and puts the same k, and v as
@@ -135,8 +143,10 @@ def test_qk_norm_rope_store_writes_k_and_v_to_their_slots(dtype, heads, qk_norm)
         )
         assert got_q.shape == (num_tokens, num_heads, head_dim)
         assert torch.equal(got_q, want_q)
-        flat, old = cache.view(2, -1, num_kv_heads, head_dim), before.view(2, -1, num_kv_heads,
-                                                                            head_dim)
+        flat, old = (
+            cache.view(2, -1, num_kv_heads, head_dim),
+            before.view(2, -1, num_kv_heads, head_dim),
+        )
         assert torch.equal(flat[0, slots], want_k)
         v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, -1)
         assert torch.equal(flat[1, slots], v)

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 from test_e2e_gpu import (  # noqa: F401 - fixtures
+    assert_logprobs_match_hf,
     assert_same_except_near_ties,
-    hf_logprobs,
     model_dir,
     prompts,
     run,
@@ -35,24 +35,9 @@ def single(model_dir, prompts):  # noqa: F811
 
 @pytest.mark.parametrize("size", _sizes())
 def test_ranks_give_one_gpus_greedy_tokens_and_hfs_logprobs(model_dir, prompts, single, size):  # noqa: F811
-    from transformers import AutoModelForCausalLM
-
     outs = run(model_dir, prompts, "triton", tensor_parallel_size=size)
     assert_same_except_near_ties(outs, single)
-    hf = {
-        dtype: AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
-        for dtype in (torch.bfloat16, torch.float32)
-    }
-    ours_err = hf_bf16_err = 0.0
-    for prompt, out in zip(prompts, outs, strict=True):
-        ref = hf_logprobs(hf[torch.float32], prompt, out.token_ids)
-        hf_bf16 = hf_logprobs(hf[torch.bfloat16], prompt, out.token_ids)
-        ours = torch.tensor(
-            [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
-        )
-        ours_err = max(ours_err, (ours - ref).abs().max().item())
-        hf_bf16_err = max(hf_bf16_err, (hf_bf16 - ref).abs().max().item())
-    assert ours_err <= 2 * hf_bf16_err + 0.02, (ours_err, hf_bf16_err)
+    assert_logprobs_match_hf(model_dir, prompts, outs)
 
 
 @pytest.mark.parametrize("size", _sizes())
@@ -70,13 +55,13 @@ def test_ranks_sample_n_and_beams_like_one_gpu(model_dir, size):  # noqa: F811
     from octavo import LLM, SamplingParams
     from octavo.engine.beam_search import BeamSearchParams
 
-    prompts = [{"prompt_token_ids": list(range(100 + i, 140 + i))} for i in range(4)]
+    requests = [{"prompt_token_ids": list(range(100 + i, 140 + i))} for i in range(4)]
     params = SamplingParams(n=3, max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
     results = []
     for tp in (1, size):
         llm = LLM(model_dir, max_model_len=1024, tensor_parallel_size=tp)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        beams = llm.beam_search(prompts[:1], BeamSearchParams(beam_width=3, max_tokens=8))
+        outs = llm.generate(requests, params, use_tqdm=False)
+        beams = llm.beam_search(requests[:1], BeamSearchParams(beam_width=3, max_tokens=8))
         results.append(([[c.token_ids for c in o.outputs] for o in outs], beams[0].sequences))
         llm.shutdown()
         del llm
@@ -84,7 +69,7 @@ def test_ranks_sample_n_and_beams_like_one_gpu(model_dir, size):  # noqa: F811
     (n1, beams1), (nn, beams_n) = results
     # Random tokens follow the logits: count the samples that agree (bf16 sums differ).
     same = sum(a == b for x, y in zip(n1, nn, strict=True) for a, b in zip(x, y, strict=True))
-    assert same >= len(prompts) * 3 // 2, same
+    assert same >= len(requests) * 3 // 2, same
     # Beams follow near ties too (on these dummy weights, runs of one repeated token): the
     # best hypotheses must score alike, not be the same tokens.
     assert len(beams_n) == len(beams1) == 3
