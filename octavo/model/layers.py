@@ -125,7 +125,8 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        # The frequencies on the CPU (they key the shared table, also under a meta device).
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
         inv_freq = 1.0 / (base**exponent)  # [D/2]
         rope_type = (scaling or {}).get("rope_type", "default")
         if rope_type not in self.SUPPORTED:
@@ -141,17 +142,17 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(
                     f"expected {head_dim // 2} rope freq factors, got {len(freq_factors)}"
                 )
-            inv_freq = inv_freq / torch.tensor(list(freq_factors), dtype=torch.float32)
+            inv_freq = inv_freq / torch.tensor(list(freq_factors), dtype=torch.float32, device="cpu")
+        t = torch.arange(max_position, dtype=torch.float32)  # on the default device
         key = (
             max_position,
             tuple(inv_freq.tolist()),
-            inv_freq.device,
+            t.device,
             torch.is_inference_mode_enabled(),
         )
         cache = self._tables.get(key)
         if cache is None:
-            t = torch.arange(max_position, dtype=torch.float32)
-            freqs = torch.outer(t, inv_freq)  # [P, D/2]
+            freqs = torch.outer(t, inv_freq.to(t.device))  # [P, D/2]
             cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
             self._tables[key] = cache
         self.register_buffer("cos_sin_cache", cache, persistent=False)

@@ -13,6 +13,7 @@ from transformers import LlamaConfig
 from octavo.entrypoints.bench_floor import (
     DeviceCeilings,
     copy_sizes,
+    meta_model,
     weights_read_per_step,
     workload_floor,
 )
@@ -34,6 +35,19 @@ def test_weights_read_per_step(tied):
     assert fl.weight_bytes == 4 * read
     # KV read by 3 decode steps over contexts 10, 11, 12: layers x 2 x kv_heads x head_dim x 4
     assert fl.kv_read_bytes == 2 * 2 * 2 * 16 * 4 * (10 + 11 + 12)
+
+
+@pytest.mark.parametrize("name", ["qwen3-32b", "llama-3.1-70b"])
+def test_meta_model_counts_a_bundled_models_parameters_without_memory(name):
+    """A tensor-parallel floor builds the whole model on the meta device (rotary scaling too)."""
+    from octavo.engine.builder import resolve_model
+    from octavo.model.hf_config import load_hf_config
+
+    cfg = load_hf_config(resolve_model(name))
+    model = meta_model(cfg, torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    assert all(p.is_meta for p in model.parameters())
+    assert {"qwen3-32b": 32.8e9, "llama-3.1-70b": 70.6e9}[name] == pytest.approx(params, rel=0.01)
 
 
 # prompts 10 and 20 tokens, 3 and 2 output tokens: decode steps 1 (both) and 2 (the first).
