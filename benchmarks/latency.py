@@ -151,6 +151,9 @@ def profile_decode(engine, prompt: list[int], params: SamplingParams) -> None:
 
     request_id = add(engine, prompt, params)
     step_until(engine, request_id, first_token=True)  # the prefill, outside the profile
+    workers = getattr(engine.runner, "profile", None)  # tensor-parallel workers profile too
+    if workers:
+        workers()
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
@@ -160,6 +163,10 @@ def profile_decode(engine, prompt: list[int], params: SamplingParams) -> None:
         f"under cProfile: {steps} steps, {(time.perf_counter() - start) / steps * 1e3:.2f} ms a step"
     )
     pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    if workers:
+        first = workers(f"/tmp/octavo_worker_{time.monotonic_ns()}")[0]
+        print("tensor-parallel worker rank 0, the same steps:")
+        pstats.Stats(first).sort_stats("tottime").print_stats(30)
 
 
 def trace_decode(engine, prompt: list[int], params: SamplingParams) -> dict:

@@ -123,6 +123,8 @@ def main() -> None:
     ar_bytes = tokens * 2 * layers * hidden * 2 * 2 * (args.tp - 1) / args.tp
     ar_s = ar_bytes / ar["bus_bytes_per_s"]
     floor_s = one.seconds / args.tp + ar_s
+    # The same over N for the serial bounds (a step's KV reads, then its GEMMs; see bench_floor).
+    serial_s, fcfs_s = one.serial_s / args.tp + ar_s, one.fcfs_serial_s / args.tp + ar_s
     report = {
         "model": args.model,
         "tp": args.tp,
@@ -134,6 +136,8 @@ def main() -> None:
         "floor_one_gpu_s": one.seconds,
         "floor_allreduce_s": ar_s,
         "floor_s": floor_s,
+        "serial_floor_s": serial_s,
+        "fcfs_estimate_s": fcfs_s,
         "output_tokens": sum(w.max_tokens),
         "results": [],
         "decode_steps": [],
@@ -144,14 +148,22 @@ def main() -> None:
         f"[256, {hidden}] {ar['us']['256']:.1f} us (symmetric memory, one shot: "
         f"{ar['symm_us'].get('1', 0):.1f} / {ar['symm_us'].get('256', 0):.1f} us); "
         f"nano-vllm floor {floor_s:.2f} s "
-        f"({one.seconds:.2f} s / {args.tp} + all-reduce {ar_s:.2f} s)"
+        f"({one.seconds:.2f} s / {args.tp} + all-reduce {ar_s:.2f} s); serial floor "
+        f"{serial_s:.2f} s, FCFS estimate {fcfs_s:.2f} s"
     )
     for path in args.bench:
         with open(path) as f:
             first = json.load(f)["results"][0]
         seconds = first["seconds"]
-        report["results"].append({"file": path, "seconds": seconds, "of_floor": floor_s / seconds})
-        print(f"  {path}: {first['tok_per_s']:.0f} tok/s, {floor_s / seconds:.1%} of the floor")
+        report["results"].append({
+            "file": path, "seconds": seconds, "of_floor": floor_s / seconds,
+            "of_serial_floor": serial_s / seconds, "of_fcfs_estimate": fcfs_s / seconds,
+        })  # fmt: skip
+        print(
+            f"  {path}: {first['tok_per_s']:.0f} tok/s, {floor_s / seconds:.1%} of the floor, "
+            f"{serial_s / seconds:.1%} of the serial floor, {fcfs_s / seconds:.1%} of the FCFS "
+            "estimate"
+        )
     for path in args.latency:
         with open(path) as f:
             lat = json.load(f)

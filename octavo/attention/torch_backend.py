@@ -218,7 +218,9 @@ def _build_decode_plan(
     return _DecodePlan(order, inverse, groups, most)
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Causal attention of the last q_len positions of a context over the whole context.
 
     q: [q_len, H, D]; keys/values: [ctx_len, KVH, D]; returns [q_len, H, D].

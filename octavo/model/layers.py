@@ -142,7 +142,9 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(
                     f"expected {head_dim // 2} rope freq factors, got {len(freq_factors)}"
                 )
-            inv_freq = inv_freq / torch.tensor(list(freq_factors), dtype=torch.float32, device="cpu")
+            inv_freq = inv_freq / torch.tensor(
+                list(freq_factors), dtype=torch.float32, device="cpu"
+            )
         t = torch.arange(max_position, dtype=torch.float32)  # on the default device
         key = (
             max_position,

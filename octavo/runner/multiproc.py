@@ -187,6 +187,21 @@ class MultiprocRunner:
         if self.dead is None:
             self._send("cancel", None)
 
+    def profile(self, prefix: str | None = None) -> list[str]:
+        """Starts cProfile on every worker (no prefix), or stops it and has rank R write its
+        stats to `{prefix}.rank{R}`; returns those paths."""
+        paths = [f"{prefix}.rank{rank}" for rank in range(self.size)] if prefix else []
+        self._check()
+        for rank, conn in enumerate(self._conns):
+            data = pickle.dumps(("profile", paths[rank] if paths else None))
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                self._die(f"tensor-parallel worker rank {rank} is gone{self._exit_code(rank)}")
+        for rank in range(self.size):
+            self._receive(rank)
+        return paths
+
     def shutdown(self) -> None:
         self._finalizer()
 

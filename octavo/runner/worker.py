@@ -104,6 +104,7 @@ def serve(conn: Connection, args) -> None:
     dist.all_reduce(count, op=dist.ReduceOp.MIN)  # every rank keeps the same blocks
     conn.send(("ok", int(count.item())))
     pending = {}  # rank 0: step id -> its PendingOutput, until the engine takes the result
+    profiler = None
     while True:
         op, arg = pickle.loads(conn.recv_bytes())
         if op == "step":
@@ -121,8 +122,26 @@ def serve(conn: Connection, args) -> None:
         elif op == "allocate":
             runner.allocate_kv_cache(*arg)
             conn.send(("ok", None))
+        elif op == "profile":
+            profiler = _profile(profiler, arg)
+            conn.send(("ok", None))
         elif op == "stop":
             return
+
+
+def _profile(profiler, path: str | None):
+    """Starts cProfile over this worker's loop (path None), or stops it and writes its stats
+    to `path` (pstats format): where a worker's host time goes between two messages."""
+    import cProfile
+
+    if profiler is not None:
+        profiler.disable()
+        if path:
+            profiler.dump_stats(path)
+        return None
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
 
 
 def main(argv: list[str] | None = None) -> int:
