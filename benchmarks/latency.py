@@ -172,23 +172,38 @@ def profile_decode(engine, prompt: list[int], params: SamplingParams) -> None:
 def trace_decode(engine, prompt: list[int], params: SamplingParams) -> dict:
     """The same single-request decode under torch.profiler: per step, the wall time against
     the time the device was busy (the union of its kernels and copies), and where the device
-    sat idle: each gap between two device operations, grouped by the operations around it."""
+    sat idle: each gap between two device operations, grouped by the operations around it.
+    With tensor parallelism, rank 0's worker traces its own device."""
     from torch.profiler import ProfilerActivity, profile
 
     request_id = add(engine, prompt, params)
     finished, _ = step_until(engine, request_id, first_token=True)  # the prefill, outside
     if finished:
         raise SystemExit("--trace needs --output-len of 3 or more")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    workers = getattr(engine.runner, "profile", None)
+    if workers:
+        workers(trace=True)
         start = time.perf_counter()
         _, steps = step_until(engine, request_id)
-        torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    spans = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
+        with open(workers(f"/tmp/octavo_trace_{time.monotonic_ns()}", trace=True)[0]) as f:
+            events = json.load(f)["traceEvents"]
+        spans = sorted(
+            (e["ts"], e["ts"] + e["dur"], e["name"])
+            for e in events
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+        )
+    else:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            _, steps = step_until(engine, request_id)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        spans = sorted(
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        )
     busy, gaps = 0.0, {}
     cur_start, cur_end, cur_name = spans[0]
     for s, e, name in spans[1:]:

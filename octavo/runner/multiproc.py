@@ -187,13 +187,14 @@ class MultiprocRunner:
         if self.dead is None:
             self._send("cancel", None)
 
-    def profile(self, prefix: str | None = None) -> list[str]:
-        """Starts cProfile on every worker (no prefix), or stops it and has rank R write its
-        stats to `{prefix}.rank{R}`; returns those paths."""
+    def profile(self, prefix: str | None = None, trace: bool = False) -> list[str]:
+        """Starts cProfile (`trace`: torch.profiler's device trace) on every worker (no
+        prefix), or stops it and has rank R write it to `{prefix}.rank{R}`; returns those
+        paths."""
         paths = [f"{prefix}.rank{rank}" for rank in range(self.size)] if prefix else []
         self._check()
         for rank, conn in enumerate(self._conns):
-            data = pickle.dumps(("profile", paths[rank] if paths else None))
+            data = pickle.dumps(("profile", (paths[rank] if paths else None, trace)))
             try:
                 conn.send_bytes(data)
             except OSError:

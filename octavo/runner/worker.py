@@ -129,18 +129,30 @@ def serve(conn: Connection, args) -> None:
             return
 
 
-def _profile(profiler, path: str | None):
-    """Starts cProfile over this worker's loop (path None), or stops it and writes its stats
-    to `path` (pstats format): where a worker's host time goes between two messages."""
+def _profile(profiler, arg: tuple[str | None, bool]):
+    """Starts profiling this worker's loop (path None), or stops and writes to `path`: cProfile
+    stats of where its host time goes, or with `trace` torch.profiler's device trace (Chrome
+    trace JSON)."""
     import cProfile
 
+    from torch.profiler import ProfilerActivity, profile
+
+    path, trace = arg
     if profiler is not None:
-        profiler.disable()
-        if path:
+        if trace:
+            profiler.__exit__(None, None, None)
+            profiler.export_chrome_trace(path)
+        else:
+            profiler.disable()
             profiler.dump_stats(path)
         return None
-    profiler = cProfile.Profile()
-    profiler.enable()
+    if trace:
+        cuda = torch.cuda.is_available()
+        profiler = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+        profiler.__enter__()
+    else:
+        profiler = cProfile.Profile()
+        profiler.enable()
     return profiler
 
 
