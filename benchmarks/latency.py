@@ -204,6 +204,9 @@ def trace_decode(engine, prompt: list[int], params: SamplingParams) -> dict:
             for e in prof.events()
             if e.device_type == torch.autograd.DeviceType.CUDA
         )
+    kernels: dict[str, float] = {}  # the device's time by operation (name's first 50 chars)
+    for s, e, name in spans:
+        kernels[name[:50]] = kernels.get(name[:50], 0.0) + (e - s)
     busy, gaps = 0.0, {}
     cur_start, cur_end, cur_name = spans[0]
     for s, e, name in spans[1:]:
@@ -226,7 +229,9 @@ def trace_decode(engine, prompt: list[int], params: SamplingParams) -> dict:
             ({"between": k, "count": n, "us_per_step": t / steps} for k, (n, t) in gaps.items()),
             key=lambda g: -g["us_per_step"],
         )[:15],
-    }
+        "kernels_us_per_step": dict(sorted(((k, t / steps) for k, t in kernels.items()),
+                                           key=lambda kv: -kv[1])[:15]),
+    }  # fmt: skip
     print(
         f"under torch.profiler: {steps} steps, wall {out['wall_ms_per_step']:.3f} ms a step; "
         f"device span {out['device_span_ms_per_step']:.3f}, busy "
@@ -234,6 +239,9 @@ def trace_decode(engine, prompt: list[int], params: SamplingParams) -> dict:
     )
     for g in out["gaps"]:
         print(f"  {g['us_per_step']:8.1f}  x{g['count'] / steps:5.2f}  {g['between']}")
+    print("device time by operation, us a step:")
+    for name, us in out["kernels_us_per_step"].items():
+        print(f"  {us:8.1f}  {name}")
     return out
 
 
