@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Self
 
 from octavo.entrypoints.parallel_args import add_parallel_args
+from octavo.model.quantization import METHODS
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 EXIT_USAGE = 2
@@ -72,9 +73,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         default=None,
-        choices=["int8", "int4", "fp8"],
+        choices=METHODS,
         help="quantize the linear layers' weights on load: int8 (W8A16), int4 (W4A16, group "
-        "128) or fp8 (W8A8) (default: none)",
+        "128) or fp8 (W8A8); gguf keeps a GGUF file's Q4_0/Q4_1 blocks (default: none)",
     )
     add_parallel_args(p)
 

@@ -285,8 +285,28 @@ def _dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
 _BLOCK_DEQUANTIZERS = {Q4_0: _dequantize_q4_0, Q4_1: _dequantize_q4_1, Q8_0: _dequantize_q8_0}
 
 
-def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _q4_grid(tensor: GGUFTensor, which: str) -> np.ndarray:
+    """A Q4_0/Q4_1 tensor's block scale ("scale") or minimum ("min") at each of its elements,
+    in its shape: Q4_1 stores d and m, Q4_0 d with m = -8 d."""
+    blocks = tensor.data.reshape(-1, _BLOCK_SIZES[tensor.ggml_type][1])
+    d_m = _halves(blocks, 2 if tensor.ggml_type == Q4_1 else 1)
+    if which == "scale":
+        per_block = d_m[:, 0]
+    elif tensor.ggml_type == Q4_1:
+        per_block = d_m[:, 1]
+    else:
+        per_block = -8 * d_m[:, 0]
+    return np.repeat(per_block, 32).reshape(tensor.shape)
+
+
+def iter_gguf_weights(
+    path: str, hf_config: PretrainedConfig, grid: str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, float32 tensor) for every weight of the GGUF file.
+
+    grid "scale" or "min": for the Q4_0 and Q4_1 tensors only, each element's block scale or
+    block minimum instead of its value (value = q * scale + min, q in 0..15), in the same
+    layout, so that a model's own weight loaders place them as they place the weights.
 
     Raises:
         ValueError: a tensor name that maps to no HF weight and is not known to be ignorable.
@@ -305,7 +325,12 @@ def iter_gguf_weights(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no HF counterpart")
-        weight = _dequantize(tensor)
+        if grid is not None:
+            if tensor.ggml_type not in (Q4_0, Q4_1):
+                continue
+            weight = _q4_grid(tensor, grid)
+        else:
+            weight = _dequantize(tensor)
         if arch == "llama" and ".self_attn.q_proj." in hf_name:
             weight = unpermute_qk(weight, num_heads)
         elif arch == "llama" and ".self_attn.k_proj." in hf_name:

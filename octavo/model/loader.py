@@ -36,7 +36,8 @@ def load_model(
         load_format: "auto" reads the weights from `model`; "dummy" fills them with random
             values of a sane scale, the same for the same seed (on the same device).
         quantization: None, or "int8", "int4" or "fp8": the linear layers' weights
-            (qkv, o, gate_up, down) are quantized once loaded (model/quantization.py).
+            (qkv, o, gate_up, down) are quantized once loaded (model/quantization.py);
+            "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1 keep their blocks.
     Returns:
         The model in eval mode, with requires_grad off.
     Raises:
@@ -47,6 +48,11 @@ def load_model(
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     device = torch.device(device)
     check_quantization(quantization, device)
+    if quantization == "gguf" and (load_format == "dummy" or not model.endswith(".gguf")):
+        raise ValueError(
+            f"quantization='gguf' keeps a GGUF file's blocks: it needs a .gguf model file "
+            f"loaded from disk, got {model!r} with load_format={load_format!r}"
+        )
     with _default_dtype(dtype), device:
         net = get_model_class(hf_config)(hf_config)
     net.eval().requires_grad_(False)
@@ -56,12 +62,48 @@ def load_model(
         else:
             loaded = net.load_weights(iter_weights(model, hf_config))
             _check_all_loaded(net, loaded, model)
-    if quantization is not None:
+    if quantization == "gguf":
+        with torch.no_grad():
+            _keep_gguf_blocks(net, model, hf_config)
+    elif quantization is not None:
         with torch.no_grad():
             for module in list(net.modules()):
                 if isinstance(module, Linear):
                     module.quantize(quantization)
     return net
+
+
+def _keep_gguf_blocks(net: nn.Module, path: str, hf_config: PretrainedConfig) -> None:
+    """Each Linear whose checkpoint tensors are all Q4_0/Q4_1 gets an int4 weight on their own
+    blocks: the model's weight loaders place each element's block scale, then its minimum,
+    where they placed its value (fusing and sharding alike), and the int4 values follow."""
+    from octavo.model.gguf_loader import iter_gguf_weights
+    from octavo.model.quantization import Int4Weight
+
+    linears = {m: m.weight.detach().clone() for m in net.modules() if isinstance(m, Linear)}
+    grids: dict[Linear, list[torch.Tensor]] = {m: [] for m in linears}
+    for which in ("scale", "min"):
+        for module in linears:
+            module.weight.fill_(float("nan"))  # left where no Q4 tensor lands
+        stream = iter_gguf_weights(path, hf_config, grid=which)
+        net.load_weights(
+            (name, t) for name, t in stream if not name.endswith(_NOT_LINEAR)
+        )  # fmt: skip
+        for module in linears:
+            grids[module].append(module.weight.detach().clone())
+    for module, weight in linears.items():
+        module.weight.copy_(weight)
+        scale, lo = grids[module]
+        if scale.isnan().any() or weight.shape[1] % 32:
+            continue  # a part is not Q4: it stays float
+        blocks = (scale[:, ::32], lo[:, ::32])
+        if not torch.equal(blocks[0].repeat_interleave(32, dim=1), scale):
+            continue  # this rank's columns do not start at a block's start: stays float
+        module.quant = Int4Weight(weight, 32, grid=blocks)
+        module.weight = None
+
+
+_NOT_LINEAR = ("embed_tokens.weight", "lm_head.weight")
 
 
 @contextmanager

@@ -5,6 +5,9 @@
           minimum (asymmetric, as GGUF's Q4_1 and AWQ): w ~ q * scale + min, q in 0..15.
     fp8   W8A8: e4m3 weights with one scale per output row, and activations quantized to e4m3
           with one scale per token at each call.
+    gguf  a GGUF file's Q4_0 and Q4_1 tensors kept in their own blocks of 32 (int4 as above,
+          with the file's scales and minimums, not new ones); its other tensors load as
+          without quantization.
 
 Each method is a `QuantizedWeight` module that a `Linear` (model/layers.py) holds in place of
 its float weight, built from the shard this rank loaded, so tensor parallelism needs nothing
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-METHODS = ("int8", "int4", "fp8")
+METHODS = ("int8", "int4", "fp8", "gguf")
 GROUP_SIZE = 128
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # Up to this many rows the CPU's int8 kernel beats dequantizing the weight for one float GEMM.
@@ -50,7 +53,7 @@ def check_quantization(method: str | None, device: torch.device) -> None:
 def quantize_weight(method: str, weight: torch.Tensor) -> QuantizedWeight:
     """weight [N, K] (output rows, input columns) -> its `method` quantization."""
     classes = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight}
-    if method not in classes:
+    if method not in classes:  # "gguf" keeps a file's blocks: see Int4Weight's grid
         raise ValueError(f"quantization must be None or one of {METHODS}, got {method!r}")
     return classes[method](weight)
 
@@ -89,6 +92,17 @@ def quantize_int4(
     grouped = F.pad(w, (0, pad)).view(n, groups, group_size)
     q = torch.round((grouped - lo.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
     return q.view(n, -1).to(torch.uint8), scale, lo
+
+
+def quantize_int4_on_grid(
+    w: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, param_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_int4 for a `w` [N, K] that lies on a known grid: per group, scale and min
+    [N, G] with w = q * scale + min (a GGUF Q4 tensor's blocks), recovering those q."""
+    n, groups = scale.shape
+    grouped = w.float().view(n, groups, -1)
+    q = torch.round((grouped - lo.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
+    return q.view(n, -1).to(torch.uint8), scale.to(param_dtype), lo.to(param_dtype)
 
 
 def dequantize_int4(
@@ -162,12 +176,22 @@ class Int4Weight(QuantizedWeight):
 
     method = "int4"
 
-    def __init__(self, weight: torch.Tensor, group_size: int = GROUP_SIZE) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        group_size: int = GROUP_SIZE,
+        grid: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """grid: the (scale, min) [N, K / group_size] that `weight` already lies on, kept
+        instead of new ones (quantize_int4_on_grid)."""
         super().__init__(weight)
         self.group_size = group_size
         self.cpu_kernel = _uses_cpu_kernels(weight)
         param_dtype = torch.bfloat16 if self.cpu_kernel else weight.dtype
-        q, scale, lo = quantize_int4(weight, group_size, param_dtype)
+        if grid is None:
+            q, scale, lo = quantize_int4(weight, group_size, param_dtype)
+        else:
+            q, scale, lo = quantize_int4_on_grid(weight, *grid, param_dtype)
         self.padded_in_features = q.shape[1]
         if self.cpu_kernel:
             packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)

@@ -89,6 +89,21 @@ def test_int4_round_trip_within_half_a_step_per_group():
     assert (scale[:, 1] < 1 / 15 + 1e-6).all()  # the partial group's range is its own
 
 
+def test_int4_on_a_known_grid_recovers_its_values(kernels):
+    """A weight on a GGUF-style grid (w = q * d + m in blocks of 32) keeps that grid: its
+    codes and scales, so the product equals the grid's own float product."""
+    n, k = 48, 96
+    codes = torch.randint(0, 16, (n, k))
+    d, m = torch.rand(n, k // 32) * 0.05 + 1e-3, torch.randn(n, k // 32) * 0.1
+    w = codes * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+    found, scale, lo = q.quantize_int4_on_grid(w, d, m, torch.float32)
+    assert torch.equal(found.long(), codes)
+    assert torch.equal(scale, d) and torch.equal(lo, m)
+    layer = q.Int4Weight(w, 32, grid=(d, m))
+    x = torch.randn(5, k)
+    assert rel_err(layer(x), x @ w.t()) < _tolerance(kernels)
+
+
 def test_fp8_round_trip_relative_error():
     w = torch.randn(32, 128)
     w[3] = 0  # an all-zero row stays zero, with no NaN
@@ -140,6 +155,8 @@ def test_unknown_method_is_a_value_error():
         q.check_quantization("nf4", torch.device("cpu"))
     with pytest.raises(ValueError, match="quantization"):
         q.quantize_weight("awq", torch.randn(4, 4))
+    with pytest.raises(ValueError, match="quantization"):
+        q.quantize_weight("gguf", torch.randn(4, 4))  # only a GGUF file's own blocks
     q.check_quantization(None, torch.device("cpu"))
     for method in q.METHODS:
         q.check_quantization(method, torch.device("cpu"))
@@ -150,6 +167,13 @@ def test_build_engine_refuses_an_unknown_method_before_loading():
 
     with pytest.raises(ValueError, match="quantization must be None or one of"):
         build_engine("qwen3-0.6b", load_format="dummy", quantization="gptq")
+
+
+def test_gguf_needs_a_gguf_file():
+    from octavo.engine.builder import build_engine
+
+    with pytest.raises(ValueError, match="quantization='gguf'.*needs a .gguf model file"):
+        build_engine("qwen3-0.6b", load_format="dummy", quantization="gguf")
 
 
 def test_fp8_needs_a_gpu_with_fp8(monkeypatch):

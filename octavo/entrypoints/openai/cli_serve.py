@@ -11,6 +11,7 @@ import os
 
 from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
 from octavo.entrypoints.parallel_args import add_parallel_args, parallel_options
+from octavo.model.quantization import METHODS
 
 API_KEY_ENV = "OCTAVO_API_KEY"
 
@@ -51,7 +52,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"])
+    p.add_argument("--quantization", default=None, choices=METHODS)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
