@@ -5,6 +5,8 @@ Workloads:
   greedy, ignore_eos. Peer `hf`: transformers' left-padded batched `generate`, which must
   run every sequence to the batch's longest max_tokens; only each request's own max_tokens
   count as output for both.
+- `single`: one request of the `cpu` workload's kind (64 prompt tokens, 128 greedy output
+  tokens): single-stream decode; peer `hf`: `generate` on the one prompt.
 - `nanovllm`: the nano-vllm workload of BENCHMARKS.md (256 requests, random token ids,
   temperature 0.6, ignore_eos), for a dummy-weight model such as the bundled `qwen3-0.6b`.
 """
@@ -40,6 +42,11 @@ def cpu_workload(vocab_size: int, num_prompts: int = 32, seed: int = 0) -> Workl
         for _ in range(num_prompts)
     ]
     return Workload(prompts, [rng.randint(16, 128) for _ in range(num_prompts)], 0.0)
+
+
+def single_workload(vocab_size: int, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    return Workload([[rng.randint(100, vocab_size - 1) for _ in range(64)]], [128], 0.0)
 
 
 def nanovllm_workload(num_seqs: int = 256) -> Workload:
@@ -170,11 +177,12 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
     )
     vocab = llm.engine.vocab_size
-    w = (
-        nanovllm_workload()
-        if args.workload == "nanovllm"
-        else cpu_workload(vocab, args.num_prompts)
-    )
+    if args.workload == "nanovllm":
+        w = nanovllm_workload()
+    elif args.workload == "single":
+        w = single_workload(vocab)
+    else:
+        w = cpu_workload(vocab, args.num_prompts)
     print(f"{'engine':<22}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     results = [_report(run_octavo(llm, w, progress))]
@@ -261,7 +269,7 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--quantization", default=None, choices=METHODS)
-    p.add_argument("--workload", default="cpu", choices=["cpu", "nanovllm"])
+    p.add_argument("--workload", default="cpu", choices=["cpu", "single", "nanovllm"])
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument(

@@ -285,6 +285,14 @@ def _dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
 _BLOCK_DEQUANTIZERS = {Q4_0: _dequantize_q4_0, Q4_1: _dequantize_q4_1, Q8_0: _dequantize_q8_0}
 
 
+def q8_0_blocks(tensor: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's int8 codes [N, K] and block scales [N, K / 32] (float32), as stored."""
+    blocks = tensor.data.reshape(-1, _BLOCK_SIZES[Q8_0][1])
+    n = int(np.prod(tensor.shape[:-1]))
+    codes = blocks[:, 2:].copy().view(np.int8).reshape(n, -1)
+    return torch.from_numpy(codes), torch.from_numpy(_halves(blocks, 1).reshape(n, -1))
+
+
 def _q4_grid(tensor: GGUFTensor, which: str) -> np.ndarray:
     """A Q4_0/Q4_1 tensor's block scale ("scale") or minimum ("min") at each of its elements,
     in its shape: Q4_1 stores d and m, Q4_0 d with m = -8 d."""

@@ -382,8 +382,16 @@ class LMHead(VocabEmbedding):
     rank computes its vocabulary rows' logits and an all-gather joins them.
     The sampler upcasts to float32 where it computes with them."""
 
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        # A QuantizedWeight that computes the logits instead (the table stays for lookups).
+        self.register_module("quant", None)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if self.quant is not None:
+            logits = self.quant(hidden)
+        else:
+            logits = F.linear(hidden, self.weight)
         if get_tp().size == 1:
             return logits
         return all_gather_columns(logits)[:, : self.vocab_size]

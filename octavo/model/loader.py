@@ -101,6 +101,30 @@ def _keep_gguf_blocks(net: nn.Module, path: str, hf_config: PretrainedConfig) ->
             continue  # this rank's columns do not start at a block's start: stays float
         module.quant = Int4Weight(weight, 32, grid=blocks)
         module.weight = None
+    _keep_gguf_q8_0_head(net, path)
+
+
+def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
+    """A Q8_0 LM head (or a Q8_0 embedding it shares) computes the logits from its int8
+    blocks (Q8Weight); on one rank only, where the head holds the whole vocabulary."""
+    from octavo.model.gguf_loader import Q8_0, open_gguf, q8_0_blocks
+    from octavo.model.layers import LMHead
+    from octavo.model.parallel import get_tp
+    from octavo.model.quantization import Q8Weight
+
+    tensors = open_gguf(path).tensors
+    tensor = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    head = getattr(net, "lm_head", None)
+    if not isinstance(head, LMHead) or tensor is None or tensor.ggml_type != Q8_0:
+        return
+    if get_tp().size > 1:
+        return
+    codes, scale = q8_0_blocks(tensor)
+    if tuple(codes.shape) != tuple(head.weight.shape):
+        return
+    head.quant = Q8Weight(
+        codes.to(head.weight.device), scale.to(head.weight.device), head.weight.dtype
+    )
 
 
 _NOT_LINEAR = ("embed_tokens.weight", "lm_head.weight")

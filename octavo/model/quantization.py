@@ -6,8 +6,8 @@
     fp8   W8A8: e4m3 weights with one scale per output row, and activations quantized to e4m3
           with one scale per token at each call.
     gguf  a GGUF file's Q4_0 and Q4_1 tensors kept in their own blocks of 32 (int4 as above,
-          with the file's scales and minimums, not new ones); its other tensors load as
-          without quantization.
+          with the file's scales and minimums, not new ones), and a Q8_0 LM head kept as its
+          int8 blocks (Q8Weight); its other tensors load as without quantization.
 
 Each method is a `QuantizedWeight` module that a `Linear` (model/layers.py) holds in place of
 its float weight, built from the shard this rank loaded, so tensor parallelism needs nothing
@@ -213,6 +213,45 @@ class Int4Weight(QuantizedWeight):
         q = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
         w = dequantize_int4(q, self.scale, self.min, self.in_features, x.dtype)
         return F.linear(x, w)
+
+
+class Q8Weight(QuantizedWeight):
+    """GGUF's Q8_0 as it is: int8 codes [N, K] with a scale per block of 32 columns [N, G].
+
+    On the CPU it runs torch's int4 kernel twice: a code c is 16 h + l - 128 with h, l in
+    0..15, so the product is that of h (scale 16 d) plus that of l (scale d, zero 8 d): two
+    4-bit planes that read as many bytes as the int8 codes. Elsewhere it dequantizes."""
+
+    method = "gguf"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__(torch.empty(codes.shape, dtype=dtype, device="meta"))
+        self.cpu_kernel = _uses_cpu_kernels(codes) and codes.shape[0] % 16 == 0  # N in 16s
+        if self.cpu_kernel:
+            u = codes.to(torch.int32) + 128
+            zero = torch.zeros_like(scale)
+            planes = [(u >> 4, 16 * scale, zero), (u & 15, scale, 8 * scale)]
+            packed = [torch._convert_weight_to_int4pack_for_cpu(c, 1) for c, _, _ in planes]
+            sz = [torch.stack([d.t(), z.t()], dim=-1).to(torch.bfloat16) for _, d, z in planes]
+            self.high, self.low = _frozen(packed[0]), _frozen(packed[1])
+            self.high_scale_zero, self.low_scale_zero = (
+                _frozen(sz[0].contiguous()),
+                _frozen(sz[1].contiguous()),
+            )
+        else:
+            self.codes, self.scale = _frozen(codes), _frozen(scale.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel:
+            x16 = x.to(torch.bfloat16)
+            y = torch._weight_int4pack_mm_for_cpu(x16, self.high, 32, self.high_scale_zero)
+            y = y.float() + torch._weight_int4pack_mm_for_cpu(
+                x16, self.low, 32, self.low_scale_zero
+            )
+            return y.to(x.dtype)
+        n, groups = self.scale.shape
+        w = self.codes.view(n, groups, -1).to(x.dtype) * self.scale.to(x.dtype)[..., None]
+        return F.linear(x, w.view(n, -1))
 
 
 class Fp8Weight(QuantizedWeight):

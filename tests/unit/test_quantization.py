@@ -104,6 +104,19 @@ def test_int4_on_a_known_grid_recovers_its_values(kernels):
     assert rel_err(layer(x), x @ w.t()) < _tolerance(kernels)
 
 
+@pytest.mark.parametrize("rows", [1, 9])
+def test_q8_0_head_matches_its_dequantized_blocks(kernels, rows):
+    """GGUF Q8_0 (int8 codes, a scale per 32 columns) against codes x scales, then a matmul;
+    the extreme codes -128 and 127 included."""
+    codes = torch.randint(-128, 128, (208, 96), dtype=torch.int8)
+    codes[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    scale = torch.rand(208, 3) * 0.01 + 1e-4
+    weight = codes.float() * scale.repeat_interleave(32, dim=1)
+    layer = q.Q8Weight(codes, scale, torch.float32)
+    x = torch.randn(rows, 96)
+    assert rel_err(layer(x), x @ weight.t()) < _tolerance(kernels)
+
+
 def test_fp8_round_trip_relative_error():
     w = torch.randn(32, 128)
     w[3] = 0  # an all-zero row stays zero, with no NaN
