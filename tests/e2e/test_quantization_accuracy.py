@@ -91,8 +91,8 @@ def test_perplexity_within_the_issue_bounds(llm_factory, float32_perplexity, met
 
 
 @pytest.mark.slow
-# measured: int8 63%, fp8 39%, gguf 84% (its activations pass through bfloat16)
-@pytest.mark.parametrize("method,least", [("int8", 0.4), ("fp8", 0.2), ("gguf", 0.75)])
+# measured: int8 63%, fp8 39%, gguf 78% (its activations pass through bfloat16)
+@pytest.mark.parametrize("method,least", [("int8", 0.4), ("fp8", 0.2), ("gguf", 0.6)])
 def test_greedy_agreement_with_float32(llm_factory, chat_prompt_ids, method, least):
     reference = llm_factory().generate(prompts_of(chat_prompt_ids), GREEDY, use_tqdm=False)
     agreement = greedy_agreement(llm_factory(quantization=method), reference, chat_prompt_ids)
