@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from octavo.entrypoints.parallel_args import add_parallel_args
-from octavo.model.quantization import METHODS
+from octavo.model.quantization import QUANTIZATION_CHOICES
 
 
 @dataclass
@@ -268,7 +268,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--quantization", default=None, choices=METHODS)
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES)
     p.add_argument("--workload", default="cpu", choices=["cpu", "single", "nanovllm"])
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=256)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Self
 
 from octavo.entrypoints.parallel_args import add_parallel_args
-from octavo.model.quantization import METHODS
+from octavo.model.quantization import QUANTIZATION_CHOICES
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 EXIT_USAGE = 2
@@ -72,10 +72,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quantization",
-        default=None,
-        choices=METHODS,
+        default="auto",
+        choices=QUANTIZATION_CHOICES,
         help="quantize the linear layers' weights on load: int8 (W8A16), int4 (W4A16, group "
-        "128) or fp8 (W8A8); gguf keeps a GGUF file's Q4_0/Q4_1 blocks (default: none)",
+        "128) or fp8 (W8A8); gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks; auto (default): "
+        "gguf for a GGUF file on the CPU, else none",
     )
     add_parallel_args(p)
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 METHODS = ("int8", "int4", "fp8", "gguf")
+QUANTIZATION_CHOICES = ("auto", "none", *METHODS)  # the CLI's: "none" is None
 GROUP_SIZE = 128
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # Up to this many rows the CPU's int8 kernel beats dequantizing the weight for one float GEMM.
@@ -35,6 +36,17 @@ INT8_KERNEL_MAX_ROWS = 64
 CPU_KERNELS = hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(
     torch, "_weight_int8pack_mm"
 )
+
+
+def resolve_quantization(
+    method: str | None, model_path: str, device: torch.device, load_format: str
+) -> str | None:
+    """ "auto" -> "gguf" for a GGUF file read on the CPU (its blocks kept, as llama.cpp runs
+    them; perplexity as float32's), else None; "none" -> None; others as given."""
+    if method == "auto":
+        gguf = model_path.endswith(".gguf") and load_format != "dummy"
+        return "gguf" if gguf and device.type == "cpu" and CPU_KERNELS else None
+    return None if method == "none" else method
 
 
 def check_quantization(method: str | None, device: torch.device) -> None:

@@ -30,6 +30,8 @@ def llm_factory():
     cache: dict[tuple, LLM] = {}
 
     def make(**options):
+        # float32 weights unless a test asks otherwise: the HF references compute in float32
+        options.setdefault("quantization", None)
         if "num_kv_blocks" not in options:
             options.setdefault("kv_cache_memory", KV_CACHE_MEMORY)
         key = tuple(sorted(options.items()))

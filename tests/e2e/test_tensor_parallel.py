@@ -150,7 +150,7 @@ def test_two_ranks_preempt_like_one_rank(tmp_path):
 @pytest.mark.slow
 def test_smollm2_with_three_ranks_gives_one_ranks_text(llm):
     """The embedded model's 9 heads and 3 KV heads over 3 ranks: one KV head each."""
-    three = LLM(tensor_parallel_size=3, num_kv_blocks=64, max_model_len=512)
+    three = LLM(tensor_parallel_size=3, num_kv_blocks=64, max_model_len=512, quantization=None)
     try:
         prompts = ["The capital of France is", "def fibonacci(n):"]
         params = SamplingParams(max_tokens=12, temperature=0.0)

@@ -11,7 +11,7 @@ import os
 
 from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
 from octavo.entrypoints.parallel_args import add_parallel_args, parallel_options
-from octavo.model.quantization import METHODS
+from octavo.model.quantization import QUANTIZATION_CHOICES
 
 API_KEY_ENV = "OCTAVO_API_KEY"
 
@@ -52,7 +52,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--quantization", default=None, choices=METHODS)
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
