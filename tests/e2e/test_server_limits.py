@@ -103,6 +103,21 @@ def test_a_body_under_the_limit_passes(server):
     assert r.status_code == 200, r.text
 
 
+def test_too_many_prompts_or_json_items_are_400s_that_name_the_limit(server):
+    cases = [
+        ({"prompt": ["a"] * 2049}, "prompt", "2048"),
+        ({"prompt": [[1]] * 16_400}, None, "16384"),
+        ({"messages": [{"role": "user", "content": ""}] * 5500}, None, "16384"),
+    ]
+    for body, param, limit in cases:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = httpx.post(server.url + path, json=body, headers=AUTH, timeout=30)
+        assert limit in _assert_error(r, 400, param)["message"]
+    # Brackets and colons inside strings are text, not JSON items.
+    body = {"prompt": "[{:" * 20_000}
+    assert httpx.post(server.url + "/tokenize", json=body, headers=AUTH).status_code == 200
+
+
 # ---- the API key -------------------------------------------------------------------------
 
 
@@ -253,7 +268,9 @@ def test_a_json_schema_too_deep_is_a_400_without_a_recursion_error(server, field
 
 
 def test_a_json_schema_too_large_is_a_400(server):
-    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(8000)}}
+    # Long names: over the character limit with few JSON items.
+    properties = {f"p{i:060d}": {"type": "string"} for i in range(3000)}
+    schema = {"type": "object", "properties": properties}
     body = {"prompt": "hi", "guided_json": schema}
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=30)
     assert "limit" in _assert_error(r, 400, "guided_json")["message"]

@@ -1,13 +1,16 @@
 """ASGI middleware that refuses a request before any route sees it: a missing or wrong API
-key (401), and a body over the size limit (413). Both answer in OpenAI's error format."""
+key (401), a body over the size limit (413), and one with too many JSON arrays and objects
+to parse (400). All answer in OpenAI's error format."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from octavo.entrypoints.openai.limits import check_json_items
 from octavo.entrypoints.openai.metrics import ServerMetrics
 from octavo.entrypoints.openai.serving import OpenAIError
 
@@ -45,7 +48,9 @@ class APIKeyMiddleware:
 
 class BodyLimitMiddleware:
     """413 for a body over `max_bytes`: at once when Content-Length says so, else once the
-    bytes read so far pass it (a chunked body), without reading the rest.
+    bytes read so far pass it (a chunked body), without reading the rest. A 400 for a body
+    with more JSON arrays, objects and members than `check_json_items` allows: parsing it
+    would hold the event loop.
 
     The body is read here, up to the limit, and handed to the app as one message; later
     receives go to the client's connection (the routes watch it for a disconnect)."""
@@ -79,7 +84,14 @@ class BodyLimitMiddleware:
                 return
             if not message.get("more_body", False):
                 break
-        body: Message | None = {"type": "http.request", "body": b"".join(chunks)}
+        data = b"".join(chunks)
+        try:
+            await asyncio.to_thread(check_json_items, data)
+        except ValueError as e:
+            self.metrics.count_error()
+            await error_response(OpenAIError(str(e)))(scope, receive, send)
+            return
+        body: Message | None = {"type": "http.request", "body": data}
 
         async def replay() -> Message:
             nonlocal body

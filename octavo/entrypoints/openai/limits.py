@@ -17,8 +17,41 @@ MAX_CHARS_PER_TOKEN = 16
 MAX_SCHEMA_DEPTH = 64  # JSON schemas in use nest a few levels; llguidance recurses on them
 MAX_CONSTRAINT_CHARS = 128 << 10  # a JSON schema's text, a regex, a grammar, or the choices
 MAX_ERROR_DETAIL_CHARS = 200  # of a compiler's message, which may quote the whole grammar
+# Parsing and validating a body holds the GIL, and its cost is per JSON array, object and
+# member far more than per byte: a body of this many stays within tens of milliseconds.
+MAX_JSON_ITEMS = 16384
+MAX_PROMPTS = 2048  # a completion request's prompts, each an engine request
 
 _TOKEN_ID = re.compile(r"-?[0-9]+")  # ASCII digits only; fullmatch, so no trailing newline
+# A JSON string, or an array's or object's opening or an object member's colon outside one.
+_STRING_OR_ITEM = re.compile(rb'"(?:[^"\\]++|\\.)*+"|([\[{:])')
+
+
+def check_json_items(body: bytes) -> None:
+    """ValueError for a body with more than MAX_JSON_ITEMS arrays, objects and object
+    members. Counting the brackets and colons is enough for most bodies; a body with more of
+    them, inside its strings perhaps, is counted exactly by a slow Python loop (call this on a
+    thread: the loop lets the event loop take the GIL)."""
+    if body.count(b"[") + body.count(b"{") + body.count(b":") <= MAX_JSON_ITEMS:
+        return
+    count = 0
+    for match in _STRING_OR_ITEM.finditer(body):
+        if match.lastindex is not None:
+            count += 1
+            if count > MAX_JSON_ITEMS:
+                raise ValueError(
+                    f"the request body has more than {MAX_JSON_ITEMS} JSON arrays, objects and "
+                    "object members, this server's limit"
+                )
+
+
+def check_num_prompts(num_prompts: int) -> None:
+    """ValueError for more prompts in one completion request than MAX_PROMPTS."""
+    if num_prompts > MAX_PROMPTS:
+        raise ValueError(
+            f"`prompt` holds {num_prompts} prompts, more than this server's limit of "
+            f"{MAX_PROMPTS} a request"
+        )
 
 
 def check_prompt_chars(num_chars: int, max_model_len: int) -> None:

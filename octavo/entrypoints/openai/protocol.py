@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -118,11 +118,17 @@ class SamplingRequest(NullMeansDefault):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+_T = TypeVar("_T")
+_FailFast = Annotated[_T, Field(fail_fast=True)]
+
+
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt` is a str, a list of str, a list of token ids, or a list
     of lists of token ids; each prompt gets `n` choices."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # Each list stops at its first bad item: a long prompt of token ids is not also checked,
+    # one error an id, as a list of str.
+    prompt: str | _FailFast[list[str]] | _FailFast[list[int]] | _FailFast[list[list[int]]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

@@ -15,6 +15,7 @@ from octavo.entrypoints.openai.choices import (
     completion_logprobs,
     prompt_logprobs_field,
 )
+from octavo.entrypoints.openai.limits import check_num_prompts
 from octavo.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -137,6 +138,10 @@ def _prompt_ids(
         prompt = [prompt]
     if not prompt:
         raise OpenAIError("`prompt` must not be empty", param="prompt")
+    try:
+        check_num_prompts(len(prompt))
+    except ValueError as e:
+        raise OpenAIError(str(e), param="prompt") from None
     for p in prompt:  # every prompt, before the tokenizer runs on any
         if isinstance(p, str):
             ctx.check_prompt_chars(len(p))
