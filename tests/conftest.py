@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.util
 import os
 import shutil
 import tempfile
+from unittest import mock
 
 import pytest
 
@@ -38,15 +40,24 @@ def hf_smollm2(smollm2_path: str):
     """HF transformers' SmolLM2 from the same GGUF file, float32, eager attention: the reference
     model (slow to load: once per session, for every suite that compares with HF)."""
     pytest.importorskip("accelerate")
+    import gguf
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_path),
-        gguf_file=os.path.basename(smollm2_path),
-        dtype=torch.float32,
-        attn_implementation="eager",
-    )
+    # HF's GGUF loader parses the file twice (for the config, then for the weights) and builds
+    # gguf's tensor-name table again for every submodule: about half its load time. Both are
+    # memoized while it loads; it reads the same metadata and the same weights.
+    reader, name_map = functools.cache(gguf.GGUFReader), functools.cache(gguf.get_tensor_name_map)
+    with (
+        mock.patch.object(gguf, "GGUFReader", reader),
+        mock.patch.object(gguf, "get_tensor_name_map", name_map),
+    ):
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(smollm2_path),
+            gguf_file=os.path.basename(smollm2_path),
+            dtype=torch.float32,
+            attn_implementation="eager",
+        )
     return model.eval()
 
 

@@ -122,3 +122,15 @@ def hf_greedy(hf_model: nn.Module, ids: list[int], num_tokens: int) -> list[int]
         pad_token_id=0,
     )
     return out[0, len(ids) :].tolist()
+
+
+@torch.inference_mode()
+def hf_greedy_choices(
+    hf_model: nn.Module, prompt: list[int], tokens: list[int], banned: Sequence[int] = ()
+) -> list[int]:
+    """HF's greedy choice after the prompt and each prefix of `tokens`, never a `banned` id,
+    from one forward pass: equal to `tokens` exactly when `tokens` are HF's greedy tokens
+    (the first token that differs is the first place HF would have chosen another)."""
+    logits = hf_logits(hf_model, prompt + tokens)[len(prompt) - 1 : -1]  # [len(tokens), vocab]
+    logits[:, list(banned)] = float("-inf")
+    return logits.argmax(-1).tolist()

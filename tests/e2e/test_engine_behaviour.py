@@ -104,16 +104,6 @@ def test_mixed_sampling_params_behave_as_alone(llm, chat_prompt_ids):
         assert alone.outputs[0].text == out.outputs[0].text
 
 
-@pytest.mark.slow  # seeds: test_parallel_sampling.py and the server's seeded test
-def test_seeded_sampling_is_reproducible_and_seed_dependent(llm, chat_prompt_ids):
-    prompt = prompts_of(chat_prompt_ids)[:1]
-    a = llm.generate(prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=16), use_tqdm=False)
-    b = llm.generate(prompt, SamplingParams(temperature=1.0, seed=5, max_tokens=16), use_tqdm=False)
-    c = llm.generate(prompt, SamplingParams(temperature=1.0, seed=6, max_tokens=16), use_tqdm=False)
-    assert token_ids(a) == token_ids(b)
-    assert token_ids(a) != token_ids(c)
-
-
 def test_logprobs_are_returned_for_each_token(llm, chat_prompt_ids):
     out = llm.generate(
         prompts_of(chat_prompt_ids)[:1],

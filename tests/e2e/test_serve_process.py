@@ -3,7 +3,8 @@ ends the stream with an error event after --shutdown-timeout and exits 0; a seco
 exits at once with 128 + its number; with --no-restart, a killed engine process makes the
 server exit with status 1.
 
-Each test starts a server on the embedded model (seconds to load): all are slow.
+Each test has a server of its own on the embedded model (seconds to load, though the three
+load at once): all are slow.
 tests/e2e/test_server_faults.py covers the same behaviour in-process.
 """
 
@@ -25,26 +26,36 @@ pytestmark = pytest.mark.slow
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-@pytest.fixture
-def serve(smollm2_path):
-    """Starts `octavo serve` with extra arguments on a free port; yields (process, url)
-    once /health answers, and kills the process if the test left it running."""
-    procs = []
+# The servers the tests run, by name: their options.
+SERVERS = {
+    "grace": ("--shutdown-timeout", "1"),
+    "patient": ("--shutdown-timeout", "60"),
+    "no-restart": ("--no-restart",),
+}
 
-    def start(*args: str) -> tuple[subprocess.Popen, str]:
+
+@pytest.fixture(scope="module")
+def serve(smollm2_path):
+    """Starts an `octavo serve` on a free port for each of SERVERS at once, so that their
+    start-ups (seconds each, mostly on one core) overlap; `serve(name)` gives (process, url)
+    once its /health answers. Kills whatever the tests left running."""
+    procs = {}
+    for name, args in SERVERS.items():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         argv = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", "--port", str(port)]
         proc = subprocess.Popen([*argv, *args], env=ENV, stderr=subprocess.PIPE)
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
+        procs[name] = proc, f"http://127.0.0.1:{port}"
+
+    def started(name: str) -> tuple[subprocess.Popen, str]:
+        proc, url = procs[name]
         assert wait_for(lambda: proc.poll() is not None or _healthy(url), timeout=120)
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
         return proc, url
 
-    yield start
-    for proc in procs:
+    yield started
+    for proc, _ in procs.values():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -76,7 +87,7 @@ def _engine_pid(pid: int) -> int:
 
 
 def test_sigterm_ends_a_stream_after_the_grace_period_and_exits_0(serve):
-    proc, url = serve("--shutdown-timeout", "1")
+    proc, url = serve("grace")
     events = _stream(url)
     assert next(events).startswith("data: {")
     proc.send_signal(signal.SIGTERM)
@@ -87,7 +98,7 @@ def test_sigterm_ends_a_stream_after_the_grace_period_and_exits_0(serve):
 
 
 def test_a_second_signal_exits_at_once_with_128_plus_its_number(serve):
-    proc, url = serve("--shutdown-timeout", "60")
+    proc, url = serve("patient")
     events = _stream(url)
     assert next(events).startswith("data: {")
     proc.send_signal(signal.SIGTERM)
@@ -97,6 +108,6 @@ def test_a_second_signal_exits_at_once_with_128_plus_its_number(serve):
 
 
 def test_no_restart_exits_1_when_the_engine_process_dies(serve):
-    proc, _ = serve("--no-restart")
+    proc, _ = serve("no-restart")
     os.kill(_engine_pid(proc.pid), signal.SIGKILL)
     assert proc.wait(30) == 1

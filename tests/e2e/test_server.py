@@ -133,12 +133,12 @@ def test_chat_whole_and_streamed_match_llm_chat(server, client, llm):
 
 @pytest.mark.slow  # 32 prompts twice; the other tests stream one or two requests
 def test_32_concurrent_streams_match_llm_generate(server, llm):
-    params = SamplingParams(temperature=0, max_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=8)
     ref = [r.outputs[0].text for r in reference(server, llm, PROMPTS, params)]
 
     async def one(aclient, prompt):
         stream = await aclient.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True
         )
         pieces, finish = [], None
         async for chunk in stream:
