@@ -293,28 +293,25 @@ def q8_0_blocks(tensor: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(codes), torch.from_numpy(_halves(blocks, 1).reshape(n, -1))
 
 
-def _q4_grid(tensor: GGUFTensor, which: str) -> np.ndarray:
-    """A Q4_0/Q4_1 tensor's block scale ("scale") or minimum ("min") at each of its elements,
-    in its shape: Q4_1 stores d and m, Q4_0 d with m = -8 d."""
+def _q4_scale_min(tensor: GGUFTensor) -> np.ndarray:
+    """A Q4_0/Q4_1 tensor in its shape with each block's scale d in the block's first element
+    and its minimum m in the second (Q4_1 stores both; Q4_0 d, with m = -8 d)."""
     blocks = tensor.data.reshape(-1, _BLOCK_SIZES[tensor.ggml_type][1])
     d_m = _halves(blocks, 2 if tensor.ggml_type == Q4_1 else 1)
-    if which == "scale":
-        per_block = d_m[:, 0]
-    elif tensor.ggml_type == Q4_1:
-        per_block = d_m[:, 1]
-    else:
-        per_block = -8 * d_m[:, 0]
-    return np.repeat(per_block, 32).reshape(tensor.shape)
+    out = np.zeros((blocks.shape[0], 32), np.float32)
+    out[:, 0] = d_m[:, 0]
+    out[:, 1] = d_m[:, 1] if tensor.ggml_type == Q4_1 else -8 * d_m[:, 0]
+    return out.reshape(tensor.shape)
 
 
 def iter_gguf_weights(
-    path: str, hf_config: PretrainedConfig, grid: str | None = None
+    path: str, hf_config: PretrainedConfig, blocks: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, float32 tensor) for every weight of the GGUF file.
 
-    grid "scale" or "min": for the Q4_0 and Q4_1 tensors only, each element's block scale or
-    block minimum instead of its value (value = q * scale + min, q in 0..15), in the same
-    layout, so that a model's own weight loaders place them as they place the weights.
+    blocks=True: for the Q4_0 and Q4_1 tensors only, each block's scale and minimum (value =
+    q * scale + min, q in 0..15) in the block's first two elements instead of its values, in
+    the same layout, so that a model's own weight loaders place them as they place weights.
 
     Raises:
         ValueError: a tensor name that maps to no HF weight and is not known to be ignorable.
@@ -333,10 +330,10 @@ def iter_gguf_weights(
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no HF counterpart")
-        if grid is not None:
+        if blocks:
             if tensor.ggml_type not in (Q4_0, Q4_1):
                 continue
-            weight = _q4_grid(tensor, grid)
+            weight = _q4_scale_min(tensor)
         else:
             weight = _dequantize(tensor)
         if arch == "llama" and ".self_attn.q_proj." in hf_name:

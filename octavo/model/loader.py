@@ -75,33 +75,31 @@ def load_model(
 
 def _keep_gguf_blocks(net: nn.Module, path: str, hf_config: PretrainedConfig) -> None:
     """Each Linear whose checkpoint tensors are all Q4_0/Q4_1 gets an int4 weight on their own
-    blocks: the model's weight loaders place each element's block scale, then its minimum,
-    where they placed its value (fusing and sharding alike), and the int4 values follow."""
+    blocks: the model's weight loaders place each block's scale and minimum (in its first
+    two elements) where they placed its values, fusing and sharding alike, into a scratch
+    weight; the int4 codes follow from the values."""
     from octavo.model.gguf_loader import iter_gguf_weights
     from octavo.model.quantization import Int4Weight
 
-    linears = {m: m.weight.detach().clone() for m in net.modules() if isinstance(m, Linear)}
-    grids: dict[Linear, list[torch.Tensor]] = {m: [] for m in linears}
-    for which in ("scale", "min"):
-        for module in linears:
-            module.weight.fill_(float("nan"))  # left where no Q4 tensor lands
-        stream = iter_gguf_weights(path, hf_config, grid=which)
-        net.load_weights(
-            (name, t) for name, t in stream if not name.endswith(_NOT_LINEAR)
-        )  # fmt: skip
-        for module in linears:
-            grids[module].append(module.weight.detach().clone())
+    linears = {}
+    for module in net.modules():
+        if isinstance(module, Linear) and module.weight.shape[1] % 32 == 0:
+            linears[module] = module.weight.data
+            module.weight.data = torch.empty_like(module.weight)
+            module.weight.data[:, ::32] = float("nan")  # stays where no Q4 tensor lands
+    stream = iter_gguf_weights(path, hf_config, blocks=True)
+    net.load_weights((name, t) for name, t in stream if not name.endswith(_NOT_LINEAR))
     for module, weight in linears.items():
-        module.weight.copy_(weight)
-        scale, lo = grids[module]
-        if scale.isnan().any() or weight.shape[1] % 32:
+        placed, module.weight.data = module.weight.data, weight
+        scale, lo = placed[:, 0::32], placed[:, 1::32]
+        if scale.isnan().any():
             continue  # a part is not Q4: it stays float
-        blocks = (scale[:, ::32], lo[:, ::32])
-        if not torch.equal(blocks[0].repeat_interleave(32, dim=1), scale):
-            continue  # this rank's columns do not start at a block's start: stays float
-        module.quant = Int4Weight(weight, 32, grid=blocks)
+        module.quant = Int4Weight(weight, 32, grid=(scale, lo))
         module.weight = None
     _keep_gguf_q8_0_head(net, path)
+
+
+_NOT_LINEAR = ("embed_tokens.weight", "lm_head.weight")
 
 
 def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
@@ -125,9 +123,6 @@ def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
     head.quant = Q8Weight(
         codes.to(head.weight.device), scale.to(head.weight.device), head.weight.dtype
     )
-
-
-_NOT_LINEAR = ("embed_tokens.weight", "lm_head.weight")
 
 
 @contextmanager

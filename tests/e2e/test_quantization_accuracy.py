@@ -106,8 +106,8 @@ def test_greedy_agreement_with_float32(
 
 def test_gguf_keeps_the_files_q4_blocks(llm_factory, monkeypatch):
     """Every projection of the embedded model (all Q4_1 in its file) holds int4 codes on the
-    file's own scales and minimums: dequantized (float32 scales, as off the CPU kernels),
-    exactly the float32 load's weights."""
+    file's own scales and minimums, and its LM head the Q8_0 codes and scales: dequantized
+    (float32 scales, as off the CPU kernels), exactly the float32 load's weights."""
     import torch
 
     from octavo.engine.builder import resolve_model
@@ -131,3 +131,7 @@ def test_gguf_keeps_the_files_q4_blocks(llm_factory, monkeypatch):
             codes, quant.scale, quant.min, quant.in_features, torch.float32
         )
         assert torch.equal(back, plain[name].weight), name
+    head = kept.lm_head.quant  # the tied Q8_0 embedding: its int8 codes and block scales
+    assert isinstance(head, quantization.Q8Weight)
+    back = head.codes.float() * head.scale.repeat_interleave(32, dim=1)
+    assert torch.equal(back, plain["lm_head"].weight)
