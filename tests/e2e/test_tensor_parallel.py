@@ -74,6 +74,25 @@ def test_two_ranks_give_one_ranks_greedy_tokens_and_hfs(tiny):
     assert _tokens(two, prompts) == expected
 
 
+def test_workers_profile_their_loop_on_request(tiny, tmp_path):
+    """Each rank's cProfile stats of the steps between two calls, then its profiler trace."""
+    import json
+    import pstats
+
+    _, _, _, two = tiny
+    runner = two.engine.runner
+    runner.profile()
+    _tokens(two, [_prompt(3, 9)])
+    paths = runner.profile(str(tmp_path / "stats"))
+    assert len(paths) == 2
+    for path in paths:
+        assert any(fn == "execute_async" for _, _, fn in pstats.Stats(path).stats)
+    runner.profile(trace=True)
+    _tokens(two, [_prompt(4, 9)])
+    with open(runner.profile(str(tmp_path / "trace"), trace=True)[1]) as f:
+        assert json.load(f)["traceEvents"]
+
+
 def test_two_ranks_sample_n_like_one_rank(tiny):
     _, _, one, two = tiny
     params = SamplingParams(n=3, max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
