@@ -74,6 +74,7 @@ def test_two_ranks_give_one_ranks_greedy_tokens_and_hfs(tiny):
     assert _tokens(two, prompts) == expected
 
 
+@pytest.mark.slow
 def test_workers_profile_their_loop_on_request(tiny, tmp_path):
     """Each rank's cProfile stats of the steps between two calls, then its profiler trace."""
     import json
