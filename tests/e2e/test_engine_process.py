@@ -102,6 +102,7 @@ def test_disconnect_aborts_and_frees_kv_blocks(served):
     assert engine.stats["num_requests_running"] == 0
 
 
+@pytest.mark.slow
 def test_a_killed_engine_process_fails_its_stream_and_comes_back(served):
     """kill -9 of the engine process: the stream in flight ends with an error event and
     [DONE]; /health is 503 and /metrics shows the engine down, without its last gauges,

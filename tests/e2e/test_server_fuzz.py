@@ -152,6 +152,7 @@ def _check_response(documented: set[int], path: str, body: dict, r) -> None:
             event.model_validate_json(data)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=150,
     deadline=None,
