@@ -151,6 +151,17 @@ def _uses_cpu_kernels(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and CPU_KERNELS
 
 
+def _pack_int4_for_cpu(
+    q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] in 0..15 with w = q * scale + min per group (scale, min [N, G]) -> torch's
+    CPU int4 kernel's packed weight and its scale and zero [G, N, 2]: the kernel computes
+    (q - 8) * scale + zero."""
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    zero = lo + 8 * scale
+    return packed, torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+
+
 class QuantizedWeight(nn.Module):
     """A quantized weight [N, K] and its product: forward(x [T, K]) -> x W^T [T, N] in x's
     dtype. `dtype` is the float dtype the weight had (and the activations have)."""
@@ -206,10 +217,8 @@ class Int4Weight(QuantizedWeight):
             q, scale, lo = quantize_int4_on_grid(weight, *grid, param_dtype)
         self.padded_in_features = q.shape[1]
         if self.cpu_kernel:
-            packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            zero = lo + 8 * scale  # the kernel computes (q - 8) * scale + zero
-            self.qweight = _frozen(packed)
-            self.qscale_zero = _frozen(torch.stack([scale.t(), zero.t()], dim=-1).contiguous())
+            packed, scale_zero = _pack_int4_for_cpu(q, scale, lo)
+            self.qweight, self.qscale_zero = _frozen(packed), _frozen(scale_zero)
         else:
             self.qweight = _frozen(q[:, 0::2] | (q[:, 1::2] << 4))  # [N, Kp / 2]
             self.scale, self.min = _frozen(scale), _frozen(lo)
@@ -240,16 +249,11 @@ class Q8Weight(QuantizedWeight):
         super().__init__(torch.empty(codes.shape, dtype=dtype, device="meta"))
         self.cpu_kernel = _uses_cpu_kernels(codes) and codes.shape[0] % 16 == 0  # N in 16s
         if self.cpu_kernel:
-            u = codes.to(torch.int32) + 128
-            zero = torch.zeros_like(scale)
-            planes = [(u >> 4, 16 * scale, zero), (u & 15, scale, 8 * scale)]
-            packed = [torch._convert_weight_to_int4pack_for_cpu(c, 1) for c, _, _ in planes]
-            sz = [torch.stack([d.t(), z.t()], dim=-1).to(torch.bfloat16) for _, d, z in planes]
-            self.high, self.low = _frozen(packed[0]), _frozen(packed[1])
-            self.high_scale_zero, self.low_scale_zero = (
-                _frozen(sz[0].contiguous()),
-                _frozen(sz[1].contiguous()),
-            )
+            u, d = codes.to(torch.int32) + 128, scale.to(torch.bfloat16)
+            high = _pack_int4_for_cpu(u >> 4, 16 * d, -128 * d)  # 16 d h - 128 d
+            low = _pack_int4_for_cpu(u & 15, d, torch.zeros_like(d))  # d l
+            self.high, self.high_scale_zero = map(_frozen, high)
+            self.low, self.low_scale_zero = map(_frozen, low)
         else:
             self.codes, self.scale = _frozen(codes), _frozen(scale.to(dtype))
 
