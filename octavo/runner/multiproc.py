@@ -193,12 +193,10 @@ class MultiprocRunner:
         paths."""
         paths = [f"{prefix}.rank{rank}" for rank in range(self.size)] if prefix else []
         self._check()
-        for rank, conn in enumerate(self._conns):
-            data = pickle.dumps(("profile", (paths[rank] if paths else None, trace)))
-            try:
-                conn.send_bytes(data)
-            except OSError:
-                self._die(f"tensor-parallel worker rank {rank} is gone{self._exit_code(rank)}")
+        for rank in range(self.size):
+            self._send_bytes(
+                rank, pickle.dumps(("profile", (paths[rank] if paths else None, trace)))
+            )
         for rank in range(self.size):
             self._receive(rank)
         return paths
@@ -211,19 +209,19 @@ class MultiprocRunner:
     def _send(self, op: str, arg) -> None:
         self._check()
         data = pickle.dumps((op, arg), protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self._conns):
-            try:
-                conn.send_bytes(data)
-            except OSError:
-                self._die(f"tensor-parallel worker rank {rank} is gone{self._exit_code(rank)}")
+        for rank in range(self.size):
+            self._send_bytes(rank, data)
 
     def _call_first(self, op: str, arg):
         self._check()
-        try:
-            self._conns[0].send_bytes(pickle.dumps((op, arg)))
-        except OSError:
-            self._die(f"tensor-parallel worker rank 0 is gone{self._exit_code(0)}")
+        self._send_bytes(0, pickle.dumps((op, arg)))
         return self._receive(0)
+
+    def _send_bytes(self, rank: int, data: bytes) -> None:
+        try:
+            self._conns[rank].send_bytes(data)
+        except OSError:
+            self._die(f"tensor-parallel worker rank {rank} is gone{self._exit_code(rank)}")
 
     def _receive(self, rank: int):
         """Waits for `rank`'s answer, watching every other worker meanwhile (an answer of
