@@ -145,16 +145,17 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / torch.tensor(
                 list(freq_factors), dtype=torch.float32, device="cpu"
             )
-        t = torch.arange(max_position, dtype=torch.float32)  # on the default device
+        device = torch.get_default_device()  # where the table goes (a `with device:` block)
         key = (
             max_position,
             tuple(inv_freq.tolist()),
-            t.device,
+            device,
             torch.is_inference_mode_enabled(),
         )
         cache = self._tables.get(key)
         if cache is None:
-            freqs = torch.outer(t, inv_freq.to(t.device))  # [P, D/2]
+            t = torch.arange(max_position, dtype=torch.float32, device=device)
+            freqs = torch.outer(t, inv_freq.to(device))  # [P, D/2]
             cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
             self._tables[key] = cache
         self.register_buffer("cos_sin_cache", cache, persistent=False)
