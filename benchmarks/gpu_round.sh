@@ -18,6 +18,8 @@
 #   tpthru, tplat, tpfloor  TPMODEL (qwen3-8b) at each of TPSIZES (1 2): the nano-vllm
 #                  workload, then one request and a decode batch of 256 (latency.py), then
 #                  the TPSIZE-GPU floor and the all-reduce's share of a step (tp_bench.py)
+#   quantlat       one Qwen3-8B request at each of QUANTS (none fp8 int4 int8) (latency.py)
+#   quantthru      the nano-vllm workload on Qwen3-8B: bf16, fp8 weights, fp8 KV cache, both
 #   host           short-context decode steps, plain and streamed; STRUCTURED=integer|string
 #                  adds a JSON schema to every request (decode_host.py; HOST_ARGS are passed on)
 set -u
@@ -108,6 +110,17 @@ for stage in $stages; do
               --bench $(ls "$OUT"/throughput_${m}_tp$n.json 2>/dev/null) \
               --latency $(ls "$OUT"/latency_${m}_tp${n}_b*.json 2>/dev/null) \
               --json "$OUT/tp_floor_${m}_tp$n.json" 2>&1 | tee "$OUT/tpfloor_$m.log" | tail -6 ;;
+    quantlat) for q in ${QUANTS:-none fp8 int4 int8}; do
+              timeout 300 python3 benchmarks/latency.py --model qwen3-8b --quantization $q \
+                --json "$OUT/latency_qwen3_8b_$q.json" 2>&1 | tee "$OUT/quantlat_$q.log" | tail -1
+            done ;;
+    quantthru) for qk in none:auto fp8:auto none:fp8 fp8:fp8; do
+              q=${qk%:*} kv=${qk#*:}
+              timeout 400 "${OCTAVO[@]}" bench throughput --model qwen3-8b --max-model-len 4096 \
+                --load-format dummy --workload nanovllm --quantization $q --kv-cache-dtype $kv \
+                --json "$OUT/throughput_qwen3_8b_${q}_kv$kv.json" 2>&1 \
+                | tee "$OUT/quantthru_${q}_$kv.log" | tail -2
+            done ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"

@@ -5,8 +5,10 @@ weight a forward pass reads; B: the device's copy bandwidth, measured in the sam
 
     python benchmarks/latency.py --model qwen3-8b [--enforce-eager] [--json out.json]
         [--profile] [--trace] [--tensor-parallel-size N] [--batch B]
+        [--quantization Q] [--kv-cache-dtype fp8]
 
-With N GPUs the floor is W / N / B (each reads its shard). `--batch B` runs B such requests
+With N GPUs the floor is W / N / B (each reads its shard). With `--quantization`, W counts the
+quantized weights as they are held (codes, scales and the weights left in 16 bits). `--batch B` runs B such requests
 at once; TPOT is then the time of one decode step of the batch.
 
 `--profile` then decodes once more under cProfile (where the host's time goes), `--trace`
@@ -36,6 +38,8 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -56,6 +60,8 @@ def main() -> None:
         max_num_seqs=max(8, args.batch),
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+        **({} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}),
     )
     rng = random.Random(0)
     prompt = [rng.randint(0, 10000) for _ in range(args.prompt_len)]
@@ -87,7 +93,9 @@ def main() -> None:
     tpot = (end - first) / max(args.output_len - 1, 1)
 
     runner = engine.runner
-    params_ = weights_read_per_step(meta_model(runner.hf_config, runner.dtype))
+    # One process holds the whole model at N=1; with N ranks, the floor counts bf16 weights.
+    model = getattr(runner, "model", None) or meta_model(runner.hf_config, runner.dtype)
+    params_ = weights_read_per_step(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in params_)
     ceilings = measure_ceilings(runner.dtype)
     floor = weight_bytes / args.tensor_parallel_size / ceilings.copy_bytes_per_s
@@ -95,6 +103,8 @@ def main() -> None:
         "model": args.model,
         "tensor_parallel_size": args.tensor_parallel_size,
         "batch": args.batch,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "ttft_s": first - start,
         "tpot_s": tpot,
         "weight_bytes": weight_bytes,
