@@ -175,7 +175,8 @@ class SamplingParams:
             allowed = "a non-empty list of token ids (integers >= 0), or None"
             ids = _as_list("allowed_token_ids", self.allowed_token_ids, allowed, allow_str=False)
             _check(bool(ids), "allowed_token_ids", allowed, self.allowed_token_ids)
-            self.allowed_token_ids = [_as_int("allowed_token_ids", t, allowed, lo=0) for t in ids]
+            ids = [_as_int("allowed_token_ids", t, allowed, lo=0) for t in ids]
+            self.allowed_token_ids = list(dict.fromkeys(ids))  # a set: repeats say nothing
         if self.structured_outputs is not None:
             spec = self.structured_outputs
             allowed = "a StructuredOutputsParams or None"
@@ -200,7 +201,8 @@ class SamplingParams:
             _check(isinstance(s, str) and s != "", "stop", "non-empty strings", s)
         allowed = "a list of integers >= 0"
         ids = _as_list("stop_token_ids", self.stop_token_ids, allowed, allow_str=False)
-        self.stop_token_ids = [_as_int("stop_token_ids", t, allowed, lo=0) for t in ids]
+        ids = [_as_int("stop_token_ids", t, allowed, lo=0) for t in ids]
+        self.stop_token_ids = list(dict.fromkeys(ids))  # a set: repeats say nothing
         for name in ("include_stop_str_in_output", "ignore_eos"):
             _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
 

@@ -54,12 +54,14 @@ def _largest_bodies(max_model_len: int) -> dict[str, bytes]:
     them for the context: as many prompts at the character limit as the default body
     limit holds, and conversations of many messages with that many characters in all; and
     bodies at the size limit made of tiny items, refused before they are parsed or
-    tokenized: one-token prompts, one-character prompts and empty messages."""
+    tokenized: one-token prompts, one-character prompts and empty messages; and long lists of
+    ids, parsed off the event loop (stop ids, ids to detokenize)."""
     chars = MAX_CHARS_PER_TOKEN * max_model_len
     words = "The quick brown fox jumps over the lazy dog. "
     text = (words * (chars // len(words) + 1))[:chars]
     num_prompts = DEFAULT_MAX_REQUEST_BYTES // (chars + 16)
     messages = [{"role": "user", "content": words[:32]}] * (chars // 32)
+    ids_at_limit = DEFAULT_MAX_REQUEST_BYTES // 3 - 8  # "1, " each
     bodies = {
         "/v1/completions": {"model": MODEL, "prompt": [text] * num_prompts},
         "/v1/chat/completions": {"model": MODEL, "messages": messages},
@@ -67,6 +69,10 @@ def _largest_bodies(max_model_len: int) -> dict[str, bytes]:
         "/v1/completions token ids": {"prompt": [[1]] * (DEFAULT_MAX_REQUEST_BYTES // 5 - 8)},
         "/v1/completions texts": {"prompt": ["a"] * (DEFAULT_MAX_REQUEST_BYTES // 5 - 8)},
         "/v1/chat/completions empty": {"messages": [{"role": "user", "content": ""}] * 127_000},
+        "/v1/completions stop ids": {
+            "prompt": "hi", "max_tokens": 1, "stop_token_ids": [1] * (ids_at_limit - 10)
+        },
+        "/detokenize": {"tokens": [1] * ids_at_limit},
     }
     return {path: json.dumps(body).encode() for path, body in bodies.items()}
 
@@ -74,7 +80,8 @@ def _largest_bodies(max_model_len: int) -> dict[str, bytes]:
 @pytest.mark.parametrize(
     "body_name",
     ["/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/completions token ids",
-     "/v1/completions texts", "/v1/chat/completions empty"],
+     "/v1/completions texts", "/v1/chat/completions empty", "/v1/completions stop ids",
+     "/detokenize"],
 )  # fmt: skip
 def test_health_answers_within_100_ms_while_the_largest_request_is_prepared(server, body_name):
     """A blocked event loop stalls /health every time; a busy machine's scheduler only now

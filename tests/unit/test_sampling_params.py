@@ -267,3 +267,11 @@ def test_structured_outputs_are_checked_again_when_assigned_later():
     spec.regex = "x"  # two constraints now
     with pytest.raises(ValueError, match="exactly one"):
         p.validate()
+
+
+def test_token_id_lists_are_sets_kept_in_order():
+    """Repeats in stop_token_ids or allowed_token_ids say nothing; they are dropped, so that a
+    long list of repeats costs the engine no more than its distinct ids."""
+    params = SamplingParams(stop_token_ids=[5, 3, 5, 3] * 1000, allowed_token_ids=[9, 1, 9])
+    assert params.stop_token_ids == [5, 3]
+    assert params.allowed_token_ids == [9, 1]

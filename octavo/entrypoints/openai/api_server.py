@@ -27,7 +27,12 @@ from starlette.responses import JSONResponse, Response
 import octavo
 from octavo.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from octavo.engine.engine import Engine
-from octavo.entrypoints.openai.guards import APIKeyMiddleware, BodyLimitMiddleware, error_response
+from octavo.entrypoints.openai.guards import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    ParsedJSONRoute,
+    error_response,
+)
 from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
 from octavo.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from octavo.entrypoints.openai.protocol import (
@@ -85,6 +90,7 @@ def build_app(
             await async_engine.shutdown()
 
     app = FastAPI(title="octavo", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.router.route_class = ParsedJSONRoute
     app.state.ctx = ctx
     _add_error_handlers(app, metrics)
     _add_routes(app, ctx)
@@ -95,6 +101,11 @@ def build_app(
             APIKeyMiddleware, api_key=api_key, metrics=metrics, guard_metrics=api_key_metrics
         )
     return app
+
+
+async def _on_thread(fn, *args) -> JSONResponse:
+    """fn(*args)'s pydantic answer, computed and rendered to JSON off the event loop."""
+    return await asyncio.to_thread(lambda: JSONResponse(fn(*args).model_dump()))
 
 
 _ERROR_DESCRIPTIONS = {
@@ -138,15 +149,17 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def chat_completions(req: ChatCompletionRequest, raw: HTTPRequest) -> Response:
         return await create_chat_completion(ctx, req, raw)
 
-    @app.post("/tokenize", responses=_errors(400, 401, 404, 413))
-    async def tokenize_route(
-        req: TokenizeCompletionRequest | TokenizeChatRequest,
-    ) -> TokenizeResponse:
-        return await asyncio.to_thread(tokenize, ctx, req)  # off the event loop
+    @app.post(
+        "/tokenize", response_model=TokenizeResponse, responses=_errors(400, 401, 404, 413)
+    )
+    async def tokenize_route(req: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
+        return await _on_thread(tokenize, ctx, req)
 
-    @app.post("/detokenize", responses=_errors(400, 401, 404, 413))
-    async def detokenize_route(req: DetokenizeRequest) -> DetokenizeResponse:
-        return await asyncio.to_thread(detokenize, ctx, req)
+    @app.post(
+        "/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 401, 404, 413)
+    )
+    async def detokenize_route(req: DetokenizeRequest) -> Response:
+        return await _on_thread(detokenize, ctx, req)
 
     @app.get("/version", responses=_errors(401))
     async def version() -> dict[str, str]:

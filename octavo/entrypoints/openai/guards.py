@@ -1,12 +1,17 @@
 """ASGI middleware that refuses a request before any route sees it: a missing or wrong API
 key (401), a body over the size limit (413), and one with too many JSON arrays and objects
-to parse (400). All answer in OpenAI's error format."""
+to parse (400). All answer in OpenAI's error format. The body's JSON is parsed on a thread
+here, and the routes (ParsedJSONRoute) read it instead of parsing it on the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+from typing import Any
 
+from fastapi.routing import APIRoute
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -86,11 +91,13 @@ class BodyLimitMiddleware:
                 break
         data = b"".join(chunks)
         try:
-            await asyncio.to_thread(check_json_items, data)
+            parsed = await asyncio.to_thread(_parse_json, data)
         except ValueError as e:
             self.metrics.count_error()
             await error_response(OpenAIError(str(e)))(scope, receive, send)
             return
+        if parsed is not _NOT_JSON:
+            scope[PARSED_JSON] = parsed
         body: Message | None = {"type": "http.request", "body": data}
 
         async def replay() -> Message:
@@ -110,3 +117,32 @@ class BodyLimitMiddleware:
             code="request_too_large",
         )
         await error_response(error, {"Connection": "close"})(scope, receive, send)
+
+
+PARSED_JSON = "octavo.json"  # the scope's key for the body's JSON, once parsed
+_NOT_JSON = object()
+
+
+def _parse_json(data: bytes) -> Any:
+    """The body's JSON value, or _NOT_JSON for an empty or malformed one (FastAPI then
+    parses it again and answers its own error). ValueError from check_json_items."""
+    check_json_items(data)
+    try:
+        return json.loads(data) if data else _NOT_JSON
+    except ValueError:
+        return _NOT_JSON
+
+
+class ParsedJSONRoute(APIRoute):
+    """FastAPI's route, handing FastAPI the JSON that BodyLimitMiddleware parsed: Starlette's
+    `Request.json()` returns `_json` when it is set."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            if PARSED_JSON in request.scope:
+                request._json = request.scope[PARSED_JSON]
+            return await handler(request)
+
+        return route

@@ -8,6 +8,7 @@ the token ids the engine would run on, and token ids back to text.
 
 from __future__ import annotations
 
+from octavo.entrypoints.openai.limits import MAX_CHARS_PER_TOKEN
 from octavo.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -44,9 +45,14 @@ def tokenize(
 
 
 def detokenize(ctx: ServingContext, req: DetokenizeRequest) -> DetokenizeResponse:
-    """The text of token ids, special tokens included, as vLLM gives it."""
+    """The text of token ids, special tokens included, as vLLM gives it; at most as many ids
+    as a prompt may have characters (MAX_CHARS_PER_TOKEN x max_model_len)."""
     ctx.check_model(req.model)
     tokenizer = _tokenizer(ctx)
+    limit = MAX_CHARS_PER_TOKEN * ctx.max_model_len
+    if len(req.tokens) > limit:
+        message = f"`tokens` holds {len(req.tokens)} ids, more than this server's limit of {limit}"
+        raise OpenAIError(message, param="tokens")
     bad = next((t for t in req.tokens if not 0 <= t < len(tokenizer)), None)
     if bad is not None:
         message = f"token id {bad} is outside the tokenizer's vocabulary [0, {len(tokenizer)})"

@@ -1,0 +1,43 @@
+"""The body's JSON is parsed once, on a thread in BodyLimitMiddleware; the routes read that
+value and never parse on the event loop."""
+
+from __future__ import annotations
+
+import starlette.requests
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import BaseModel
+
+from octavo.entrypoints.openai.guards import BodyLimitMiddleware, ParsedJSONRoute
+from octavo.entrypoints.openai.metrics import ServerMetrics
+
+
+class Body(BaseModel):
+    tokens: list[int]
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+    app.router.route_class = ParsedJSONRoute
+
+    @app.post("/sum")
+    async def total(body: Body) -> int:
+        return sum(body.tokens)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=1 << 20, metrics=ServerMetrics(lambda: None))
+    return app
+
+
+def test_routes_read_the_json_the_middleware_parsed(monkeypatch):
+    class NoParsing:
+        @staticmethod
+        def loads(*_):
+            raise AssertionError("the route parsed the body again")
+
+    monkeypatch.setattr(starlette.requests, "json", NoParsing)
+    client = TestClient(_app())
+    assert client.post("/sum", json={"tokens": [1, 2, 3]}).json() == 6
+    # A body that is not JSON is left to FastAPI, which answers its own error.
+    monkeypatch.undo()
+    r = client.post("/sum", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert r.status_code == 422
