@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Serving on the CPU against the peer: `octavo bench serve` at two Poisson request rates (32
-# requests of 64 words, 64 output tokens each) against `octavo serve` with the embedded model,
-# then against `transformers serve` on the same weights (HF's OpenAI-compatible server, with
-# continuous batching), in one run. JSON lands in $OUT (default docs/results/cpu/serve/).
-#   [SERVERS="octavo hf"] [OUT=dir] bash benchmarks/cpu_serve.sh [rate1 rate2]
+# Serving on the CPU against the peers: `octavo bench serve` at two Poisson request rates (32
+# requests of 64 words, 64 output tokens each; `inf`: all at once, the batch) against `octavo
+# serve` with the embedded model, then against `transformers serve` on the same weights (HF's
+# OpenAI-compatible server, with continuous batching), and llama.cpp's `llama-server -np 8` on
+# the same GGUF file (LLAMA_CPP_BIN: the folder holding llama-server, built from the source in
+# the llama-cpp-python sdist), in one run. JSON lands in $OUT (default docs/results/cpu/serve/).
+#   [SERVERS="octavo hf llamacpp"] [OUT=dir] bash benchmarks/cpu_serve.sh [rate ...]
 set -u
 cd "$(dirname "$0")/.."
 rates=${*:-0.5 2}
@@ -18,6 +20,20 @@ wait_up() {  # url, seconds
 }
 
 servers=${SERVERS:-octavo hf}
+
+if [[ $servers == *llamacpp* ]]; then
+# 8 slots of 1,024 tokens each (64 words + 64 tokens fit), 2 threads as the machine's cores.
+"${LLAMA_CPP_BIN:?the folder of llama-server}/llama-server" -m "$gguf" --port 8013 -t 2 \
+  -np 8 -c 8192 -cb > /tmp/llamacpp_serve.log 2>&1 &
+pid=$!
+if wait_up http://127.0.0.1:8013/health 120; then
+  for rate in $rates; do
+    octavo bench serve --base-url http://127.0.0.1:8013 --request-rate "$rate" "${common[@]}" \
+      --model smollm2 --json "$out/llamacpp_rate_$rate.json"
+  done
+fi
+kill $pid; wait $pid 2>/dev/null
+fi
 
 if [[ $servers == *octavo* ]]; then
 octavo serve --port 8011 > /tmp/octavo_serve.log 2>&1 &
