@@ -17,9 +17,10 @@ class Attention(nn.Module):
     ([2, num_blocks, block_size, num_kv_heads, head_dim]) and `backend` after allocating the
     cache; the backend picks how to compute (see AttentionBackend.forward_qkv).
 
-    `k_scale` and `v_scale` are the scales of an fp8 cache's keys and values (AttentionBackend):
-    1.0, as vLLM's default without scales in the checkpoint. Set them before the engine
-    allocates the cache: CUDA graphs keep the values they were captured with.
+    `k_scale` and `v_scale` scale an fp8 cache's keys and values (AttentionBackend): 1.0,
+    vLLM's default for a checkpoint without scales. octavo reads none and calibrates none
+    (docs/ARCHITECTURE.md, "An fp8 KV cache", says why). NOTE: a CUDA graph keeps the values
+    it was captured with.
     """
 
     def __init__(
