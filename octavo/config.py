@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# vLLM's names: "auto" is the model's dtype, "fp8" the same as "fp8_e4m3".
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -16,7 +19,8 @@ def _check_positive(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache: block size and the memory budget that sizes the pool.
+    """The paged KV cache: block size, the memory budget that sizes the pool, and the dtype
+    its keys and values are stored in (`cache_dtype`, one of KV_CACHE_DTYPES).
 
     Exactly one budget applies, in this order: `num_kv_blocks` if given, else
     `kv_cache_memory` bytes if given, else `gpu_memory_utilization` of the GPU (CUDA) or
@@ -28,6 +32,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_positive("block_size", self.block_size)
@@ -40,6 +45,10 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}"
             )
 
 

@@ -98,7 +98,10 @@ class AttentionBackend(ABC):
 
     A KV cache tensor of one layer has shape [2, num_blocks, block_size, num_kv_heads,
     head_dim] (keys at index 0, values at 1); the model runner allocates one per layer and
-    binds it, with the backend, to that layer's `Attention` module.
+    binds it, with the backend, to that layer's `Attention` module. It holds the model's dtype,
+    or float8 e4m3 (`kv_cache_dtype="fp8"`): then a key k is stored as e4m3(k / k_scale),
+    clamped to +-448, and read back as that times k_scale, values likewise with v_scale
+    (torch_backend.to_kv_cache). Other caches ignore the scales, which are 1.0 for them.
     """
 
     name: str = "abstract"
@@ -111,6 +114,8 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         spec: AttentionSpec,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """One layer's attention from its qkv projection: split, q/k norm, rotary, the K/V
         store, attention. What the `Attention` layer calls.
@@ -121,6 +126,7 @@ class AttentionBackend(ABC):
             kv_cache: this layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim].
             md: the step's metadata, shared by all layers.
             spec: the layer's head counts, scale, rotary and q/k norms.
+            k_scale, v_scale: the scales of an fp8 cache's keys and values.
         Returns:
             [T, num_heads, head_dim] attention output.
         """
@@ -134,6 +140,8 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Store k/v of the new tokens in the cache, then attend: the attention of
         `forward_qkv` once q and k are normalized and rotated.
@@ -144,6 +152,7 @@ class AttentionBackend(ABC):
             kv_cache: this layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim].
             md: the step's metadata, shared by all layers.
             scale: softmax scale, usually head_dim ** -0.5.
+            k_scale, v_scale: the scales of an fp8 cache's keys and values.
         Returns:
             [T, num_heads, head_dim] attention output.
         """

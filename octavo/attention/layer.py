@@ -16,6 +16,11 @@ class Attention(nn.Module):
     the model's (and keep their checkpoint names). The model runner binds `kv_cache`
     ([2, num_blocks, block_size, num_kv_heads, head_dim]) and `backend` after allocating the
     cache; the backend picks how to compute (see AttentionBackend.forward_qkv).
+
+    `k_scale` and `v_scale` scale an fp8 cache's keys and values (AttentionBackend): 1.0,
+    vLLM's default for a checkpoint without scales. octavo reads none and calibrates none
+    (docs/ARCHITECTURE.md, "An fp8 KV cache", says why). NOTE: a CUDA graph keeps the values
+    it was captured with.
     """
 
     def __init__(
@@ -35,6 +40,7 @@ class Attention(nn.Module):
         )
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        self.k_scale = self.v_scale = 1.0
 
     def forward(
         self, qkv: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
@@ -45,7 +51,9 @@ class Attention(nn.Module):
         """
         if self.kv_cache is None or self.backend is None:
             raise RuntimeError("Attention used before the model runner bound a KV cache")
-        out = self.backend.forward_qkv(qkv, positions, self.kv_cache, md, self.spec)
+        out = self.backend.forward_qkv(
+            qkv, positions, self.kv_cache, md, self.spec, self.k_scale, self.v_scale
+        )
         return out.reshape(out.shape[0], self.spec.num_heads * self.spec.head_dim)
 
 

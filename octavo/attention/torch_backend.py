@@ -10,19 +10,44 @@ import torch.nn.functional as F
 from octavo.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 
 DECODE_GROUPS = 4  # length groups of a decode step (see TorchAttentionBackend._decode)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def to_kv_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as a cache of `cache_dtype` holds it: for an fp8 (e4m3) cache, x / scale clamped to
+    +-448 and rounded to e4m3; for any other cache x itself, its scale unused (1.0)."""
+    if cache_dtype != FP8:
+        return x.to(cache_dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def from_kv_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """The inverse of `to_kv_cache`: e4m3 values times their scale, in `dtype`."""
+    return x.to(dtype) * scale if x.dtype == FP8 else x.to(dtype)
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes, for the copies that have no float8 kernel on the CPU."""
+    return x.view(torch.uint8) if x.dtype == FP8 else x
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatters the new tokens' keys/values into their slots.
+    """Scatters the new tokens' keys/values into their slots (`to_kv_cache`).
 
     k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, D]; slot_mapping: [T].
     """
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, KVH, D]
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    flat = _bytes(kv_cache).view(2, -1, num_kv_heads, head_dim)  # [2, num_slots, KVH, D]
+    flat[0].index_copy_(0, slot_mapping, _bytes(to_kv_cache(k, kv_cache.dtype, k_scale)))
+    flat[1].index_copy_(0, slot_mapping, _bytes(to_kv_cache(v, kv_cache.dtype, v_scale)))
 
 
 def gather_kv(
@@ -104,10 +129,12 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         spec: AttentionSpec,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """See AttentionBackend.forward_qkv: `split_qkv`, then `forward`."""
         q, k, v = split_qkv(qkv, positions, spec)
-        return self.forward(q, k, v, kv_cache, md, spec.scale)
+        return self.forward(q, k, v, kv_cache, md, spec.scale, k_scale, v_scale)
 
     def forward(
         self,
@@ -117,12 +144,14 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """See AttentionBackend.forward."""
-        write_kv_cache(k, v, kv_cache, md.slot_mapping[: md.num_tokens])
+        write_kv_cache(k, v, kv_cache, md.slot_mapping[: md.num_tokens], k_scale, v_scale)
         q = q[: md.num_tokens]
         if md.is_all_decode:
-            return self._decode(q, kv_cache, md, scale)
+            return self._decode(q, kv_cache, md, scale, k_scale, v_scale)
         out = torch.empty_like(q)
         starts = md.query_start_loc_cpu
         for i, seq_len in enumerate(md.seq_lens_cpu):
@@ -133,11 +162,19 @@ class TorchAttentionBackend(AttentionBackend):
                 keys, values = k[start:end], v[start:end]  # no cached prefix: the new K/V
             else:
                 keys, values = gather_kv(kv_cache, md.block_tables[i], seq_len)
+                keys = from_kv_cache(keys, q.dtype, k_scale)
+                values = from_kv_cache(values, q.dtype, v_scale)
             out[start:end] = _attend(q[start:end], keys, values, scale)
         return out
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        k_scale: float,
+        v_scale: float,
     ) -> torch.Tensor:
         """One token per sequence. The sequences are sorted by length and attended in up to
         DECODE_GROUPS groups, each padded only to its own longest context: padding a batch
@@ -155,12 +192,14 @@ class TorchAttentionBackend(AttentionBackend):
             kv = workspace[: g.cache_rows.numel()]
             torch.index_select(rows, 0, g.cache_rows, out=kv)
             kv = kv.view(2, n, g.num_blocks * block_size, num_kv_heads, head_dim)
+            keys = from_kv_cache(kv[0], q.dtype, k_scale)  # [n, L, KVH, D]
+            values = from_kv_cache(kv[1], q.dtype, v_scale)
             # The query heads sharing a KV head become that head's query rows, so each KV
             # head is read once: [n, KVH, group, D] against [n, KVH, L, D].
             out = F.scaled_dot_product_attention(
                 q_sorted[g.lo : g.hi].view(n, num_kv_heads, group, head_dim),
-                kv[0].transpose(1, 2),
-                kv[1].transpose(1, 2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
                 attn_mask=g.mask,
                 scale=scale,
             )
@@ -243,18 +282,20 @@ def reference_attention(
     kv_cache: torch.Tensor,
     md: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Float32, loop-only reference (the oracle the kernels and the decode path are tested
     against). Same contract as AttentionBackend.forward."""
-    write_kv_cache(k, v, kv_cache, md.slot_mapping[: md.num_tokens])
+    write_kv_cache(k, v, kv_cache, md.slot_mapping[: md.num_tokens], k_scale, v_scale)
     out = torch.empty(q.shape[0], q.shape[1], q.shape[2], dtype=torch.float32, device=q.device)
     starts = md.query_start_loc_cpu
     group = q.shape[1] // kv_cache.shape[-2]
     for i, seq_len in enumerate(md.seq_lens_cpu):
         start, end = starts[i], starts[i + 1]
-        keys, values = gather_kv(kv_cache.float(), md.block_tables[i], seq_len)
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
+        keys, values = gather_kv(kv_cache, md.block_tables[i], seq_len)
+        keys = from_kv_cache(keys, torch.float32, k_scale).repeat_interleave(group, dim=1)
+        values = from_kv_cache(values, torch.float32, v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
         allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos

@@ -53,6 +53,8 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         spec: AttentionSpec,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """See AttentionBackend.forward_qkv. Returns [T, H, D] in qkv's dtype (T of a
         decode step is qkv's rows, else `md.num_tokens`)."""
@@ -69,13 +71,14 @@ class TritonAttentionBackend(AttentionBackend):
             return decode_attention_qkv(
                 qkv, kv_cache, md.seq_lens, md.block_tables, slot_mapping, cos_sin_cache,
                 spec.scale, spec.num_heads, q_weight, k_weight, eps, order=md.decode_order,
+                k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         # q [T, H, D] comes back; k and v go straight into their cache slots.
         q = qk_norm_rope_store(
             qkv, positions, cos_sin_cache, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-            kv_cache, slot_mapping, q_weight, k_weight, eps=eps,
+            kv_cache, slot_mapping, q_weight, k_weight, eps, k_scale, v_scale,
         )  # fmt: skip
-        return self.attend(q, kv_cache, md, spec.scale)
+        return self.attend(q, kv_cache, md, spec.scale, k_scale, v_scale)
 
     def forward(
         self,
@@ -85,21 +88,33 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """See AttentionBackend.forward. Returns [md.num_tokens, H, D] in q's dtype."""
         num_tokens = md.num_tokens
-        store_kv(k[:num_tokens], v[:num_tokens], kv_cache, md.slot_mapping[:num_tokens])
-        return self.attend(q, kv_cache, md, scale)
+        store_kv(
+            k[:num_tokens], v[:num_tokens], kv_cache, md.slot_mapping[:num_tokens],
+            k_scale, v_scale,
+        )  # fmt: skip
+        return self.attend(q, kv_cache, md, scale, k_scale, v_scale)
 
     def attend(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Attention of q [T, H, D] over the cache, which already holds this step's K/V."""
         q = q[: md.num_tokens]  # [T, H, D]
+        scales = {"k_scale": k_scale, "v_scale": v_scale}
         if md.is_all_decode:
             # One token per sequence: row b of q is sequence b.
             return decode_attention(
-                q, kv_cache, md.seq_lens, md.block_tables, scale, order=md.decode_order
+                q, kv_cache, md.seq_lens, md.block_tables, scale, order=md.decode_order, **scales
             )
         return prefill_attention(
             q,
@@ -109,4 +124,5 @@ class TritonAttentionBackend(AttentionBackend):
             md.block_tables,
             scale,
             num_seqs=md.num_seqs,
+            **scales,
         )

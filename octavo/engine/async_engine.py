@@ -136,7 +136,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()  # lets a thread from `build` begin its loop
-        self._stats: dict[str, int | float] = engine.get_stats()
+        self._stats: dict[str, int | float | str] = engine.get_stats()
         # The requests in the engine, by id; touched only on the engine thread.
         self._live: dict[str, Request] = {}
         self._closed = False  # set on the event loop once the engine loop has ended
@@ -218,7 +218,7 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     @property
-    def stats(self) -> dict[str, int | float]:
+    def stats(self) -> dict[str, int | float | str]:
         """`Engine.get_stats()` as of the last step (a snapshot: reading it is thread-safe)."""
         return self._stats
 

@@ -90,6 +90,7 @@ def build_engine(
     dist_init_addr: str | None = None,
     load_format: str = "auto",
     quantization: str | None = "auto",
+    kv_cache_dtype: str = "auto",
     seed: int = 0,
     attention_backend: str | None = None,
     async_scheduling: bool | None = None,
@@ -102,8 +103,9 @@ def build_engine(
     if cuda_graph_max_tokens < 0:
         raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {cuda_graph_max_tokens}")
     cache = CacheConfig(
-        block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching
-    )
+        block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
+        enable_prefix_caching, kv_cache_dtype,
+    )  # fmt: skip
     parallel = ParallelConfig(tensor_parallel_size, nnodes, dist_init_addr)
     model_path = resolve_model(model)
     hf_config = load_hf_config(model_path)
@@ -112,6 +114,7 @@ def build_engine(
     quantization = resolve_quantization(quantization, model_path, dev, load_format)
     check_quantization(quantization, dev)
     torch_dtype = resolve_dtype(dtype, dev)
+    kv_dtype = kv_setup.kv_cache_dtype(cache.cache_dtype, torch_dtype, dev)
     tok = load_tokenizer(tokenizer or model_path)
     config_eos = getattr(hf_config, "eos_token_id", None)
     eos = eos_token_ids(tok, config_eos) if tok is not None else _as_list(config_eos)
@@ -120,7 +123,7 @@ def build_engine(
         "block_size": block_size, "load_format": load_format, "seed": seed,
         "attention_backend": attention_backend, "enforce_eager": enforce_eager,
         "cuda_graph_max_tokens": cuda_graph_max_tokens, "eos_token_ids": eos,
-        "quantization": quantization,
+        "quantization": quantization, "kv_cache_dtype": kv_dtype,
     }  # fmt: skip
     # Size the KV cache (profiling a step on CUDA), then allocate it once.
     if tensor_parallel_size == 1:

@@ -399,9 +399,10 @@ class Engine:
 
     # ---- stats ------------------------------------------------------------------------
 
-    def get_stats(self) -> dict[str, int | float]:
+    def get_stats(self) -> dict[str, int | float | str]:
         """Counters for users and metrics: preemptions, prefix-cache queries and hits (in
-        tokens), KV blocks, queue lengths and throughput counters."""
+        tokens), KV blocks, queue lengths and throughput counters; and the KV cache's dtype
+        (torch's name: "bfloat16", "float8_e4m3fn", ...)."""
         return {
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.kv.prefix_cache_queries,
@@ -416,4 +417,5 @@ class Engine:
             "kv_blocks_saved_by_sharing": self.kv.num_shared_block_refs,
             "kv_blocks_peak_used": self.kv.sharing.peak_blocks_used,
             "num_cow_copies": self.kv.sharing.num_cow_copies,
+            "kv_cache_dtype": str(self.runner.kv_cache_dtype).removeprefix("torch."),
         }

@@ -114,20 +114,21 @@ def weights_read_per_step(model: torch.nn.Module) -> list[torch.Tensor]:
 def workload_floor(
     model: torch.nn.Module,
     hf_config,
-    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     prompt_lens: list[int],
     output_lens: list[int],
     ceilings: DeviceCeilings,
 ) -> Floor:
     """memory floor = (KV read by all decode steps + weights x longest output) / bandwidth;
-    compute floor = 2 x params x all tokens / matmul rate; the floor is the larger."""
+    compute floor = 2 x params x all tokens / matmul rate; the floor is the larger. The KV
+    cache holds `kv_dtype`."""
     from octavo.model.hf_config import get_head_dim
 
     params = weights_read_per_step(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     num_params = sum(p.numel() for p in params)
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = torch.empty((), dtype=kv_dtype).element_size()
     kv_per_token = hf_config.num_hidden_layers * 2 * kv_heads * get_head_dim(hf_config) * elem
     # sum over t < out of (prompt + t) = out * prompt + out * (out - 1) / 2
     kv_tokens = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True))

@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.parallel_args import add_parallel_args
 from octavo.model.quantization import QUANTIZATION_CHOICES
 
@@ -169,6 +170,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         device=args.device,
         load_format=args.load_format,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or _default_batched_tokens(args),
         max_model_len=args.max_model_len,
@@ -257,7 +259,7 @@ def measured_floor(llm, w: Workload):
     ceilings = measure_ceilings(runner.dtype)
     prompt_lens = [len(p) for p in w.prompts]
     fl = workload_floor(
-        runner.model, runner.hf_config, runner.dtype, prompt_lens, w.max_tokens, ceilings
+        runner.model, runner.hf_config, runner.kv_cache_dtype, prompt_lens, w.max_tokens, ceilings
     )
     return fl, ceilings
 
@@ -269,6 +271,7 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--workload", default="cpu", choices=["cpu", "single", "nanovllm"])
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=256)

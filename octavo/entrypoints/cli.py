@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterator
 from typing import Self
 
+from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.parallel_args import add_parallel_args
 from octavo.model.quantization import QUANTIZATION_CHOICES
 from octavo.sampling_params import RequestOutputKind, SamplingParams
@@ -78,6 +79,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "128) or fp8 (W8A8); gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks; auto (default): "
         "gguf for a GGUF file on the CPU, else none",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache's dtype: auto is the model's; fp8 (= fp8_e4m3) holds twice the "
+        "tokens in the same memory",
+    )
     add_parallel_args(p)
 
 
@@ -103,6 +111,7 @@ def _llm(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         load_format=args.load_format,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
     )
 

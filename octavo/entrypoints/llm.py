@@ -100,9 +100,9 @@ class LLM:
         with frozen_gc_heap():
             return beam_search(self.engine, prompt_inputs, params, use_tqdm, id_prefix=prefix)
 
-    def get_stats(self) -> dict[str, int | float]:
+    def get_stats(self) -> dict[str, int | float | str]:
         """Engine counters: num_preemptions, prefix_cache_queries / prefix_cache_hits
-        (tokens), kv_blocks_total / kv_blocks_free, and throughput counters."""
+        (tokens), kv_blocks_total / kv_blocks_free, and throughput counters; kv_cache_dtype."""
         return self.engine.get_stats()
 
     def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:

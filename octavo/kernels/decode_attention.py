@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.kernels.paged_kv_tile import LOG2E, attend_kv_chunk, check_attention_inputs
+from octavo.kernels.paged_kv_tile import LOG2E, attend_kv_chunk, check_attention_inputs, to_cache
 from octavo.kernels.pdl import pdl_args
 
 MIN_SPLIT_LEN = 256  # context positions per split: below this the partial writes dominate
@@ -91,7 +91,9 @@ def _decode_split_kernel(
     k_norm_ptr,
     slot_ptr,  # FUSED_QK: [B] int64 cache slot of each sequence's new token
     eps,
-    qk_scale,
+    qk_scale,  # softmax scale * log2(e) * k_scale
+    k_scale,  # FUSED_QK: the new key is stored over it (to_cache)
+    v_scale,  # times the output (an fp8 cache's values; 1.0 otherwise)
     num_splits,  # a run-time value, so changing it costs no recompilation
     stride_q_tok,
     stride_q_head,
@@ -141,17 +143,19 @@ def _decode_split_kernel(
         tok = q_ptr + seq.to(tl.int64) * stride_q_tok
         k_src = tok + (NUM_KV_HEADS * GROUP + kv_head) * HEAD_DIM
         row0 = tl.arange(0, 1)[:, None]  # [1, 1] zero offset: the one k head, always in bounds
-        k_new = _norm_rope_rows(
+        k_rot = _norm_rope_rows(
             k_src + row0, row0 == 0, k_norm_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM
-        ).to(q_ptr.dtype.element_ty)  # [1, D]
+        )  # [1, D] float32
         v_src = tok + (NUM_KV_HEADS * GROUP + NUM_KV_HEADS + kv_head) * HEAD_DIM
-        v_new = tl.load(v_src + offs_d)[None, :]  # [1, D]
+        # As the cache holds them: the new token attends to what later ones will read.
+        k_new = to_cache(k_rot, k_scale, k_cache_ptr)  # [1, D]
+        v_new = to_cache(tl.load(v_src + offs_d)[None, :], v_scale, v_cache_ptr)
         owns_new = (kv_lo <= pos) & (pos < kv_hi)
         if owns_new:
             slot = tl.load(slot_ptr + seq)
             dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
-            tl.store(k_cache_ptr + dst, k_new.to(k_cache_ptr.dtype.element_ty))
-            tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty))
+            tl.store(k_cache_ptr + dst, k_new)
+            tl.store(v_cache_ptr + dst, v_new)
         kv_hi = tl.where(owns_new, pos, kv_hi)
     else:
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=head_ok[:, None], other=0.0)
@@ -185,7 +189,7 @@ def _decode_split_kernel(
         m_i = m_new
 
     # An empty split (or seq_len 0) leaves l_i == 0 and acc == 0: write 0 and lse = -inf.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [G, D]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale  # [G, D]
     if SINGLE_SPLIT:
         o_off = seq.to(tl.int64) * stride_o_tok + head * stride_o_head
         o_ptrs = out_ptr + o_off[:, None] + offs_d[None, :]
@@ -277,6 +281,8 @@ def decode_attention(
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     order: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its whole paged context.
 
@@ -294,12 +300,14 @@ def decode_attention(
         config: optional override of `default_decode_config` (benchmarks sweep it).
         order: optional [B] int32 permutation of the sequences, longest first: programs start
             in that order, so the long ones do not run alone at the end (see the module doc).
+        k_scale, v_scale: the scales of an fp8 (e4m3) cache's keys and values (paged_kv_tile).
     Returns:
         [B, H, D] in q's dtype (`out` when given).
     """
     check_attention_inputs(q, kv_cache, block_tables, q.shape[1], kv_cache.shape[3])
     return _decode(q, q.stride(0), q.stride(1), q.shape[1], kv_cache, seq_lens, block_tables,
-                   scale, num_splits=num_splits, out=out, config=config, order=order)  # fmt: skip
+                   scale, num_splits=num_splits, out=out, config=config, order=order,
+                   kv_scales=(k_scale, v_scale))  # fmt: skip
 
 
 class FusedQK(NamedTuple):
@@ -326,6 +334,8 @@ def decode_attention_qkv(
     eps: float = 1e-6,
     order: torch.Tensor | None = None,
     num_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """`decode_attention` straight from the qkv projection: each program also does what
     `qk_norm_rope_store` would do first for its heads (Qwen3's q/k norm if the weights are
@@ -337,7 +347,7 @@ def decode_attention_qkv(
         slot_mapping: [B] int64 cache slot of each sequence's new token.
         cos_sin_cache: [max_position, D] float32 (cos | sin halves), as `RotaryEmbedding`.
         q_norm, k_norm: [D] per-head RMSNorm weights, or both None.
-        The rest as `decode_attention`.
+        The rest as `decode_attention`; an fp8 cache gets the new k / k_scale and v / v_scale.
     Returns:
         [B, H, D] in qkv's dtype.
     """
@@ -349,8 +359,6 @@ def decode_attention_qkv(
             f"qkv {tuple(qkv.shape)} does not hold {num_heads} + 2 x "
             f"{num_kv_heads} heads of {head_dim} with a contiguous last dim"
         )
-    if kv_cache.dtype != qkv.dtype:
-        raise ValueError(f"kv_cache is {kv_cache.dtype} but qkv is {qkv.dtype}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("pass both q and k norm weights, or neither")
     if slot_mapping.shape != (num_seqs,) or slot_mapping.dtype != torch.int64:
@@ -359,7 +367,8 @@ def decode_attention_qkv(
     check_attention_inputs(q_view, kv_cache, block_tables, num_heads, num_kv_heads)
     fused = FusedQK(cos_sin_cache, q_norm, k_norm, slot_mapping, eps)
     return _decode(qkv, qkv.stride(0), head_dim, num_heads, kv_cache, seq_lens, block_tables,
-                   scale, num_splits=num_splits, order=order, fused=fused)  # fmt: skip
+                   scale, num_splits=num_splits, order=order, fused=fused,
+                   kv_scales=(k_scale, v_scale))  # fmt: skip
 
 
 def _decode(
@@ -376,6 +385,7 @@ def _decode(
     config: dict[str, int] | None = None,
     order: torch.Tensor | None = None,
     fused: FusedQK | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Launches the split kernel (and the reduction, with several splits)."""
     num_seqs = q.shape[0]
@@ -416,7 +426,8 @@ def _decode(
         k_norm if has_norm else cos_sin,
         slots,
         eps,
-        scale * LOG2E,
+        scale * LOG2E * kv_scales[0],
+        *kv_scales,
         num_splits,
         stride_tok,
         stride_head,

@@ -8,6 +8,11 @@ page by page (BLOCK_N may span several pages, or part of one):
 
 then scored against M query rows with tl.dot and folded into the running (max, sum, output) of
 each row, in fp32 and in the log2 domain (scores are pre-multiplied by scale * log2(e)).
+
+An fp8 (e4m3) cache holds k / k_scale and v / v_scale (`to_cache`). Its tiles are widened to
+q's dtype for the dots; k_scale goes into the kernels' qk_scale and v_scale multiplies their
+output, so the loop itself never scales. The torch reference is attention/torch_backend.py's
+`to_kv_cache` and `from_kv_cache`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,16 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+
+
+@triton.jit
+def to_cache(x, scale, cache_ptr):
+    """x as the cache at `cache_ptr` holds it: for an e4m3 cache x / scale, clamped to
+    +-FP8_MAX; for another cache x in its dtype (the scale unused)."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -32,7 +47,7 @@ def attend_kv_chunk(
     kv_end,  # positions >= kv_end are masked out (used when MASKED)
     q_pos,  # [M] context position of each row's query (used when MASKED)
     kv_head,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) * k_scale
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -60,6 +75,7 @@ def attend_kv_chunk(
     else:
         k = tl.load(k_cache_ptr + kv_off)
         v = tl.load(v_cache_ptr + kv_off)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 widened; other caches hold q's dtype
 
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N] fp32
     if MASKED:
@@ -88,5 +104,7 @@ def check_attention_inputs(
         raise ValueError(f"head_dim must be a power of two >= 16 matching the cache: {head_dim}")
     if q.stride(-1) != 1 or not kv_cache.is_contiguous():
         raise ValueError("q needs head_dim stride 1 and kv_cache must be contiguous")
+    if kv_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"kv_cache is {kv_cache.dtype}: it must hold q's {q.dtype} or e4m3")
     if block_tables.dtype != torch.int32 or block_tables.stride(1) != 1:
         raise ValueError("block_tables must be int32 with contiguous rows")

@@ -59,7 +59,8 @@ def _prefill_kernel(
     query_start_loc_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     block_tables_ptr,  # [B, max_blocks] int32
-    qk_scale,
+    qk_scale,  # softmax scale * log2(e) * k_scale
+    v_scale,  # times the output (an fp8 cache's values; 1.0 otherwise)
     num_seqs,
     stride_q_tok,
     stride_q_head,
@@ -118,7 +119,7 @@ def _prefill_kernel(
             q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
         )  # fmt: skip
 
-    out = acc / l_i[:, None]  # every valid row saw position 0, so l_i > 0
+    out = acc / l_i[:, None] * v_scale  # every valid row saw position 0, so l_i > 0
     o_off = (q_start + tok).to(tl.int64) * stride_o_tok + head * stride_o_head
     tl.store(
         out_ptr + o_off[:, None] + offs_d[None, :],
@@ -150,6 +151,8 @@ def prefill_attention(
     num_seqs: int,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's paged context.
 
@@ -165,6 +168,7 @@ def prefill_attention(
         num_seqs: B, as a host int (sizes the grid without reading the device).
         out: optional [T, H, D] buffer to write into.
         config: optional override of `default_prefill_config` (benchmarks sweep it).
+        k_scale, v_scale: the scales of an fp8 (e4m3) cache's keys and values (paged_kv_tile).
     Returns:
         [T, H, D] in q's dtype (`out` when given).
     """
@@ -188,7 +192,8 @@ def prefill_attention(
         query_start_loc,
         seq_lens,
         block_tables,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         num_seqs,
         q.stride(0),
         q.stride(1),

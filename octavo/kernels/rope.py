@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from octavo.kernels.paged_kv_tile import to_cache
 from octavo.kernels.pdl import pdl_args
 
 
@@ -70,6 +71,8 @@ def _qk_norm_rope_kernel(
     k_cache_ptr,  # [num_slots, KVH, D] (written only if STORE_KV)
     v_cache_ptr,
     slot_mapping_ptr,  # [T] int64 (read only if STORE_KV)
+    k_scale,  # an fp8 cache's (paged_kv_tile.to_cache)
+    v_scale,
     stride_qkv,
     q_out_heads,
     eps,
@@ -111,13 +114,13 @@ def _qk_norm_rope_kernel(
     if STORE_KV:
         slot = tl.load(slot_mapping_ptr + token)  # int64: slot * row size cannot overflow
         row = slot * (NUM_KV_HEADS * HEAD_DIM)
-        tl.store(k_cache_ptr + row + rows, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(k_cache_ptr + row + rows + half, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_cache_ptr + row + rows, to_cache(k1, k_scale, k_cache_ptr), mask=mask)
+        tl.store(k_cache_ptr + row + rows + half, to_cache(k2, k_scale, k_cache_ptr), mask=mask)
         v_src = src + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + rows
         v1 = tl.load(v_src, mask=mask)
         v2 = tl.load(v_src + half, mask=mask)
-        tl.store(v_cache_ptr + row + rows, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + row + rows + half, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + row + rows, to_cache(v1, v_scale, v_cache_ptr), mask=mask)
+        tl.store(v_cache_ptr + row + rows + half, to_cache(v2, v_scale, v_cache_ptr), mask=mask)
     else:
         dst = q_out_ptr + (token * q_out_heads + NUM_HEADS) * HEAD_DIM + rows
         tl.store(dst, k1.to(q_out_ptr.dtype.element_ty), mask=mask)
@@ -132,7 +135,8 @@ def _check(qkv, head_dim, q_weight, k_weight) -> None:
 
 
 def _launch(qkv, out, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim, q_weight,
-            k_weight, eps, kv_cache=None, slot_mapping=None) -> None:  # fmt: skip
+            k_weight, eps, kv_cache=None, slot_mapping=None,
+            kv_scales=(1.0, 1.0)) -> None:  # fmt: skip
     has_norm = q_weight is not None
     store = kv_cache is not None
     dummy = cos_sin_cache  # any tensor, for pointers the kernel never reads
@@ -146,6 +150,7 @@ def _launch(qkv, out, positions, cos_sin_cache, num_heads, num_kv_heads, head_di
         kv_cache[0] if store else dummy,
         kv_cache[1] if store else dummy,
         slot_mapping if store else positions,
+        *kv_scales,
         qkv.stride(0),
         out.shape[1],
         eps,
@@ -204,13 +209,16 @@ def qk_norm_rope_store(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """As `qk_norm_rope`, but the rotated k and the v heads of `qkv` are written to their
     slots of the paged cache instead of returned.
 
     Args:
-        kv_cache: [2, num_blocks, block_size, KVH, D], contiguous, in qkv's dtype.
+        kv_cache: [2, num_blocks, block_size, KVH, D], contiguous, in qkv's dtype or e4m3.
         slot_mapping: [T] int64 slot of each token (`block * block_size + offset`).
+        k_scale, v_scale: the scales of an fp8 (e4m3) cache's keys and values.
     Returns:
         q [T, H, D], a new contiguous tensor.
     """
@@ -226,5 +234,5 @@ def qk_norm_rope_store(
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens:
         _launch(qkv, out, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim,
-                q_weight, k_weight, eps, kv_cache, slot_mapping)  # fmt: skip
+                q_weight, k_weight, eps, kv_cache, slot_mapping, (k_scale, v_scale))  # fmt: skip
     return out

@@ -1,6 +1,7 @@
 """Writes the new tokens' keys and values into their slots of the paged KV cache.
 
-One program per token copies that token's [KVH, D] key and value rows to its slot:
+One program per token copies that token's [KVH, D] key and value rows to its slot (an fp8
+cache gets k / k_scale and v / v_scale in e4m3: paged_kv_tile.to_cache):
 
     kv_cache: [2, num_blocks, block_size, KVH, D]  ->  viewed as [2, num_slots, KVH, D]
     slot_mapping[t] = 37  ->  k[t] goes to kv_cache[0, 37 // block_size, 37 % block_size]
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from octavo.kernels.paged_kv_tile import to_cache
 from octavo.kernels.pdl import pdl_args
 
 
@@ -24,6 +26,8 @@ def _store_kv_kernel(
     k_cache_ptr,  # [num_slots, KVH, D], contiguous
     v_cache_ptr,  # [num_slots, KVH, D]
     slot_mapping_ptr,  # [T] int64
+    k_scale,
+    v_scale,
     stride_k_tok,
     stride_k_head,
     stride_v_tok,
@@ -46,12 +50,17 @@ def _store_kv_kernel(
     dst = slot * (NUM_KV_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
     k = tl.load(k_src, mask=mask)  # [BLOCK_H, D]
     v = tl.load(v_src, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, to_cache(k, k_scale, k_cache_ptr), mask=mask)
+    tl.store(v_cache_ptr + dst, to_cache(v, v_scale, v_cache_ptr), mask=mask)
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatters k/v of the new tokens into the paged cache, in place.
 
@@ -60,6 +69,7 @@ def store_kv(
             qkv projection is fine), the head_dim stride must be 1.
         kv_cache: [2, num_blocks, block_size, KVH, D], contiguous; keys at 0, values at 1.
         slot_mapping: [T] int64 slot of each token (`block * block_size + offset`).
+        k_scale, v_scale: the scales of an fp8 (e4m3) cache's keys and values.
     Raises:
         ValueError: when the layouts above do not hold.
     """
@@ -80,6 +90,8 @@ def store_kv(
         kv_cache[0],
         kv_cache[1],
         slot_mapping,
+        k_scale,
+        v_scale,
         k.stride(0),
         k.stride(1),
         v.stride(0),

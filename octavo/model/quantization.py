@@ -53,13 +53,20 @@ def check_quantization(method: str | None, device: torch.device) -> None:
     """Raises ValueError for an unknown method, or fp8 on a CUDA GPU without FP8 (below sm89)."""
     if method is not None and method not in METHODS:
         raise ValueError(f"quantization must be None or one of {METHODS}, got {method!r}")
-    if method == "fp8" and device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (8, 9):
-            raise ValueError(
-                "quantization='fp8' needs a GPU with FP8 support (compute capability 8.9 or "
-                f"newer); this one has {capability[0]}.{capability[1]}"
-            )
+    if method == "fp8":
+        check_fp8_device("quantization='fp8'", device)
+
+
+def check_fp8_device(option: str, device: torch.device) -> None:
+    """Raises ValueError, naming `option`, on a CUDA GPU without FP8 (below sm89)."""
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(
+            f"{option} needs a GPU with FP8 support (compute capability 8.9 or newer); this "
+            f"one has {capability[0]}.{capability[1]}"
+        )
 
 
 def quantize_weight(method: str, weight: torch.Tensor) -> QuantizedWeight:

@@ -14,6 +14,7 @@ from octavo.config import CacheConfig
 from octavo.model.hf_config import get_head_dim, get_num_kv_heads
 from octavo.model.layers import Linear
 from octavo.model.parallel import get_tp, kv_head_range
+from octavo.model.quantization import check_fp8_device
 from octavo.runner.sampler import Sampler
 from octavo.runner.sampling_metadata import SamplingMetadata
 from octavo.sampling_params import SamplingParams
@@ -28,6 +29,16 @@ def local_kv_heads(hf_config) -> int:
     """The KV heads this tensor-parallel rank keeps (all of them at world size 1)."""
     tp = get_tp()
     return kv_head_range(get_num_kv_heads(hf_config), tp.rank, tp.size)[1]
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """CacheConfig.cache_dtype as a torch dtype: "auto" is the model's; "fp8" and "fp8_e4m3"
+    are float8_e4m3fn, one byte an element, so a block takes half of bfloat16's memory.
+    Raises ValueError for fp8 on a CUDA GPU without FP8 (below compute capability 8.9)."""
+    if name == "auto":
+        return model_dtype
+    check_fp8_device(f"kv_cache_dtype={name!r}", device)
+    return torch.float8_e4m3fn
 
 
 def zeroed_kv_cache(
@@ -64,7 +75,7 @@ def num_kv_blocks(
     and others) and the peak activations of a profiling pass at the largest step."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = kv_bytes_per_block(runner.hf_config, cache.block_size, runner.dtype)
+    per_block = kv_bytes_per_block(runner.hf_config, cache.block_size, runner.kv_cache_dtype)
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
     elif runner.device.type == "cuda":

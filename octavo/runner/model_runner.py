@@ -69,9 +69,11 @@ class ModelRunner:
         cuda_graph_max_tokens: int = 512,
         eos_token_ids: list[int] | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.hf_config = hf_config
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype  # see kv_setup.kv_cache_dtype
         self.device = device
         self.block_size = block_size
         self.vocab_size = hf_config.vocab_size
@@ -106,11 +108,12 @@ class ModelRunner:
         max_num_batched_tokens: int = 8192,
         warm_up: bool = True,
     ) -> None:
-        """Allocates one [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer,
-        once, binds them to the model's attention layers, sets up the persistent input
-        buffers and captures CUDA graphs. On CUDA, `warm_up` then runs every projection at a
-        ladder of row counts up to `max_num_batched_tokens` (warm_up_linears) and the eager
-        end of a decode step at every batch size (warm_up_eager_decode).
+        """Allocates one [2, num_blocks, block_size, kv_heads, head_dim] tensor of
+        `kv_cache_dtype` per layer, once, binds them to the model's attention layers, sets up
+        the persistent input buffers and captures CUDA graphs. On CUDA, `warm_up` then runs
+        every projection at a ladder of row counts up to `max_num_batched_tokens`
+        (warm_up_linears) and the eager end of a decode step at every batch size
+        (warm_up_eager_decode).
 
         NOTE: one extra block (id `num_blocks`) is scratch space for the padding rows of a
         CUDA graph; the KV cache manager never hands it out.
@@ -118,7 +121,8 @@ class ModelRunner:
         cfg = self.hf_config
         shape = (2, num_blocks + 1, self.block_size, local_kv_heads(cfg), get_head_dim(cfg))
         self.kv_caches = [
-            zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(cfg.num_hidden_layers)
+            zeroed_kv_cache(shape, self.kv_cache_dtype, self.device)
+            for _ in range(cfg.num_hidden_layers)
         ]
         bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
         max_blocks = -(-max_model_len // self.block_size)

@@ -99,6 +99,7 @@ class MultiprocRunner:
     ) -> None:
         self.hf_config = runner_options["hf_config"]
         self.dtype = runner_options["dtype"]
+        self.kv_cache_dtype = runner_options["kv_cache_dtype"]
         self.vocab_size = self.hf_config.vocab_size
         self.device = torch.device(device_type)
         self.size = tensor_parallel_size

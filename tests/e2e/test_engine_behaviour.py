@@ -258,6 +258,14 @@ def test_stats_fields(llm):
         assert isinstance(stats[key], int)
 
 
+def test_an_fp8_kv_cache_holds_four_times_float32s_blocks(llm, llm_factory):
+    """kv_cache_dtype="fp8" stores one byte an element instead of float32's four: the same
+    kv_cache_memory holds four times the blocks, and get_stats shows both."""
+    plain, fp8 = llm.get_stats(), llm_factory(kv_cache_dtype="fp8").get_stats()
+    assert (plain["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("float32", "float8_e4m3fn")
+    assert fp8["kv_blocks_total"] // 4 == plain["kv_blocks_total"]
+
+
 def test_logit_bias_and_allowed_token_ids_steer_only_their_request(
     llm, chat_prompt_ids, greedy_reference
 ):

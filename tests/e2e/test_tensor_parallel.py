@@ -135,15 +135,20 @@ def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tiny", ["llama"], indirect=True)
-@pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_two_ranks_quantize_their_shards(tiny, method):
-    """Each rank quantizes its own shard (a row-parallel shard gets scales of its own), so
-    N = 2 is not N = 1 bit for bit but as close to float32 as N = 1."""
+@pytest.mark.parametrize(
+    "quantized",
+    [{"quantization": "int8"}, {"quantization": "fp8"}, {"kv_cache_dtype": "fp8"}],
+    ids=["int8", "fp8", "kv-fp8"],
+)
+def test_two_ranks_quantize_their_shards(tiny, quantized):
+    """Each rank quantizes its own shard (a row-parallel shard gets scales of its own), or
+    stores its own heads' K/V in an fp8 cache, so N = 2 is not N = 1 bit for bit but as close
+    to float32 as N = 1."""
     path, _, one, _ = tiny
     prompts = [_prompt(50 + i, 24) for i in range(3)]
     exact = _prompt_logprobs(one, prompts)
-    one_q = LLM(path, quantization=method, **OPTIONS)
-    two_q = LLM(path, tensor_parallel_size=2, quantization=method, **OPTIONS)
+    one_q = LLM(path, **quantized, **OPTIONS)
+    two_q = LLM(path, tensor_parallel_size=2, **quantized, **OPTIONS)
     try:
         err_one = (_prompt_logprobs(one_q, prompts) - exact).abs().mean().item()
         err_two = (_prompt_logprobs(two_q, prompts) - exact).abs().mean().item()

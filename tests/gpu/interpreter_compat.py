@@ -1,9 +1,12 @@
-"""Two fixes to Triton 3.6's CPU interpreter, applied only when TRITON_INTERPRET=1.
+"""Three fixes to Triton 3.6's CPU interpreter, applied only when TRITON_INTERPRET=1.
 
 1. Scalars are 1-element arrays there, and `range(0, n)` over a loaded scalar calls `int()` on
    them, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted").
 2. `tl.dot` on bfloat16 runs np.matmul over the raw 16-bit integers (NumPy has no bfloat16),
    which returns garbage; widen bfloat16 operands to float32 first (exact).
+3. Rounding float32 to float8e4nv drops the carry out of the mantissa (31.5 becomes 16, not
+   32) and rounds ties away from even; round through torch's float8_e4m3fn instead (to
+   nearest even, as the GPU's conversion). Widening fp8 is exact there already.
 
 Neither changes what a kernel computes on the GPU; they let the same kernels run on the CPU.
 """
@@ -11,6 +14,7 @@ Neither changes what a kernel computes on the GPU; they let the same kernels run
 from __future__ import annotations
 
 import numpy as np
+import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
@@ -43,4 +47,14 @@ def apply() -> None:
         return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     builder_cls.create_dot = create_dot
+
+    original_fp_to_fp = builder_cls.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            e4m3 = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.float8_e4m3fn)
+            return interpreter.TensorHandle(e4m3.view(torch.uint8).numpy(), dst_type.scalar)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder_cls.create_fp_to_fp = create_fp_to_fp
     interpreter._octavo_patched = True

@@ -108,6 +108,28 @@ def test_mixed_step_graphs_give_the_eager_tokens(model_dir, prompts, monkeypatch
     assert_same_except_near_ties(graphs, eager)
 
 
+def test_an_fp8_kv_cache_holds_twice_the_blocks_and_gives_the_torch_backends_tokens(
+    model_dir, prompts
+):
+    """kv_cache_dtype="fp8": the same kv_cache_memory holds twice bf16's blocks, and the
+    Triton kernels in CUDA graphs give the torch backend's greedy tokens over an e4m3 cache,
+    except at near ties."""
+    from octavo import LLM
+
+    blocks = {}
+    for kv_cache_dtype, stored in (("auto", "bfloat16"), ("fp8", "float8_e4m3fn")):
+        llm = LLM(model_dir, max_model_len=1024, kv_cache_memory=1 << 30, enforce_eager=True,
+                  kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+        stats = llm.get_stats()
+        assert stats["kv_cache_dtype"] == stored
+        blocks[stored] = stats["kv_blocks_total"]
+        del llm
+    assert blocks["float8_e4m3fn"] // 2 == blocks["bfloat16"]
+    triton_outs = run(model_dir, prompts, "triton", kv_cache_dtype="fp8")
+    torch_outs = run(model_dir, prompts, "torch", enforce_eager=True, kv_cache_dtype="fp8")
+    assert_same_except_near_ties(triton_outs, torch_outs)
+
+
 def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """[len(tokens)] log-probs of `tokens` after `prompt` under an HF model (float32 math on
     its output logits)."""

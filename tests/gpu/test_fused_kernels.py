@@ -170,10 +170,12 @@ def test_silu_and_mul_matches_the_torch_layer(dtype, inter):
 @pytest.mark.parametrize("heads", [(16, 8), (32, 8), (8, 1)] if not INTERPRET else [(4, 2)])
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_attention_qkv_matches_rope_store_then_decode(heads, qk_norm, num_splits):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_attention_qkv_matches_rope_store_then_decode(heads, qk_norm, num_splits, fp8):
     """Decode straight from the qkv projection gives the output of `qk_norm_rope_store`
     followed by `decode_attention`, and leaves the cache exactly as they do; contexts of one
-    token, contexts whose new token opens a split, and a longest-first order included."""
+    token, contexts whose new token opens a split, and a longest-first order included; over a
+    bf16 cache and over an e4m3 one with k/v scales."""
     from octavo.kernels.decode_attention import decode_attention, decode_attention_qkv
 
     num_heads, num_kv_heads = heads
@@ -192,7 +194,8 @@ def test_decode_attention_qkv_matches_rope_store_then_decode(heads, qk_norm, num
     if qk_norm:
         weights = tuple(torch.randn(head_dim, device=DEVICE).to(dtype) for _ in range(2))
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
-    cache = cache.to(dtype)
+    cache = cache.to(torch.float8_e4m3fn if fp8 else dtype)
+    scales = {"k_scale": 0.5, "v_scale": 2.0} if fp8 else {}
     tables = torch.randperm(num_blocks, device=DEVICE)[: num_seqs * max_blocks].view(num_seqs, -1)
     tables = tables.to(torch.int32).contiguous()
     seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=DEVICE)
@@ -204,20 +207,24 @@ def test_decode_attention_qkv_matches_rope_store_then_decode(heads, qk_norm, num
 
     want_cache = cache.clone()
     q = qk_norm_rope_store(
-        qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, want_cache, slots, *weights
+        qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim, want_cache, slots, *weights,
+        **scales,
+    )  # fmt: skip
+    want = decode_attention(
+        q, want_cache, seq_lens, tables, scale, num_splits, order=order, **scales
     )
-    want = decode_attention(q, want_cache, seq_lens, tables, scale, num_splits, order=order)
     got = decode_attention_qkv(
         qkv, cache, seq_lens, tables, slots, cos_sin, scale, num_heads, *weights,
-        order=order, num_splits=num_splits,
+        order=order, num_splits=num_splits, **scales,
     )  # fmt: skip
     # Every slot but the new k's is exactly as the two-kernel path leaves it. The new k rows
-    # may differ by one bf16 ulp with the norm on: the two kernels sum squares in other orders.
+    # may differ by one ulp with the norm on: the two kernels sum squares in other orders.
     new_k = torch.zeros_like(cache, dtype=torch.bool).view(2, -1, num_kv_heads, head_dim)
     new_k[0, slots] = True
     new_k = new_k.view_as(cache)
     assert torch.equal(cache[~new_k], want_cache[~new_k])
-    torch.testing.assert_close(cache[new_k], want_cache[new_k], rtol=2**-7, atol=0)
+    ulp = 2**-3 if fp8 else 2**-7
+    torch.testing.assert_close(cache[new_k].float(), want_cache[new_k].float(), rtol=ulp, atol=0)
     if not qk_norm:
         assert torch.equal(cache, want_cache)
     assert got.shape == (num_seqs, num_heads, head_dim)

@@ -1,8 +1,9 @@
 """The Triton attention kernels against the torch reference, on fresh random inputs.
 
 On CUDA the full matrix runs: head_dim 64 and 128, GQA groups 1-8 (and odd ones), pages of
-16 and 32, contexts 1..8k, bf16 and fp16. With OCTAVO_TRITON_INTERPRET=1 a small subset runs
-on the CPU through Triton's interpreter (see conftest.py).
+16 and 32, contexts 1..8k, bf16 and fp16, and an fp8 (e4m3) cache with k/v scales. With
+OCTAVO_TRITON_INTERPRET=1 a small subset runs on the CPU through Triton's interpreter (see
+conftest.py).
 
 Every kernel output buffer is poisoned with NaN first, so an element the kernel forgot to write
 fails the NaN check; the cache is filled with random data, so a wrong page or slot fails the
@@ -24,8 +25,10 @@ if not INTERPRET and not torch.cuda.is_available():
 
 from octavo.attention.backend import AttentionMetadata, AttentionSpec, build_metadata
 from octavo.attention.torch_backend import (
+    FP8,
     TorchAttentionBackend,
     reference_attention,
+    to_kv_cache,
     write_kv_cache,
 )
 from octavo.attention.triton_backend import TritonAttentionBackend
@@ -127,6 +130,22 @@ def test_store_kv_writes_exactly_the_mapped_slots(dtype, num_kv_heads, head_dim)
     write_kv_cache(k, v, expected, slots)
     store_kv(k, v, cache, slots)
     assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_e4m3_over_the_scales(dtype):
+    """Into an fp8 cache each token's k / k_scale and v / v_scale land as the torch backend
+    rounds them, clamped to +-448, bit for bit; other slots keep their old bits."""
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 8, 16, 2, 64, 37
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE).to(FP8)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    k = (torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE) * 300).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    expected = cache.clone()
+    write_kv_cache(k, v, expected, slots, 2.0, 0.25)  # powers of two: exact divisions
+    store_kv(k, v, cache, slots, 2.0, 0.25)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    assert cache.float().abs().max() == 448
 
 
 # ---------------------------------------------------------------- prefill / extend
@@ -272,6 +291,47 @@ def test_decode_padding_sequence_gives_zeros(num_splits):
     assert rel_err(out[0], ref[0]) < TOLERANCE[torch.bfloat16]
 
 
+FP8_SCALES = {"k_scale": 0.37, "v_scale": 1.7}
+
+
+def fp8_batch(query_lens: list[int], seq_lens: list[int], group: int, head_dim: int):
+    """make_batch's batch over an e4m3 cache with FP8_SCALES, this step's k/v stored by
+    store_kv, and the reference's output: (q, cache, md, reference)."""
+    q, k, v, cache, md = make_batch(query_lens, seq_lens, 2, group, head_dim, 16, torch.bfloat16)
+    k_scale, v_scale = FP8_SCALES.values()
+    cache = torch.cat([to_kv_cache(cache[:1], FP8, k_scale), to_kv_cache(cache[1:], FP8, v_scale)])
+    ref = reference_attention(q, k, v, cache.clone(), md, head_dim**-0.5, k_scale, v_scale)
+    store_kv(k, v, cache, md.slot_mapping, k_scale, v_scale)
+    return q, cache, md, ref
+
+
+@pytest.mark.parametrize("batch", ["prefix_then_new", "decodes_mixed_in"])
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_prefill_over_an_fp8_cache_matches_reference(batch, group, head_dim):
+    """Prefill reads what the reference reads from an e4m3 cache: e4m3 times its scale."""
+    q, cache, md, ref = fp8_batch(*PREFILL_BATCHES[batch], group, head_dim)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, cache, md.query_start_loc, md.seq_lens, md.block_tables,
+                      head_dim**-0.5, md.num_seqs, out=out, **FP8_SCALES)  # fmt: skip
+    assert not out.isnan().any(), "some output elements were not written"
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("num_splits", full_or_small([None, 1, 3], [1, 3]))
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_decode_over_an_fp8_cache_matches_reference(num_splits, group, head_dim):
+    """Decode, split-K or not, reads what the reference reads from an e4m3 cache."""
+    seq_lens = DECODE_SEQ_LENS
+    q, cache, md, ref = fp8_batch([1] * len(seq_lens), seq_lens, group, head_dim)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, cache, md.seq_lens, md.block_tables, head_dim**-0.5, num_splits,
+                     out=out, **FP8_SCALES)  # fmt: skip
+    assert not out.isnan().any(), "some output elements were not written"
+    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+
+
 def test_num_splits_depend_on_shapes_only():
     """The split count fills ~2 waves of 132 SMs, stays a power of two, and is 1 when the
     batch alone fills the GPU; it takes no per-step data (so CUDA-graph grids are fixed)."""
@@ -311,11 +371,15 @@ def test_backend_qwen3_shapes(query_lens, seq_lens):
 
 
 @pytest.mark.skipif(INTERPRET, reason="CUDA graphs need a GPU")
-def test_backend_decode_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_backend_decode_replays_in_a_cuda_graph(fp8):
     """Decode captured once replays correctly with new lengths and pages copied into the same
-    metadata buffers (the launch grid depends on shapes only)."""
+    metadata buffers (the launch grid depends on shapes only); over an e4m3 cache too, whose
+    scales the graph keeps."""
     backend, heads, kv_heads, head_dim, batch, width = TritonAttentionBackend(), 16, 8, 128, 8, 64
-    cache = torch.randn(2, batch * width, 16, kv_heads, head_dim, device=DEVICE).bfloat16()
+    cache = torch.randn(2, batch * width, 16, kv_heads, head_dim, device=DEVICE)
+    cache = cache.to(FP8) if fp8 else cache.bfloat16()
+    scales = FP8_SCALES if fp8 else {}
     qkv = [
         torch.randn(batch, n, head_dim, device=DEVICE).bfloat16()
         for n in (heads, kv_heads, kv_heads)
@@ -329,10 +393,10 @@ def test_backend_decode_replays_in_a_cuda_graph():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        backend.forward(*qkv, cache, md, 0.1)  # compiles outside the capture
+        backend.forward(*qkv, cache, md, 0.1, **scales)  # compiles outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            out = backend.forward(*qkv, cache, md, 0.1)
+            out = backend.forward(*qkv, cache, md, 0.1, **scales)
     torch.cuda.current_stream().wait_stream(stream)
     for seq_lens in ([5, 1000, 17, 1, 1024, 300, 64, 65], [1] * batch):
         new = step_md(seq_lens)
@@ -340,7 +404,7 @@ def test_backend_decode_replays_in_a_cuda_graph():
             getattr(md, name).copy_(getattr(new, name))
         for buf in qkv:
             buf.copy_(torch.randn_like(buf))
-        ref = reference_attention(*qkv, cache.clone(), new, 0.1)
+        ref = reference_attention(*qkv, cache.clone(), new, 0.1, **scales)
         graph.replay()
         assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
 
@@ -462,18 +526,22 @@ FORWARD_QKV_BATCHES = {
 @pytest.mark.parametrize("batch", list(FORWARD_QKV_BATCHES))
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("fused_decode", [True, False])
+@pytest.mark.parametrize("fp8", [False, True])
 @torch.no_grad()
-def test_forward_qkv_matches_the_torch_backend(batch, qk_norm, fused_decode):
+def test_forward_qkv_matches_the_torch_backend(batch, qk_norm, fused_decode, fp8):
     """The model's path (qkv -> q/k norm, rotary, K/V store, attention) through the Triton
     backend's kernels equals the torch backend's float32 run of the same layer on the CPU, in
     its output and in the cache slots it writes; a decode step through the one fused kernel
-    and through the two-kernel path (`decodes_from_qkv` off) alike."""
+    and through the two-kernel path (`decodes_from_qkv` off) alike; a bf16 cache and an e4m3
+    one with k/v scales alike (powers of two, so both divide exactly)."""
     query_lens, seq_lens = FORWARD_QKV_BATCHES[batch]
     heads, kv_heads = full_or_small((16, 8), (4, 2))
     head_dim, block_size, dtype = full_or_small(128, 32), 16, torch.bfloat16
     spec = _spec(heads, kv_heads, head_dim, qk_norm, dtype, DEVICE)
     _, _, _, cache, md = make_batch(query_lens, seq_lens, kv_heads, heads // kv_heads, head_dim,
                                     block_size, dtype)  # fmt: skip
+    scales = {"k_scale": 0.5, "v_scale": 2.0} if fp8 else {}
+    cache = cache.to(FP8) if fp8 else cache
     num_tokens = sum(query_lens)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = torch.randn(num_tokens, width + 8, device=DEVICE).to(dtype)[:, :width]  # strided rows
@@ -482,14 +550,14 @@ def test_forward_qkv_matches_the_torch_backend(batch, qk_norm, fused_decode):
         device=DEVICE,
     )
     cpu_md = build_metadata(query_lens, seq_lens, md.block_tables.tolist(), block_size)
-    want_cache = cache.float().cpu()
+    want_cache = cache.cpu() if fp8 else cache.float().cpu()
     want = TorchAttentionBackend().forward_qkv(
-        qkv.float().cpu(), positions.cpu(), want_cache, cpu_md, _on_cpu_in_float32(spec)
+        qkv.float().cpu(), positions.cpu(), want_cache, cpu_md, _on_cpu_in_float32(spec), **scales
     )
 
     backend = TritonAttentionBackend()
     backend.decodes_from_qkv = fused_decode
-    got = backend.forward_qkv(qkv, positions, cache, md, spec)
+    got = backend.forward_qkv(qkv, positions, cache, md, spec, **scales)
     assert got.shape == (num_tokens, heads, head_dim) and got.dtype == dtype
     assert not got.isnan().any()
     assert rel_err(got.cpu(), want) < FORWARD_QKV_TOLERANCE
@@ -497,4 +565,4 @@ def test_forward_qkv_matches_the_torch_backend(batch, qk_norm, fused_decode):
     got_kv = cache.cpu().view(2, -1, kv_heads, head_dim)[:, slots]
     want_kv = want_cache.view(2, -1, kv_heads, head_dim)[:, slots]
     assert rel_err(got_kv[0], want_kv[0]) < FORWARD_QKV_TOLERANCE  # rotated (and normed) k
-    assert torch.equal(got_kv[1].float(), want_kv[1])  # v as projected
+    assert torch.equal(got_kv[1].float(), want_kv[1].float())  # v as projected

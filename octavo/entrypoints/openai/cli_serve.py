@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 
+from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
 from octavo.entrypoints.parallel_args import add_parallel_args, parallel_options
 from octavo.model.quantization import QUANTIZATION_CHOICES
@@ -53,6 +54,7 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -113,9 +115,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     names = (
-        "model", "dtype", "device", "load_format", "quantization", "max_model_len", "max_num_seqs",
-        "max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_prefix_caching",
-        "enforce_eager", "cuda_graph_max_tokens", "seed",
+        "model", "dtype", "device", "load_format", "quantization", "kv_cache_dtype",
+        "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+        "enable_prefix_caching", "enforce_eager", "cuda_graph_max_tokens", "seed",
     )  # fmt: skip
     options = {name: getattr(args, name) for name in names} | parallel_options(args)
     if args.node_rank > 0:  # a worker node: no engine, no API

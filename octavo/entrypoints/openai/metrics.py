@@ -25,7 +25,7 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
 class ServerMetrics:
     """The metrics of one server; `render()` is the body of GET /metrics."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, int | float] | None]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, int | float | str] | None]) -> None:
         """`engine_stats` gives the engine's stats snapshot, or None while it is down."""
         self.registry = CollectorRegistry()
         r = self.registry
@@ -116,7 +116,7 @@ class RequestTimer:
 class _EngineStatsCollector:
     """Turns the engine's stats snapshot into gauges and counters at scrape time."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, int | float] | None]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, int | float | str] | None]) -> None:
         self.engine_stats = engine_stats
 
     def describe(self):
