@@ -195,7 +195,8 @@ class Int8Weight(QuantizedWeight):
 class Int4Weight(QuantizedWeight):
     """W4A16, group GROUP_SIZE. On the CPU the weight is in the layout of torch's int4 kernel
     (`qscale_zero` [G, N, 2], its zero being min + 8 * scale); elsewhere two values a byte
-    (low nibble first) with `scale` and `min` [N, G], dequantized for each product."""
+    (low nibble first) with `scale` and `min` [N, G], dequantized for each product.
+    `columns` (GPTQ's act order): x's columns in the order of the weight's, or None."""
 
     method = "int4"
 
@@ -204,10 +205,13 @@ class Int4Weight(QuantizedWeight):
         weight: torch.Tensor,
         group_size: int = GROUP_SIZE,
         grid: tuple[torch.Tensor, torch.Tensor] | None = None,
+        columns: torch.Tensor | None = None,
     ) -> None:
         """grid: the (scale, min) [N, K / group_size] that `weight` already lies on, kept
-        instead of new ones (quantize_int4_on_grid)."""
+        instead of new ones (quantize_int4_on_grid). columns [K]: the input column each of
+        the weight's columns takes (forward permutes x so), or None for all in order."""
         super().__init__(weight)
+        self.register_buffer("columns", columns)
         self.group_size = group_size
         self.cpu_kernel = _uses_cpu_kernels(weight)
         param_dtype = torch.bfloat16 if self.cpu_kernel else weight.dtype
@@ -224,6 +228,8 @@ class Int4Weight(QuantizedWeight):
             self.scale, self.min = _frozen(scale), _frozen(lo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.columns is not None:
+            x = x.index_select(-1, self.columns)
         if self.cpu_kernel:
             x16 = F.pad(x.to(torch.bfloat16), (0, self.padded_in_features - self.in_features))
             y = torch._weight_int4pack_mm_for_cpu(
