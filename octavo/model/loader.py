@@ -12,6 +12,12 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from octavo.model.int4_checkpoint import (
+    CHECKPOINT_METHODS,
+    checkpoint_method,
+    int4_format,
+    iter_int4_weights,
+)
 from octavo.model.layers import Linear, RMSNorm, default_weight_loader
 from octavo.model.quantization import Int4Weight, check_quantization
 from octavo.model.registry import get_model_class
@@ -37,17 +43,19 @@ def load_model(
             values of a sane scale, the same for the same seed (on the same device).
         quantization: None, or "int8", "int4" or "fp8": the linear layers' weights
             (qkv, o, gate_up, down) are quantized once loaded (model/quantization.py);
-            "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1 keep their blocks.
+            "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1 keep their blocks;
+            "awq", "gptq" (a checkpoint of that quant_method): they keep its 4-bit groups.
     Returns:
         The model in eval mode, with requires_grad off.
     Raises:
-        ValueError: unknown load_format or quantization, fp8 on a GPU without FP8, no
-            weight files, or a checkpoint that misses or has extra weights.
+        ValueError: unknown load_format or quantization, fp8 on a GPU without FP8, a
+            quantization that does not fit the checkpoint's quantization_config, no weight
+            files, or a checkpoint that misses or has extra weights.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     device = torch.device(device)
-    check_quantization(quantization, device)
+    check_quantization(quantization, device, hf_config, load_format)
     if quantization == "gguf" and (load_format == "dummy" or not model.endswith(".gguf")):
         raise ValueError(
             f"quantization='gguf' keeps a GGUF file's blocks: it needs a .gguf model file "
@@ -68,11 +76,19 @@ def load_model(
 
             _keep_int4_groups(net, iter_gguf_weights(model, hf_config, blocks=True), 32)
             _keep_gguf_q8_0_head(net, model)
+        elif quantization in CHECKPOINT_METHODS:
+            fmt = int4_format(hf_config)
+            groups, ids = (iter_int4_weights(_iter_files(model), fmt, p) for p in _INT4_PARTS)
+            ids = ids if fmt.act_order else None
+            _keep_int4_groups(net, groups, fmt.kernel_group_size, ids, quantization)
         elif quantization is not None:
             for module in list(net.modules()):
                 if isinstance(module, Linear):
                     module.quantize(quantization)
     return net
+
+
+_INT4_PARTS = ("groups", "group_ids")
 
 
 def _keep_int4_groups(
@@ -228,12 +244,20 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 
 def iter_weights(model: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs from a `.gguf` file or an HF directory's weight files."""
+    """(HF name, tensor) pairs from a `.gguf` file or an HF directory's weight files (an AWQ
+    or GPTQ checkpoint's packed 4-bit layers as their float weights)."""
     if model.endswith(".gguf"):
         from octavo.model.gguf_loader import iter_gguf_weights
 
         yield from iter_gguf_weights(model, hf_config)
-        return
+    elif checkpoint_method(hf_config) in CHECKPOINT_METHODS:
+        yield from iter_int4_weights(_iter_files(model), int4_format(hf_config), "float")
+    else:
+        yield from _iter_files(model)
+
+
+def _iter_files(model: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs from an HF directory's weight files, as they are stored."""
     directory = model if os.path.isdir(model) else os.path.dirname(model)
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if files:
