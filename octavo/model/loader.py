@@ -5,15 +5,21 @@ from __future__ import annotations
 import glob
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from octavo.model.int4_checkpoint import (
+    CHECKPOINT_METHODS,
+    checkpoint_method,
+    int4_format,
+    iter_int4_weights,
+)
 from octavo.model.layers import Linear, RMSNorm, default_weight_loader
-from octavo.model.quantization import check_quantization
+from octavo.model.quantization import Int4Weight, check_quantization
 from octavo.model.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -37,17 +43,19 @@ def load_model(
             values of a sane scale, the same for the same seed (on the same device).
         quantization: None, or "int8", "int4" or "fp8": the linear layers' weights
             (qkv, o, gate_up, down) are quantized once loaded (model/quantization.py);
-            "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1 keep their blocks.
+            "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1 keep their blocks;
+            "awq", "gptq" (a checkpoint of that quant_method): they keep its 4-bit groups.
     Returns:
         The model in eval mode, with requires_grad off.
     Raises:
-        ValueError: unknown load_format or quantization, fp8 on a GPU without FP8, no
-            weight files, or a checkpoint that misses or has extra weights.
+        ValueError: unknown load_format or quantization, fp8 on a GPU without FP8, a
+            quantization that does not fit the checkpoint's quantization_config, no weight
+            files, or a checkpoint that misses or has extra weights.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     device = torch.device(device)
-    check_quantization(quantization, device)
+    check_quantization(quantization, device, hf_config, load_format)
     if quantization == "gguf" and (load_format == "dummy" or not model.endswith(".gguf")):
         raise ValueError(
             f"quantization='gguf' keeps a GGUF file's blocks: it needs a .gguf model file "
@@ -62,41 +70,97 @@ def load_model(
         else:
             loaded = net.load_weights(iter_weights(model, hf_config))
             _check_all_loaded(net, loaded, model)
-    if quantization == "gguf":
-        with torch.no_grad():
-            _keep_gguf_blocks(net, model, hf_config)
-    elif quantization is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if quantization == "gguf":  # Q4_0/Q4_1 tensors as blocks of 32, their scale and min first
+            from octavo.model.gguf_loader import iter_gguf_weights
+
+            _keep_int4_groups(net, iter_gguf_weights(model, hf_config, blocks=True), 32)
+            _keep_gguf_q8_0_head(net, model)
+        elif quantization in CHECKPOINT_METHODS:
+            fmt = int4_format(hf_config)
+            groups, ids = (iter_int4_weights(_iter_files(model), fmt, p) for p in _INT4_PARTS)
+            ids = ids if fmt.act_order else None
+            _keep_int4_groups(net, groups, fmt.kernel_group_size, ids, quantization)
+        elif quantization is not None:
             for module in list(net.modules()):
                 if isinstance(module, Linear):
                     module.quantize(quantization)
     return net
 
 
-def _keep_gguf_blocks(net: nn.Module, path: str, hf_config: PretrainedConfig) -> None:
-    """Each Linear whose checkpoint tensors are all Q4_0/Q4_1 gets an int4 weight on their own
-    blocks: the model's weight loaders place each block's scale and minimum (in its first
-    two elements) where they placed its values, fusing and sharding alike, into a scratch
-    weight; the int4 codes follow from the values."""
-    from octavo.model.gguf_loader import iter_gguf_weights
-    from octavo.model.quantization import Int4Weight
+_INT4_PARTS = ("groups", "group_ids")
 
-    linears = {}
-    for module in net.modules():
-        if isinstance(module, Linear) and module.weight.shape[1] % 32 == 0:
-            linears[module] = module.weight.data
-            module.weight.data = torch.empty_like(module.weight)
-            module.weight.data[:, ::32] = float("nan")  # stays where no Q4 tensor lands
-    stream = iter_gguf_weights(path, hf_config, blocks=True)
-    net.load_weights((name, t) for name, t in stream if not name.endswith(_NOT_LINEAR))
-    for module, weight in linears.items():
-        placed, module.weight.data = module.weight.data, weight
-        scale, lo = placed[:, 0::32], placed[:, 1::32]
-        if scale.isnan().any():
-            continue  # a part is not Q4: it stays float
-        module.quant = Int4Weight(weight, 32, grid=(scale, lo))
+
+def _keep_int4_groups(
+    net: nn.Module,
+    groups: Iterable[tuple[str, torch.Tensor]],
+    group_size: int,
+    group_ids: Iterable[tuple[str, torch.Tensor]] | None = None,
+    method: str | None = None,
+) -> None:
+    """Gives each Linear whose checkpoint tensors are all 4-bit an Int4Weight on their groups.
+
+    `groups` holds, per such tensor [N, K], each group's scale and minimum in the group's
+    first two columns: the model's own weight loaders place them where they placed its
+    values, fusing and sharding alike, into a scratch weight; the codes follow from the
+    float weight (quantize_int4_on_grid). `group_ids` (GPTQ's act order) holds each column's
+    group in every row: the Linear's columns are sorted by group first, so groups are runs.
+    method: named in the ValueError for a tensor-parallel shard that starts inside a group;
+    None: such a shard stays float, as does a Linear with a part that is not 4-bit.
+    """
+    linears = {name: m for name, m in net.named_modules() if isinstance(m, Linear)}
+    placed = _place(net, linears.values(), groups, None)
+    ids = _place(net, linears.values(), group_ids, torch.float32) if group_ids is not None else {}
+    for name, module in linears.items():
+        grid = placed[module]
+        if grid.isnan().all():
+            continue  # no 4-bit tensor landed here
+        columns = _group_order(ids[module], group_size, name) if module in ids else None
+        if grid.shape[1] % group_size:
+            if method is None:
+                continue
+            raise ValueError(
+                f"quantization={method!r}: {name} holds {grid.shape[1]} input features on "
+                f"this rank, not whole groups of {group_size}; use a tensor_parallel_size "
+                "that splits them into whole groups"
+            )
+        if columns is not None:
+            grid = grid[:, columns]
+        scale, lo = grid[:, 0::group_size], grid[:, 1::group_size]
+        if scale.isnan().any() or lo.isnan().any():
+            continue  # a part is not 4-bit: it stays float
+        weight = module.weight.data if columns is None else module.weight.data[:, columns]
+        module.quant = Int4Weight(weight, group_size, grid=(scale, lo), columns=columns)
         module.weight = None
-    _keep_gguf_q8_0_head(net, path)
+
+
+def _place(
+    net: nn.Module, linears: Iterable[Linear], stream, dtype: torch.dtype | None
+) -> dict[Linear, torch.Tensor]:
+    """What the model's weight loaders put from `stream` into NaN scratch weights (in
+    `dtype`, None: the weight's) of `linears`, whose weights are back in place on return."""
+    weights = {m: m.weight.data for m in linears}
+    for m, w in weights.items():
+        m.weight.data = torch.full_like(w, float("nan"), dtype=dtype)
+    net.load_weights((name, t) for name, t in stream if not name.endswith(_NOT_LINEAR))
+    placed = {}
+    for m, w in weights.items():
+        placed[m], m.weight.data = m.weight.data, w
+    return placed
+
+
+def _group_order(ids: torch.Tensor, size: int, name: str) -> torch.Tensor | None:
+    """The column order that turns `ids` [N, K] (each column's group, in every row) into runs
+    of `size` columns of one group; None when they are in order already."""
+    order = torch.argsort(ids[0], stable=True)
+    runs = ids[0][order].view(-1, size) if ids.shape[1] % size == 0 else None
+    if (ids != ids[:1]).any() or runs is None or (runs != runs[:, :1]).any():
+        raise ValueError(
+            f"{name}: the checkpoint's act order (desc_act) does not give its input features "
+            f"on this rank in whole groups of {size} shared by its fused parts; use "
+            "tensor_parallel_size=1"
+        )
+    return None if torch.equal(order, torch.arange(len(order))) else order
 
 
 _NOT_LINEAR = ("embed_tokens.weight", "lm_head.weight")
@@ -180,12 +244,20 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 
 def iter_weights(model: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs from a `.gguf` file or an HF directory's weight files."""
+    """(HF name, tensor) pairs from a `.gguf` file or an HF directory's weight files (an AWQ
+    or GPTQ checkpoint's packed 4-bit layers as their float weights)."""
     if model.endswith(".gguf"):
         from octavo.model.gguf_loader import iter_gguf_weights
 
         yield from iter_gguf_weights(model, hf_config)
-        return
+    elif checkpoint_method(hf_config) in CHECKPOINT_METHODS:
+        yield from iter_int4_weights(_iter_files(model), int4_format(hf_config), "float")
+    else:
+        yield from _iter_files(model)
+
+
+def _iter_files(model: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs from an HF directory's weight files, as they are stored."""
     directory = model if os.path.isdir(model) else os.path.dirname(model)
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     if files:

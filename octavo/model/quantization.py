@@ -8,6 +8,8 @@
     gguf  a GGUF file's Q4_0 and Q4_1 tensors kept in their own blocks of 32 (int4 as above,
           with the file's scales and minimums, not new ones), and a Q8_0 LM head kept as its
           int8 blocks (Q8Weight); its other tensors load as without quantization.
+    awq, gptq  an AWQ or GPTQ checkpoint's 4-bit weights kept on their own groups (int4 as
+          above, see model/int4_checkpoint.py); read from a config's quantization_config.
 
 Each method is a `QuantizedWeight` module that a `Linear` (model/layers.py) holds in place of
 its float weight, built from the shard this rank loaded, so tensor parallelism needs nothing
@@ -25,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-METHODS = ("int8", "int4", "fp8", "gguf")
+METHODS = ("int8", "int4", "fp8", "gguf", "awq", "gptq")
 QUANTIZATION_CHOICES = ("auto", "none", *METHODS)  # the CLI's: "none" is None
 GROUP_SIZE = 128
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -39,22 +41,35 @@ CPU_KERNELS = hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(
 
 
 def resolve_quantization(
-    method: str | None, model_path: str, device: torch.device, load_format: str
+    method: str | None, model_path: str, hf_config, device: torch.device, load_format: str
 ) -> str | None:
-    """ "auto" -> "gguf" for a GGUF file read on the CPU (its blocks kept, as llama.cpp runs
-    them; perplexity as float32's), else None; "none" -> None; others as given."""
+    """ "auto" -> the checkpoint's quant_method when its config has a quantization_config;
+    "gguf" for a GGUF file read on the CPU (its blocks kept, as llama.cpp runs them;
+    perplexity as float32's); else None. "none" -> None; others as given."""
+    from octavo.model.int4_checkpoint import checkpoint_method
+
     if method == "auto":
+        if load_format != "dummy" and checkpoint_method(hf_config) is not None:
+            return checkpoint_method(hf_config)
         gguf = model_path.endswith(".gguf") and load_format != "dummy"
         return "gguf" if gguf and device.type == "cpu" and CPU_KERNELS else None
     return None if method == "none" else method
 
 
-def check_quantization(method: str | None, device: torch.device) -> None:
-    """Raises ValueError for an unknown method, or fp8 on a CUDA GPU without FP8 (below sm89)."""
+def check_quantization(
+    method: str | None, device: torch.device, hf_config=None, load_format: str = "auto"
+) -> None:
+    """Raises ValueError for an unknown method, fp8 on a CUDA GPU without FP8 (below sm89),
+    or, given the model's config, a method other than its checkpoint's quant_method (AWQ and
+    GPTQ checkpoints, of a form octavo reads, need theirs; others none)."""
     if method is not None and method not in METHODS:
         raise ValueError(f"quantization must be None or one of {METHODS}, got {method!r}")
     if method == "fp8":
         check_fp8_device("quantization='fp8'", device)
+    if hf_config is not None:
+        from octavo.model.int4_checkpoint import check_checkpoint_quantization
+
+        check_checkpoint_quantization(method, hf_config, load_format)
 
 
 def check_fp8_device(option: str, device: torch.device) -> None:
@@ -72,8 +87,11 @@ def check_fp8_device(option: str, device: torch.device) -> None:
 def quantize_weight(method: str, weight: torch.Tensor) -> QuantizedWeight:
     """weight [N, K] (output rows, input columns) -> its `method` quantization."""
     classes = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight}
-    if method not in classes:  # "gguf" keeps a file's blocks: see Int4Weight's grid
-        raise ValueError(f"quantization must be None or one of {METHODS}, got {method!r}")
+    if method not in classes:  # gguf, awq, gptq: a checkpoint's own groups (Int4Weight's grid)
+        raise ValueError(
+            f"quantization={method!r} cannot quantize float weights (gguf, awq and gptq keep a "
+            f"checkpoint's own 4-bit groups); use one of {tuple(classes)}"
+        )
     return classes[method](weight)
 
 
@@ -202,7 +220,8 @@ class Int8Weight(QuantizedWeight):
 class Int4Weight(QuantizedWeight):
     """W4A16, group GROUP_SIZE. On the CPU the weight is in the layout of torch's int4 kernel
     (`qscale_zero` [G, N, 2], its zero being min + 8 * scale); elsewhere two values a byte
-    (low nibble first) with `scale` and `min` [N, G], dequantized for each product."""
+    (low nibble first) with `scale` and `min` [N, G], dequantized for each product.
+    `columns` (GPTQ's act order): x's columns in the order of the weight's, or None."""
 
     method = "int4"
 
@@ -211,10 +230,13 @@ class Int4Weight(QuantizedWeight):
         weight: torch.Tensor,
         group_size: int = GROUP_SIZE,
         grid: tuple[torch.Tensor, torch.Tensor] | None = None,
+        columns: torch.Tensor | None = None,
     ) -> None:
         """grid: the (scale, min) [N, K / group_size] that `weight` already lies on, kept
-        instead of new ones (quantize_int4_on_grid)."""
+        instead of new ones (quantize_int4_on_grid). columns [K]: the input column each of
+        the weight's columns takes (forward permutes x so), or None for all in order."""
         super().__init__(weight)
+        self.register_buffer("columns", columns)
         self.group_size = group_size
         self.cpu_kernel = _uses_cpu_kernels(weight)
         param_dtype = torch.bfloat16 if self.cpu_kernel else weight.dtype
@@ -231,6 +253,8 @@ class Int4Weight(QuantizedWeight):
             self.scale, self.min = _frozen(scale), _frozen(lo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.columns is not None:
+            x = x.index_select(-1, self.columns)
         if self.cpu_kernel:
             x16 = F.pad(x.to(torch.bfloat16), (0, self.padded_in_features - self.in_features))
             y = torch._weight_int4pack_mm_for_cpu(

@@ -179,7 +179,7 @@ def test_build_engine_refuses_an_unknown_method_before_loading():
     from octavo.engine.builder import build_engine
 
     with pytest.raises(ValueError, match="quantization must be None or one of"):
-        build_engine("qwen3-0.6b", load_format="dummy", quantization="gptq")
+        build_engine("qwen3-0.6b", load_format="dummy", quantization="nf4")
 
 
 def test_gguf_needs_a_gguf_file():

@@ -1,0 +1,201 @@
+"""AWQ and GPTQ checkpoints: which quantization option fits a checkpoint, and its 4-bit weights
+(packed eight to an int32) read as the float weights they stand for and as their groups'
+scales and minimums, which the loader (model/loader.py) turns into Int4Weights on the
+checkpoint's own grid.
+
+    AWQ (AutoAWQ, GEMM version)              GPTQ (AutoGPTQ, GPTQModel; formats v1 and v2)
+    qweight int32 [K, N / 8]: 8 output       qweight int32 [K / 8, N]: 8 input rows a word,
+      columns a word, nibble i (bits 4i..)     nibble i holding row 8 r + i
+      holding column AWQ_ORDER[i] of its 8
+    qzeros  int32 [G, N / 8], as qweight     qzeros  int32 [G, N / 8], in order; v1 stores z - 1
+    scales  fp16  [G, N]                     scales  fp16  [G, N]
+                                             g_idx   int32 [K]: each input row's group
+    w[n, k] = (q[k, n] - z[g, n]) * s[g, n], with g = k // group_size (GPTQ: g_idx[k])
+
+K input features, N output features, G groups of group_size input features (-1: one group).
+GPTQ's act order (desc_act) numbers the groups in another order than the input features.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from octavo.model.hf_config import get_head_dim
+
+CHECKPOINT_METHODS = ("awq", "gptq")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# Group sizes of torch's CPU int4 kernel: a checkpoint's groups are kept as runs of the
+# largest that divides them, each with its group's scale and minimum.
+KERNEL_GROUP_SIZES = (128, 64, 32)
+_TENSORS = {
+    "awq": ("qweight", "qzeros", "scales"),
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+}
+
+
+def checkpoint_method(hf_config: PretrainedConfig) -> str | None:
+    """The `quant_method` of the config's `quantization_config`, or None without one."""
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        return None
+    config = config if isinstance(config, dict) else config.to_dict()
+    return str(config.get("quant_method")).lower()
+
+
+def check_checkpoint_quantization(
+    method: str | None, hf_config: PretrainedConfig, load_format: str
+) -> None:
+    """Raises ValueError for a quantization option that does not fit the checkpoint: another
+    than its quantization_config's quant_method, "awq" or "gptq" without one, or a
+    quantization_config octavo does not read. load_format "dummy" reads no checkpoint."""
+    found = checkpoint_method(hf_config) if load_format != "dummy" else None
+    if found is not None and found not in CHECKPOINT_METHODS:
+        raise ValueError(
+            f"quantization={method!r}: the checkpoint's quantization_config has quant_method "
+            f"{found!r}; octavo reads {CHECKPOINT_METHODS} checkpoints"
+        )
+    if method != found and (found is not None or method in CHECKPOINT_METHODS):
+        which = (
+            f"has quant_method {found!r} in its quantization_config" if found is not None
+            else "has no quantization_config" if load_format != "dummy"
+            else "is not read (load_format='dummy')"
+        )  # fmt: skip
+        raise ValueError(
+            f"quantization={method!r} does not fit the checkpoint, which {which}: 'awq' and "
+            "'gptq' read such checkpoints' 4-bit weights ('auto' picks the checkpoint's own), "
+            "'int4' quantizes float ones"
+        )
+    if found is not None:
+        int4_format(hf_config)
+
+
+@dataclass(frozen=True)
+class Int4Format:
+    """How an AWQ or GPTQ checkpoint's weights are packed (see the module docstring)."""
+
+    method: str
+    group_size: int | None  # None: one group over all input features
+    kernel_group_size: int  # the runs Int4Weight keeps the groups as
+    act_order: bool  # GPTQ's desc_act: g_idx may number the groups out of order
+    zero_offset: int  # added to a stored zero: 1 in GPTQ's v1 format, else 0
+
+
+def int4_format(hf_config: PretrainedConfig) -> Int4Format:
+    """Reads the config's `quantization_config` (of an "awq" or "gptq" checkpoint).
+
+    Raises:
+        ValueError: naming a field whose value octavo does not read (bits other than 4, a
+            group size not a multiple of 32, AWQ's GEMV layout, ...).
+    """
+    config = hf_config.quantization_config
+    config = config if isinstance(config, dict) else config.to_dict()
+    method = checkpoint_method(hf_config)
+    bits = config.get("bits", config.get("w_bit"))
+    group = config.get("group_size", config.get("q_group_size"))
+    layout = config.get("checkpoint_format", "gptq")
+    _require(bits == 4, method, "bits", bits, "4")
+    if method == "awq":
+        version = str(config.get("version", "gemm")).lower()
+        _require(version == "gemm", method, "version", version, "'gemm'")
+        _require(config.get("zero_point", True), method, "zero_point", False, "True")
+    else:
+        _require(layout in ("gptq", "gptq_v2"), method, "checkpoint_format", layout, "gptq(_v2)")
+    # -1: one group of each layer's input features; the kernel's runs must divide them all.
+    heads = hf_config.num_attention_heads * get_head_dim(hf_config)
+    whole = math.gcd(hf_config.hidden_size, hf_config.intermediate_size, heads)
+    columns = whole if group == -1 else max(group or 1, 1)
+    kernel = next((size for size in KERNEL_GROUP_SIZES if columns % size == 0), None)
+    _require(kernel is not None, method, "group_size", group, "-1 or a multiple of 32")
+    return Int4Format(
+        method,
+        None if group == -1 else group,
+        kernel,
+        method == "gptq" and bool(config.get("desc_act", False)),
+        1 if method == "gptq" and layout == "gptq" else 0,
+    )
+
+
+def _require(ok: bool, method: str, key: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(
+            f"quantization={method!r}: the checkpoint's quantization_config has {key}={value!r}; "
+            f"octavo reads {key} {allowed}"
+        )
+
+
+def iter_int4_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], fmt: Int4Format, part: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of a checkpoint's `weights`, each layer's packed tensors
+    (`prefix.qweight`, ...) yielded once as `prefix.weight` [N, K]:
+
+        part "float": its float weight (float32), and every other tensor as it is;
+        "groups": only those, each run of kernel_group_size input features of one group
+            (in group order) with the group's scale in its first column and its minimum
+            (-z * s) in its second, NaN elsewhere; qweight is not read;
+        "group_ids": only those, each input feature's group (g_idx) in every row.
+    """
+    names = _TENSORS[fmt.method]
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, suffix = name.rpartition(".")
+        if suffix not in names:
+            if part == "float":
+                yield name, tensor
+            continue
+        layer = pending.setdefault(prefix, {})
+        layer[suffix] = _read(tensor) if suffix != "qweight" or part == "float" else tensor
+        if len(layer) == len(names):
+            yield f"{prefix}.weight", _layer(prefix, pending.pop(prefix), fmt, part)
+    if pending:
+        raise ValueError(f"checkpoint lacks some of {names} for {sorted(pending)}")
+
+
+def _read(tensor) -> torch.Tensor:
+    """A lazy tensor (model/loader.py) read whole; a tensor as it is."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.narrow(0, 0, tensor.shape[0])
+
+
+def _layer(prefix: str, tensors: dict, fmt: Int4Format, part: str) -> torch.Tensor:
+    awq = fmt.method == "awq"
+    order = AWQ_ORDER if awq else range(8)
+    k = tensors["qweight"].shape[0] * (1 if awq else 8)
+    scale = tensors["scales"].float()  # [G, N]
+    lo = -(_unpack(tensors["qzeros"], 1, order) + fmt.zero_offset) * scale  # [G, N]
+    group = fmt.group_size or k
+    g_idx = tensors["g_idx"].long() if "g_idx" in tensors else torch.arange(k) // group
+    in_order = torch.arange(k) // group
+    if scale.shape[0] * group != k or not torch.equal(g_idx.sort().values, in_order):
+        raise ValueError(f"{prefix}: its {k} input features are not whole groups of {group}")
+    if not fmt.act_order and not torch.equal(g_idx, in_order):
+        raise ValueError(f"{prefix}: g_idx numbers the groups out of order, but desc_act is off")
+    if part == "group_ids":
+        return g_idx.float().expand(scale.shape[1], k)
+    if part == "groups":
+        return _placed(scale, lo, g_idx, fmt.kernel_group_size)
+    q = _unpack(_read(tensors["qweight"]), 1 if awq else 0, order)  # [K, N]
+    return (q * scale[g_idx] + lo[g_idx]).t()
+
+
+def _unpack(packed: torch.Tensor, dim: int, order: Sequence[int]) -> torch.Tensor:
+    """int32 words of eight 4-bit values along `dim` (nibble i holding value order[i] of its
+    eight) -> the values in 0..15 (int32), eight times as many along `dim`."""
+    shifts = torch.tensor([4 * list(order).index(j) for j in range(8)], dtype=torch.int32)
+    shifts = shifts.view(8, *[1] * (packed.dim() - 1 - dim))
+    return ((packed.unsqueeze(dim + 1) >> shifts) & 0xF).flatten(dim, dim + 1)
+
+
+def _placed(scale: torch.Tensor, lo: torch.Tensor, g_idx: torch.Tensor, size: int) -> torch.Tensor:
+    """[N, K]: for each run of `size` input features of one group, taken in g_idx's stable
+    sort order, the group's scale in the run's first column and its minimum in its second."""
+    order = torch.argsort(g_idx, stable=True)
+    first, second = order[0::size], order[1::size]
+    placed = torch.full((scale.shape[1], len(g_idx)), float("nan"))
+    placed[:, first] = scale[g_idx[first]].t()
+    placed[:, second] = lo[g_idx[first]].t()
+    return placed

@@ -1,0 +1,308 @@
+"""AWQ and GPTQ checkpoints (model/int4_checkpoint.py): tiny random models quantized here by a
+reference min-max quantizer and written in each format's own layout (AutoAWQ's GEMM packing
+order, GPTQ's row packing and v1 zeros, act order's g_idx), then loaded by octavo. Every
+projection must hold exactly the reference dequantization, and the model must give HF's
+greedy tokens on those dequantized weights; the options that do not fit raise ValueError."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from model_utils import PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from octavo import LLM, SamplingParams
+from octavo.model import quantization
+from octavo.model.hf_config import load_hf_config
+from octavo.model.int4_checkpoint import _unpack
+from octavo.model.layers import Linear
+from octavo.model.loader import load_model
+from octavo.model.parallel import set_tp
+
+CPU = torch.device("cpu")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i holds column AWQ_ORDER[i]
+DIMS = {
+    "vocab_size": 256,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**DIMS, tie_word_embeddings=False),
+    "qwen2": lambda: Qwen2Config(**DIMS, tie_word_embeddings=False),  # q, k, v biases
+    "qwen3": lambda: Qwen3Config(**DIMS, head_dim=32, tie_word_embeddings=True),
+}
+# Each projection, and the input it reads: act order's column order comes from the input's
+# statistics, so the projections of one input share it.
+PROJECTIONS = {
+    "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
+    "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down",
+}  # fmt: skip
+
+
+def _words(nibbles: torch.Tensor) -> torch.Tensor:
+    """[..., 8] values in 0..15 -> int32 words [...], value i in bits 4i..4i+3."""
+    words = sum(nibbles[..., i].long() << (4 * i) for i in range(8))
+    return (words - ((words >> 31) & 1) * 2**32).to(torch.int32).contiguous()  # two's complement
+
+
+def _pack_columns(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
+    """[R, C] -> [R, C / 8]: each run of 8 columns a word, nibble i holding column order[i]."""
+    rows, cols = values.shape
+    return _words(values.view(rows, cols // 8, 8)[:, :, list(order)])
+
+
+def _quantize(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool):
+    """Min-max 4-bit quantization of w [N, K] by the groups of g_idx, as AutoAWQ's and GPTQ's
+    quantizers round: (q [K, N], zeros [G, N], fp16 scales [G, N]), w ~ (q - z) * s."""
+    n = w.shape[0]
+    scales, zeros = torch.empty(groups, n, dtype=torch.float16), torch.empty(groups, n)
+    for g in range(groups):
+        block = w[:, g_idx == g]
+        if sym:
+            scales[g] = (2 * block.abs().amax(1) / 15).half()
+            zeros[g] = 8
+        else:
+            lo, hi = block.amin(1).clamp(max=0), block.amax(1).clamp(min=0)
+            scales[g] = ((hi - lo) / 15).half()
+            zeros[g] = torch.round(-lo / scales[g].float()).clamp(1, 15)  # v1 stores z - 1
+    s, z = scales.float()[g_idx], zeros[g_idx]  # [K, N]
+    q = torch.round(w.t() / s + z).clamp(0, 15)
+    return q.long().contiguous(), zeros.long(), scales
+
+
+def write_checkpoint(arch: str, tmp_path, method: str, **options):
+    """A random `arch` model quantized in `method`'s layout: (the quantized checkpoint's
+    directory, a float checkpoint of its exact dequantized weights, HF on those weights).
+    options: group_size, sym, desc_act, checkpoint_format (GPTQ)."""
+    group, act_order = options.get("group_size", 128), options.get("desc_act", False)
+    gen = torch.Generator().manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(CONFIGS[arch](), dtype=torch.float32).eval()
+    state, orders = {}, {}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if "norm" in name else 0.15 * noise)
+        for name, p in hf.named_parameters():
+            layer, projection, _ = ("", "", *name.split("."))[-3:]
+            if projection not in PROJECTIONS or not name.endswith(".weight"):
+                state[name] = p.detach().clone()
+                continue
+            k = p.shape[1]
+            size = k if group == -1 else group
+            g_idx = torch.arange(k) // size
+            if act_order:
+                key = (layer.rsplit(".", 1)[0], PROJECTIONS[projection])
+                g_idx = g_idx[orders.setdefault(key, torch.randperm(k, generator=gen))]
+            q, z, s = _quantize(p, g_idx, k // size, options.get("sym", False))
+            p.copy_(((q - z[g_idx]) * s.float()[g_idx]).t())  # the reference dequantization
+            prefix = name.removesuffix(".weight")
+            if method == "awq":
+                state[f"{prefix}.qweight"] = _pack_columns(q, AWQ_ORDER)
+                state[f"{prefix}.qzeros"] = _pack_columns(z, AWQ_ORDER)
+            else:
+                offset = 0 if options.get("checkpoint_format") == "gptq_v2" else 1
+                state[f"{prefix}.qweight"] = _pack_columns(q.t()).t().contiguous()
+                state[f"{prefix}.qzeros"] = _pack_columns((z - offset) & 0xF)
+                state[f"{prefix}.g_idx"] = g_idx.to(torch.int32)
+            state[f"{prefix}.scales"] = s
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    float_dir, quant_dir = tmp_path / "float", tmp_path / method
+    hf.save_pretrained(float_dir)
+    quant_dir.mkdir()
+    save_file(state, quant_dir / "model.safetensors")
+    config = json.loads((float_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": group}
+    config["quantization_config"] |= (
+        {"zero_point": True, "version": "gemm"} if method == "awq" else {"sym": False} | options
+    )
+    (quant_dir / "config.json").write_text(json.dumps(config))
+    return str(quant_dir), str(float_dir), hf
+
+
+def _load(path: str, **kwargs):
+    return load_model(path, load_hf_config(path), torch.float32, CPU, **kwargs)
+
+
+def _linears(model) -> dict[str, Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def assert_exact_dequantization(quantized, reference):
+    """Every projection is an Int4Weight whose product with the identity (the dequantized
+    weight, on the dequantizing path) equals the reference's float weight bit for bit."""
+    plain = _linears(reference)
+    for name, module in _linears(quantized).items():
+        assert module.weight is None and isinstance(module.quant, quantization.Int4Weight)
+        eye = torch.eye(module.quant.in_features)
+        assert torch.equal(module.quant(eye).t(), plain[name].weight), name
+
+
+CASES = {
+    "awq-g128-llama": ("llama", "awq", {"group_size": 128}),
+    "awq-g32-qwen3": ("qwen3", "awq", {"group_size": 32}),
+    "gptq-g128-sym-qwen2": ("qwen2", "gptq", {"group_size": 128, "sym": True}),
+    "gptq-g64-act-order-qwen3": ("qwen3", "gptq", {"group_size": 64, "desc_act": True}),
+    "gptq-whole-rows-v2-llama": (
+        "llama", "gptq", {"group_size": -1, "checkpoint_format": "gptq_v2"}
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_checkpoint_loads_its_exact_weights_and_hf_greedy_tokens(case, tmp_path, monkeypatch):
+    arch, method, options = CASES[case]
+    path, float_path, hf = write_checkpoint(arch, tmp_path, method, **options)
+    monkeypatch.setattr(quantization, "CPU_KERNELS", False)  # float32 products
+    model = _load(path, quantization=method)
+    reference = _load(float_path)
+    assert_exact_dequantization(model, reference)
+    for name, p in reference.named_parameters():  # embeddings, norms, biases, LM head
+        if not name.endswith("proj.weight"):
+            assert torch.equal(dict(model.named_parameters())[name], p), name
+    cfg, ids = load_hf_config(path), list(range(3, 15))
+    assert PagedRunner(model, cfg).greedy(0, ids, 8, eos_ids(hf)) == hf_greedy(hf, ids, 8)
+    (logits,) = PagedRunner(model, cfg).step([(0, ids)])
+    assert rel_err(logits, hf_logits(hf, ids)) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["awq-g128-llama", "gptq-g64-act-order-qwen3"])
+def test_cpu_kernel_path_is_as_close_to_hf_as_bfloat16_weights(case, tmp_path):
+    """torch's int4 kernel takes bfloat16 activations (and scales): its logits are as far
+    from HF's float32 ones as the same weights' float model run in bfloat16 (about 2% on
+    these sharp random models), where a wrong code, scale or order is off by O(1)."""
+    if not quantization.CPU_KERNELS:
+        pytest.skip("this torch has no CPU int4 kernel")
+    arch, method, options = CASES[case]
+    path, float_path, hf = write_checkpoint(arch, tmp_path, method, **options)
+    model = _load(path, quantization=method)
+    assert all(m.quant.cpu_kernel for m in _linears(model).values())
+    bfloat16 = load_model(float_path, load_hf_config(float_path), torch.bfloat16, CPU)
+    ids, cfg = list(range(3, 15)), load_hf_config(path)
+    ref = hf_logits(hf, ids)
+    (logits,) = PagedRunner(model, cfg).step([(0, ids)])
+    (bf16_logits,) = PagedRunner(bfloat16, cfg).step([(0, ids)])
+    assert rel_err(logits, ref) < 1.5 * rel_err(bf16_logits.float(), ref)
+
+
+def _shards(path: str, **kwargs) -> list:
+    try:
+        models = []
+        for rank in range(2):
+            set_tp(rank, 2, None)
+            models.append(_load(path, **kwargs))
+        return models
+    finally:
+        set_tp(0, 1, None)
+
+
+def test_each_tensor_parallel_rank_keeps_its_groups(tmp_path, monkeypatch):
+    """Two ranks: each projection's shard (fused q/k/v and gate/up split by rows, o and down
+    by whole groups of input features) holds exactly that shard of the reference weights."""
+    path, float_path, _ = write_checkpoint("llama", tmp_path, "awq", group_size=64)
+    monkeypatch.setattr(quantization, "CPU_KERNELS", False)
+    for shard, reference in zip(
+        _shards(path, quantization="awq"), _shards(float_path), strict=True
+    ):
+        assert_exact_dequantization(shard, reference)
+
+
+@pytest.mark.parametrize(
+    "method,options,match",
+    [
+        ("awq", {"group_size": 128}, "o_proj holds 64 input features on this rank"),
+        ("gptq", {"group_size": 32, "desc_act": True}, "act order .desc_act."),
+    ],
+)
+def test_shards_that_split_groups_raise(tmp_path, method, options, match):
+    path, _, _ = write_checkpoint("llama", tmp_path, method, **options)
+    with pytest.raises(ValueError, match=match):
+        _shards(path, quantization=method)
+
+
+ENGINE = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 64, "max_model_len": 256}
+
+
+def _engine_tokens(llm, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in outs]
+
+
+def test_llm_reads_the_checkpoints_method_by_default(tmp_path, monkeypatch):
+    """LLM(path) with quantization="auto" keeps a GPTQ checkpoint's groups and gives HF's
+    greedy tokens on the dequantized weights (float32 products)."""
+    path, _, hf = write_checkpoint("llama", tmp_path, "gptq", group_size=64)
+    monkeypatch.setattr(quantization, "CPU_KERNELS", False)
+    llm = LLM(path, **ENGINE)
+    runner = llm.engine.runner
+    assert all(m.weight is None for m in _linears(runner.model).values())
+    prompts = [list(range(3 + i, 20 + i)) for i in range(3)]
+    assert _engine_tokens(llm, prompts) == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_give_one_ranks_tokens(tmp_path):
+    path, _, _ = write_checkpoint("llama", tmp_path, "gptq", group_size=64)
+    prompts = [list(range(3 + i, 20 + i)) for i in range(3)]
+    two = LLM(path, tensor_parallel_size=2, **ENGINE)
+    try:
+        assert _engine_tokens(two, prompts) == _engine_tokens(LLM(path, **ENGINE), prompts)
+    finally:
+        two.shutdown()
+
+
+def test_packing_orders_of_one_word():
+    """The formats' own nibble orders on a literal word: AWQ puts output columns 0..7 in
+    nibbles 0, 4, 1, 5, 2, 6, 3, 7 (AutoAWQ's order_map [0, 2, 4, 6, 1, 3, 5, 7]); GPTQ
+    puts input rows 0..7 in nibbles 0..7."""
+    word = torch.tensor([[0x75316420]], dtype=torch.int32)
+    assert _unpack(word, 1, AWQ_ORDER).tolist() == [list(range(8))]
+    word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    assert _unpack(word, 0, range(8)).flatten().tolist() == list(range(8))
+    negative = torch.tensor([[-0x0FFFFFFF - 1]], dtype=torch.int32)  # 0xF0000000
+    assert _unpack(negative, 1, range(8)).tolist() == [[0] * 7 + [15]]
+
+
+def test_options_that_do_not_fit_the_checkpoint_raise(tmp_path):
+    from octavo.model.quantization import resolve_quantization
+
+    path, float_path, _ = write_checkpoint("qwen3", tmp_path, "awq", group_size=32)
+    cfg = load_hf_config(path)
+    assert resolve_quantization("auto", path, cfg, CPU, "auto") == "awq"
+    assert resolve_quantization("auto", path, cfg, CPU, "dummy") is None
+    for option in ("int8", "gptq", None):
+        with pytest.raises(ValueError, match=f"quantization={option!r} .*quant_method 'awq'"):
+            _load(path, quantization=option)
+    with pytest.raises(ValueError, match="quantization='awq' .*has no quantization_config"):
+        _load(float_path, quantization="awq")
+    with pytest.raises(ValueError, match="quantization='gptq' .*load_format='dummy'"):
+        _load(path, quantization="gptq", load_format="dummy")
+    with pytest.raises(ValueError, match="quantization='awq' cannot quantize float weights"):
+        quantization.quantize_weight("awq", torch.randn(8, 32))
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"bits": 8}, "bits=8"),
+        ({"version": "gemv"}, "version='gemv'"),
+        ({"group_size": 16}, "group_size=16"),
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+    ],
+)
+def test_quantization_configs_octavo_does_not_read_raise(tmp_path, change, match):
+    path, _, _ = write_checkpoint("qwen3", tmp_path, "awq", group_size=32)
+    config_path = tmp_path / "awq" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] |= change
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        _load(path, quantization=None if "quant_method" in change else "awq")
