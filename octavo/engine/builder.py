@@ -13,7 +13,11 @@ from octavo.engine.engine import Engine
 from octavo.model.embedded import embedded_model_path
 from octavo.model.hf_config import get_num_kv_heads, load_hf_config
 from octavo.model.parallel import check_tp_size
-from octavo.model.quantization import check_quantization, resolve_quantization
+from octavo.model.quantization import (
+    check_quantization,
+    checkpoint_quantization,
+    resolve_quantization,
+)
 from octavo.model.tokenizer import eos_token_ids, load_tokenizer
 from octavo.runner import kv_setup
 from octavo.runner.model_runner import ModelRunner
@@ -109,6 +113,7 @@ def build_engine(
     hf_config = load_hf_config(model_path)
     dev = resolve_device(device)
     _check_parallel(parallel, hf_config, dev)
+    quantization = checkpoint_quantization(quantization, hf_config)  # "auto": the checkpoint's
     quantization = resolve_quantization(quantization, model_path, dev, load_format)
     check_quantization(quantization, dev)
     torch_dtype = resolve_dtype(dtype, dev)

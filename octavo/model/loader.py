@@ -13,7 +13,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from octavo.model.layers import Linear, RMSNorm, default_weight_loader
-from octavo.model.quantization import check_quantization
+from octavo.model.quantization import (
+    check_quantization,
+    checkpoint_method,
+    checkpoint_quantization,
+)
 from octavo.model.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -38,16 +42,25 @@ def load_model(
         quantization: None, or "int8", "int4" or "fp8": the linear layers' weights
             (qkv, o, gate_up, down) are quantized once loaded (model/quantization.py);
             "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1 keep their blocks.
+            An HF fp8 checkpoint (its config's quantization_config) needs "fp8" and keeps
+            its own blocks (model/fp8_checkpoint.py), except with load_format "dummy".
     Returns:
         The model in eval mode, with requires_grad off.
     Raises:
-        ValueError: unknown load_format or quantization, fp8 on a GPU without FP8, no
-            weight files, or a checkpoint that misses or has extra weights.
+        ValueError: unknown load_format or quantization, fp8 on a GPU without FP8, a
+            quantization that disagrees with the checkpoint's, no weight files, or a
+            checkpoint that misses or has extra weights.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     device = torch.device(device)
     check_quantization(quantization, device)
+    checkpoint_quantization(quantization, hf_config)  # raises if they disagree
+    fp8_blocks = None  # an fp8 checkpoint read as it is
+    if load_format != "dummy" and checkpoint_method(hf_config) == "fp8":
+        from octavo.model.fp8_checkpoint import Fp8Checkpoint
+
+        fp8_blocks = Fp8Checkpoint()
     if quantization == "gguf" and (load_format == "dummy" or not model.endswith(".gguf")):
         raise ValueError(
             f"quantization='gguf' keeps a GGUF file's blocks: it needs a .gguf model file "
@@ -60,11 +73,17 @@ def load_model(
         if load_format == "dummy":
             init_dummy_weights(net, seed)
         else:
-            loaded = net.load_weights(iter_weights(model, hf_config))
+            weights = iter_weights(model, hf_config)
+            if fp8_blocks is not None:
+                weights = fp8_blocks.weights(weights)
+            loaded = net.load_weights(weights)
             _check_all_loaded(net, loaded, model)
     if quantization == "gguf":
         with torch.no_grad():
             _keep_gguf_blocks(net, model, hf_config)
+    elif fp8_blocks is not None:
+        with torch.no_grad():
+            fp8_blocks.keep_blocks(net)
     elif quantization is not None:
         with torch.no_grad():
             for module in list(net.modules()):

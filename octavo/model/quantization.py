@@ -379,3 +379,79 @@ class Fp8BlockWeight(QuantizedWeight):
             output_dtype=x.dtype,
         )  # fmt: skip
         return y[:rows]
+
+
+# --- checkpoints quantized already ------------------------------------------------------------
+
+
+def parse_fp8_config(config: dict) -> tuple[int, int]:
+    """An HF fp8 `quantization_config` (quant_method "fp8") -> its weight block size, once
+    checked to be what octavo reads as it is: e4m3 weights with a float32 scale per 128 x 128
+    block (`<name>.weight_scale_inv`, w = q * scale) and activations quantized at each call.
+
+    Raises:
+        ValueError: naming the field octavo cannot read.
+    """
+    block = config.get("weight_block_size")
+    if block is None:
+        raise ValueError(
+            "quantization_config: an fp8 checkpoint without weight_block_size (one scale per "
+            "tensor or per channel) is not supported; octavo reads weight_block_size [128, 128]"
+        )
+    if list(block) != [FP8_BLOCK, FP8_BLOCK]:
+        raise ValueError(
+            f"quantization_config: weight_block_size {list(block)} is not supported; "
+            f"octavo reads [{FP8_BLOCK}, {FP8_BLOCK}]"
+        )
+    for field, supported in (
+        ("fmt", "e4m3"),
+        ("activation_scheme", "dynamic"),
+        ("scale_fmt", "float"),
+    ):
+        value = config.get(field, supported)
+        if value != supported:
+            raise ValueError(
+                f"quantization_config: {field}={value!r} is not supported; octavo reads "
+                f"{field}={supported!r}"
+            )
+    return FP8_BLOCK, FP8_BLOCK
+
+
+def checkpoint_method(hf_config) -> str | None:
+    """The method of a checkpoint quantized already, from its config's `quantization_config`:
+    "fp8" for HF's block-wise fp8 (parse_fp8_config); None for a checkpoint without one.
+
+    Raises:
+        ValueError: a quantization_config octavo cannot read as it is.
+    """
+    config = getattr(hf_config, "quantization_config", None)
+    if config is not None and not isinstance(config, dict):
+        config = config.to_dict()  # a transformers QuantizationConfigMixin
+    if not config:
+        return None
+    quant_method = config.get("quant_method")
+    if quant_method == "fp8":
+        parse_fp8_config(config)
+        return "fp8"
+    raise ValueError(
+        f"quantization_config: quant_method {quant_method!r} is not supported; octavo reads "
+        "'fp8' checkpoints (weight_block_size [128, 128]) as they are"
+    )
+
+
+def checkpoint_quantization(method: str | None, hf_config) -> str | None:
+    """`method` checked against the checkpoint's own (checkpoint_method): "auto" takes it,
+    the same method keeps it; without one, `method` as given.
+
+    Raises:
+        ValueError: `method` disagrees with the checkpoint's quantization_config.
+    """
+    own = checkpoint_method(hf_config)
+    if own is None or method == own:
+        return method
+    if method == "auto":
+        return own
+    raise ValueError(
+        f"quantization={method!r} disagrees with the checkpoint's quantization_config "
+        f"(quant_method {own!r}); use 'auto' or {own!r}"
+    )
