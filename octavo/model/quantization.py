@@ -153,7 +153,7 @@ def quantize_fp8_blocks(
     x = x.float()
     if (grid_rows * block_rows, grid_cols * block_cols) != (r, c):
         x = F.pad(x, (0, grid_cols * block_cols - c, 0, grid_rows * block_rows - r))
-    blocks = x.view(grid_rows, block_rows, grid_cols, block_cols)
+    blocks = x.reshape(grid_rows, block_rows, grid_cols, block_cols)
     scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(x.shape)[:r, :c].contiguous(), scale
