@@ -113,7 +113,7 @@ def build_engine(
     hf_config = load_hf_config(model_path)
     dev = resolve_device(device)
     _check_parallel(parallel, hf_config, dev)
-    quantization = checkpoint_quantization(quantization, hf_config)  # "auto": the checkpoint's
+    quantization = checkpoint_quantization(quantization, hf_config, load_format)
     quantization = resolve_quantization(quantization, model_path, dev, load_format)
     check_quantization(quantization, dev)
     torch_dtype = resolve_dtype(dtype, dev)

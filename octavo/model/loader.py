@@ -43,7 +43,7 @@ def load_model(
             (qkv, o, gate_up, down) are quantized once loaded (model/quantization.py);
             "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1 keep their blocks.
             An HF fp8 checkpoint (its config's quantization_config) needs "fp8" and keeps
-            its own blocks (model/fp8_checkpoint.py), except with load_format "dummy".
+            its own blocks (model/fp8_checkpoint.py); "dummy" reads no checkpoint.
     Returns:
         The model in eval mode, with requires_grad off.
     Raises:
@@ -55,7 +55,7 @@ def load_model(
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     device = torch.device(device)
     check_quantization(quantization, device)
-    checkpoint_quantization(quantization, hf_config)  # raises if they disagree
+    checkpoint_quantization(quantization, hf_config, load_format)  # raises if they disagree
     fp8_blocks = None  # an fp8 checkpoint read as it is
     if load_format != "dummy" and checkpoint_method(hf_config) == "fp8":
         from octavo.model.fp8_checkpoint import Fp8Checkpoint

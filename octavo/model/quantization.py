@@ -439,14 +439,15 @@ def checkpoint_method(hf_config) -> str | None:
     )
 
 
-def checkpoint_quantization(method: str | None, hf_config) -> str | None:
+def checkpoint_quantization(method: str | None, hf_config, load_format: str) -> str | None:
     """`method` checked against the checkpoint's own (checkpoint_method): "auto" takes it,
-    the same method keeps it; without one, `method` as given.
+    the same method keeps it; without one, or with load_format "dummy" (which reads no
+    checkpoint), `method` as given.
 
     Raises:
         ValueError: `method` disagrees with the checkpoint's quantization_config.
     """
-    own = checkpoint_method(hf_config)
+    own = checkpoint_method(hf_config) if load_format != "dummy" else None
     if own is None or method == own:
         return method
     if method == "auto":

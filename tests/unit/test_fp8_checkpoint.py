@@ -112,11 +112,13 @@ def test_auto_takes_the_checkpoint_quantization_and_others_disagree(checkpoints)
 
     cfg = load_hf_config(checkpoints[0])
     assert checkpoint_method(cfg) == "fp8"
-    assert checkpoint_quantization("auto", cfg) == checkpoint_quantization("fp8", cfg) == "fp8"
-    assert checkpoint_quantization("int8", load_hf_config(checkpoints[1])) == "int8"
+    for option in ("auto", "fp8"):
+        assert checkpoint_quantization(option, cfg, "auto") == "fp8"
+    assert checkpoint_quantization("int8", load_hf_config(checkpoints[1]), "auto") == "int8"
+    assert checkpoint_quantization("int8", cfg, "dummy") == "int8"  # no checkpoint read
     for option in (None, "none", "int8", "int4", "gguf"):
         with pytest.raises(ValueError, match=f"quantization={option!r} disagrees"):
-            checkpoint_quantization(option, cfg)
+            checkpoint_quantization(option, cfg, "auto")
     with pytest.raises(ValueError, match="quantization=None disagrees"):
         _load(checkpoints[0], None)
     with pytest.raises(ValueError, match="quantization='int4' disagrees"):
