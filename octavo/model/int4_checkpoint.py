@@ -38,42 +38,6 @@ _TENSORS = {
 }
 
 
-def checkpoint_method(hf_config: PretrainedConfig) -> str | None:
-    """The `quant_method` of the config's `quantization_config`, or None without one."""
-    config = getattr(hf_config, "quantization_config", None)
-    if config is None:
-        return None
-    config = config if isinstance(config, dict) else config.to_dict()
-    return str(config.get("quant_method")).lower()
-
-
-def check_checkpoint_quantization(
-    method: str | None, hf_config: PretrainedConfig, load_format: str
-) -> None:
-    """Raises ValueError for a quantization option that does not fit the checkpoint: another
-    than its quantization_config's quant_method, "awq" or "gptq" without one, or a
-    quantization_config octavo does not read. load_format "dummy" reads no checkpoint."""
-    found = checkpoint_method(hf_config) if load_format != "dummy" else None
-    if found is not None and found not in CHECKPOINT_METHODS:
-        raise ValueError(
-            f"quantization={method!r}: the checkpoint's quantization_config has quant_method "
-            f"{found!r}; octavo reads {CHECKPOINT_METHODS} checkpoints"
-        )
-    if method != found and (found is not None or method in CHECKPOINT_METHODS):
-        which = (
-            f"has quant_method {found!r} in its quantization_config" if found is not None
-            else "has no quantization_config" if load_format != "dummy"
-            else "is not read (load_format='dummy')"
-        )  # fmt: skip
-        raise ValueError(
-            f"quantization={method!r} does not fit the checkpoint, which {which}: 'awq' and "
-            "'gptq' read such checkpoints' 4-bit weights ('auto' picks the checkpoint's own), "
-            "'int4' quantizes float ones"
-        )
-    if found is not None:
-        int4_format(hf_config)
-
-
 @dataclass(frozen=True)
 class Int4Format:
     """How an AWQ or GPTQ checkpoint's weights are packed (see the module docstring)."""
@@ -94,7 +58,7 @@ def int4_format(hf_config: PretrainedConfig) -> Int4Format:
     """
     config = hf_config.quantization_config
     config = config if isinstance(config, dict) else config.to_dict()
-    method = checkpoint_method(hf_config)
+    method = str(config.get("quant_method")).lower()
     bits = config.get("bits", config.get("w_bit"))
     group = config.get("group_size", config.get("q_group_size"))
     layout = config.get("checkpoint_format", "gptq")

@@ -12,14 +12,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from octavo.model.int4_checkpoint import (
-    CHECKPOINT_METHODS,
-    checkpoint_method,
-    int4_format,
-    iter_int4_weights,
-)
+from octavo.model.int4_checkpoint import CHECKPOINT_METHODS, int4_format, iter_int4_weights
 from octavo.model.layers import Linear, RMSNorm, default_weight_loader
-from octavo.model.quantization import Int4Weight, check_quantization
+from octavo.model.quantization import Int4Weight, check_quantization, checkpoint_method
 from octavo.model.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -56,6 +51,11 @@ def load_model(
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     device = torch.device(device)
     check_quantization(quantization, device, hf_config, load_format)
+    fp8_blocks = None  # an fp8 checkpoint read as it is
+    if load_format != "dummy" and checkpoint_method(hf_config) == "fp8":
+        from octavo.model.fp8_checkpoint import Fp8Checkpoint
+
+        fp8_blocks = Fp8Checkpoint()
     if quantization == "gguf" and (load_format == "dummy" or not model.endswith(".gguf")):
         raise ValueError(
             f"quantization='gguf' keeps a GGUF file's blocks: it needs a .gguf model file "
@@ -68,7 +68,10 @@ def load_model(
         if load_format == "dummy":
             init_dummy_weights(net, seed)
         else:
-            loaded = net.load_weights(iter_weights(model, hf_config))
+            weights = iter_weights(model, hf_config)
+            if fp8_blocks is not None:
+                weights = fp8_blocks.weights(weights)
+            loaded = net.load_weights(weights)
             _check_all_loaded(net, loaded, model)
     with torch.no_grad():
         if quantization == "gguf":  # Q4_0/Q4_1 tensors as blocks of 32, their scale and min first
@@ -81,6 +84,8 @@ def load_model(
             groups, ids = (iter_int4_weights(_iter_files(model), fmt, p) for p in _INT4_PARTS)
             ids = ids if fmt.act_order else None
             _keep_int4_groups(net, groups, fmt.kernel_group_size, ids, quantization)
+        elif fp8_blocks is not None:
+            fp8_blocks.keep_blocks(net)
         elif quantization is not None:
             for module in list(net.modules()):
                 if isinstance(module, Linear):

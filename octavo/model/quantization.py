@@ -4,7 +4,9 @@
     int4  W4A16: 4-bit weights in groups of GROUP_SIZE input columns, each with a scale and a
           minimum (asymmetric, as GGUF's Q4_1 and AWQ): w ~ q * scale + min, q in 0..15.
     fp8   W8A8: e4m3 weights with one scale per output row, and activations quantized to e4m3
-          with one scale per token at each call.
+          with one scale per token at each call. An HF fp8 checkpoint keeps its own e4m3
+          weights and its scale per 128 x 128 block (Fp8BlockWeight); its activations take a
+          scale per token and 128 columns.
     gguf  a GGUF file's Q4_0 and Q4_1 tensors kept in their own blocks of 32 (int4 as above,
           with the file's scales and minimums, not new ones), and a Q8_0 LM head kept as its
           int8 blocks (Q8Weight); its other tensors load as without quantization.
@@ -30,6 +32,7 @@ from torch import nn
 METHODS = ("int8", "int4", "fp8", "gguf", "awq", "gptq")
 QUANTIZATION_CHOICES = ("auto", "none", *METHODS)  # the CLI's: "none" is None
 GROUP_SIZE = 128
+FP8_BLOCK = 128  # an HF fp8 checkpoint's weight_block_size, each way
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # Up to this many rows the CPU's int8 kernel beats dequantizing the weight for one float GEMM.
 INT8_KERNEL_MAX_ROWS = 64
@@ -46,8 +49,6 @@ def resolve_quantization(
     """ "auto" -> the checkpoint's quant_method when its config has a quantization_config;
     "gguf" for a GGUF file read on the CPU (its blocks kept, as llama.cpp runs them;
     perplexity as float32's); else None. "none" -> None; others as given."""
-    from octavo.model.int4_checkpoint import checkpoint_method
-
     if method == "auto":
         if load_format != "dummy" and checkpoint_method(hf_config) is not None:
             return checkpoint_method(hf_config)
@@ -67,8 +68,6 @@ def check_quantization(
     if method == "fp8":
         check_fp8_device("quantization='fp8'", device)
     if hf_config is not None:
-        from octavo.model.int4_checkpoint import check_checkpoint_quantization
-
         check_checkpoint_quantization(method, hf_config, load_format)
 
 
@@ -162,6 +161,32 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (q.float() * scale[:, None]).to(dtype)
+
+
+def quantize_fp8_blocks(
+    x: torch.Tensor, block_rows: int, block_cols: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (q e4m3 [R, C], scale float32 [ceil(R / block_rows), ceil(C / block_cols)])
+    with x ~ q * scale in each block: an HF fp8 checkpoint's weights in 128 x 128, activations
+    in 1 x 128. A last, partial block takes its range from its real elements."""
+    r, c = x.shape
+    grid_rows, grid_cols = -(-r // block_rows), -(-c // block_cols)
+    x = x.float()
+    if (grid_rows * block_rows, grid_cols * block_cols) != (r, c):
+        x = F.pad(x, (0, grid_cols * block_cols - c, 0, grid_rows * block_rows - r))
+    blocks = x.reshape(grid_rows, block_rows, grid_cols, block_cols)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(x.shape)[:r, :c].contiguous(), scale
+
+
+def dequantize_fp8_blocks(
+    q: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The inverse of quantize_fp8_blocks: [R, C] in `dtype`."""
+    r, c = q.shape
+    scale = scale.repeat_interleave(block_rows, dim=0)[:r].repeat_interleave(block_cols, dim=1)
+    return (q.float() * scale[:, :c]).to(dtype)
 
 
 # --- the weights a Linear holds -------------------------------------------------------------
@@ -328,3 +353,141 @@ class Fp8Weight(QuantizedWeight):
             )  # fmt: skip
         y = F.linear(xq.to(x.dtype), self.qweight.to(x.dtype))
         return y * x_scale.to(x.dtype)[:, None] * self.scale.to(x.dtype)
+
+
+class Fp8BlockWeight(QuantizedWeight):
+    """W8A8 in blocks, as an HF fp8 checkpoint stores it (`weight_block_size` [128, 128]): e4m3
+    codes [N, K] and a float32 scale per 128 x 128 block [ceil(N / 128), ceil(K / 128)] with
+    w = q * scale; each call quantizes x per token and 128 columns.
+
+    On Hopper, torch's block-scaled GEMM (F.scaled_mm, BlockWise1x128 activations against
+    BlockWise128x128 weights, through cuBLASLt); elsewhere emulated: both dequantized, then a
+    matmul in x's dtype (the reference the GPU path is tested against).
+    """
+
+    method = "fp8"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__(torch.empty(codes.shape, dtype=dtype, device="meta"))
+        self.qweight, self.scale = _frozen(codes), _frozen(scale)
+        # torch's block-scaled GEMM runs on sm90 only; whole blocks keep it to one layout.
+        self.scaled_mm = (
+            codes.is_cuda
+            and torch.cuda.get_device_capability(codes.device)[0] == 9
+            and hasattr(F, "scaled_mm")
+            and dtype == torch.bfloat16
+            and self.in_features % FP8_BLOCK == 0
+            and self.out_features % FP8_BLOCK == 0
+        )
+        if self.scaled_mm:
+            # cuBLASLt reads the weight's scales with the K blocks padded to 4s: [N/128, Kb4],
+            # passed transposed ([Kb4, N/128], column-major).
+            self.register_buffer(
+                "mm_scale", F.pad(scale, (0, -scale.shape[1] % 4)), persistent=False
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scaled_mm:
+            return self._scaled_mm(x)
+        xq, x_scale = quantize_fp8_blocks(x, 1, FP8_BLOCK)  # [T, K] e4m3, [T, K/128]
+        xd = dequantize_fp8_blocks(xq, x_scale, 1, FP8_BLOCK, x.dtype)
+        w = dequantize_fp8_blocks(self.qweight, self.scale, FP8_BLOCK, FP8_BLOCK, x.dtype)
+        return F.linear(xd, w)
+
+    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows % 4:  # cuBLASLt: the activations' scales, column-major, in whole 16 bytes
+            x = F.pad(x, (0, 0, 0, -rows % 4))
+        xq, x_scale = quantize_fp8_blocks(x, 1, FP8_BLOCK)
+        y = F.scaled_mm(
+            xq, self.qweight.t(),
+            x_scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+            self.mm_scale.t(), F.ScalingType.BlockWise128x128,
+            output_dtype=x.dtype,
+        )  # fmt: skip
+        return y[:rows]
+
+
+# --- checkpoints quantized already ------------------------------------------------------------
+
+
+def parse_fp8_config(config: dict) -> tuple[int, int]:
+    """An HF fp8 `quantization_config` (quant_method "fp8") -> its weight block size, once
+    checked to be what octavo reads as it is: e4m3 weights with a float32 scale per 128 x 128
+    block (`<name>.weight_scale_inv`, w = q * scale) and activations quantized at each call.
+
+    Raises:
+        ValueError: naming the field octavo cannot read.
+    """
+    block = config.get("weight_block_size")
+    if block is None:
+        raise ValueError(
+            "quantization_config: an fp8 checkpoint without weight_block_size (one scale per "
+            "tensor or per channel) is not supported; octavo reads weight_block_size [128, 128]"
+        )
+    if list(block) != [FP8_BLOCK, FP8_BLOCK]:
+        raise ValueError(
+            f"quantization_config: weight_block_size {list(block)} is not supported; "
+            f"octavo reads [{FP8_BLOCK}, {FP8_BLOCK}]"
+        )
+    for field, supported in (
+        ("fmt", "e4m3"),
+        ("activation_scheme", "dynamic"),
+        ("scale_fmt", "float"),
+    ):
+        value = config.get(field, supported)
+        if value != supported:
+            raise ValueError(
+                f"quantization_config: {field}={value!r} is not supported; octavo reads "
+                f"{field}={supported!r}"
+            )
+    return FP8_BLOCK, FP8_BLOCK
+
+
+def checkpoint_method(hf_config) -> str | None:
+    """The `quant_method` of a checkpoint quantized already (its config's
+    `quantization_config`): "awq", "gptq" or "fp8"; None for a checkpoint without one.
+
+    Raises:
+        ValueError: a quantization_config octavo cannot read as it is, naming the field.
+    """
+    from octavo.model.int4_checkpoint import CHECKPOINT_METHODS, int4_format
+
+    config = getattr(hf_config, "quantization_config", None)
+    if config is not None and not isinstance(config, dict):
+        config = config.to_dict()  # a transformers QuantizationConfigMixin
+    if not config:
+        return None
+    method = str(config.get("quant_method")).lower()
+    if method == "fp8":
+        parse_fp8_config(config)
+    elif method in CHECKPOINT_METHODS:
+        int4_format(hf_config)  # raises for a form octavo does not read
+    else:
+        raise ValueError(
+            f"quantization_config: quant_method {method!r} is not supported; octavo reads "
+            f"{(*CHECKPOINT_METHODS, 'fp8')} checkpoints"
+        )
+    return method
+
+
+def check_checkpoint_quantization(method: str | None, hf_config, load_format: str) -> None:
+    """Raises ValueError for an option that does not fit the checkpoint: another than its
+    quantization_config's quant_method, or "awq"/"gptq" without one. load_format "dummy"
+    reads no checkpoint."""
+    from octavo.model.int4_checkpoint import CHECKPOINT_METHODS
+
+    found = checkpoint_method(hf_config) if load_format != "dummy" else None
+    if method != found and (found is not None or method in CHECKPOINT_METHODS):
+        which = (
+            f"has quant_method {found!r} in its quantization_config" if found is not None
+            else "has no quantization_config" if load_format != "dummy"
+            else "is not read (load_format='dummy')"
+        )  # fmt: skip
+        raise ValueError(
+            f"quantization={method!r} does not fit the checkpoint, which {which}: 'auto' "
+            "reads a checkpoint's own quant_method ('awq', 'gptq', 'fp8'); 'int4', 'int8' "
+            "and 'fp8' quantize float weights"
+        )
+
+

@@ -68,6 +68,40 @@ def test_fp8_matches_emulated_reference(rows, k, n):
     assert 1e-3 < rel_err(weight(x), x @ w.T) < 0.1  # activations are quantized too
 
 
+@pytest.mark.parametrize("rows,k,n", SHAPES)
+def test_fp8_blocks_match_emulated_reference(rows, k, n):
+    """W8A8 in 128 x 128 weight blocks and 1 x 128 activation groups (partial last blocks
+    included) against both dequantized, then a float64 matmul."""
+    w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]  # blocks of different scales
+    codes, scale = q.quantize_fp8_blocks(w, 128, 128)
+    weight = q.Fp8BlockWeight(codes, scale, torch.float32)
+    x = torch.randn(rows, k) * 3
+    xq, x_scale = q.quantize_fp8_blocks(x, 1, 128)
+    ref = (
+        q.dequantize_fp8_blocks(xq, x_scale, 1, 128, torch.float64)
+        @ q.dequantize_fp8_blocks(codes, scale, 128, 128, torch.float64).T
+    )
+    y = weight(x)
+    assert y.dtype == x.dtype and y.shape == (rows, n)
+    assert rel_err(y, ref) < 1e-5
+    assert 1e-3 < rel_err(y, x @ w.T) < 0.1  # activations are quantized too
+
+
+def test_fp8_block_round_trip_relative_error():
+    w = torch.randn(200, 300) * torch.logspace(-3, 1, 200)[:, None]
+    w[128:, 256:] = 0  # an all-zero (partial) block stays zero, with no NaN
+    codes, scale = q.quantize_fp8_blocks(w, 128, 128)
+    assert codes.shape == w.shape and scale.shape == (2, 3)
+    back = q.dequantize_fp8_blocks(codes, scale, 128, 128, torch.float32)
+    assert torch.equal(back[128:, 256:], torch.zeros(72, 44))
+    per_element = scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    big = w.abs() > per_element * 2**-6  # e4m3's normal range: 3 mantissa bits
+    assert ((back - w).abs()[big] <= w.abs()[big] * 2**-4).all()
+    for i, j in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]:  # each block at e4m3's max
+        block = codes[128 * i : 128 * (i + 1), 128 * j : 128 * (j + 1)].float().abs()
+        assert block.max() == (0 if (i, j) == (1, 2) else 448), (i, j)
+
+
 def test_int8_round_trip_within_half_a_step():
     w = torch.randn(64, 300) * torch.logspace(-3, 1, 64)[:, None]  # rows of any scale
     codes, scale = q.quantize_int8(w, torch.float32)

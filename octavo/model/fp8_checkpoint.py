@@ -1,0 +1,186 @@
+"""An HF fp8 checkpoint read as it is: e4m3 weights, each with a float32 scale per 128 x 128
+block (`<name>.weight_scale_inv`, w = q * scale), as Qwen3's and DeepSeek's FP8 releases.
+
+The codes load through the model's weight loaders as any weight does (every e4m3 value is
+exact in bfloat16, float16 and float32). The scales are set aside meanwhile, then placed by
+the same loaders: each Linear's loader gets a `BlockGrid` in place of its weight and one in
+place of the checkpoint tensor, matrices in element units that hold one value per block.
+The loaders only narrow and copy, so fusing and tensor-parallel slicing put each block's
+scale where they put the block's values:
+
+    qkv_proj.weight  [(H + 2 * KVH) * D, hidden]   rows: | q: H * D | k: KVH * D | v: KVH * D |
+    its scales       [(H + 2 * KVH) * D / 128, hidden / 128]   the same row ranges, / 128
+
+A fused part or a rank's slice that starts or ends inside a block is a ValueError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from octavo.model.layers import Linear
+from octavo.model.quantization import FP8_BLOCK, Fp8BlockWeight
+
+SCALE_SUFFIX = ".weight_scale_inv"
+
+
+class BlockGrid:
+    """A matrix of `shape` (element units) holding one value per 128 x 128 block in `blocks`
+    [ceil(rows / 128), ceil(cols / 128)]: what a weight loader narrows and copies in place of
+    a parameter (`.data`, `.shape`, `.dim()`) or of a checkpoint tensor. A narrowed grid is
+    a view: its copies land in the whole grid's blocks."""
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        shape: tuple[int, int],
+        origin: tuple[int, int] = (0, 0),
+        whole: tuple[int, int] | None = None,
+    ) -> None:
+        self.blocks = blocks
+        self.shape = tuple(shape)
+        self.origin = origin  # where this view starts in the whole matrix
+        self.whole = whole or self.shape
+
+    @property
+    def data(self) -> BlockGrid:
+        return self
+
+    def dim(self) -> int:
+        return 2
+
+    def narrow(self, dim: int, start: int, length: int) -> BlockGrid:
+        origin, shape = list(self.origin), list(self.shape)
+        origin[dim] += start
+        shape[dim] = length
+        return BlockGrid(self.blocks, tuple(shape), tuple(origin), self.whole)
+
+    def copy_(self, source: BlockGrid) -> BlockGrid:
+        self.blocks[self._block_index()] = source.blocks[source._block_index()].to(self.blocks)
+        return self
+
+    def _block_index(self) -> tuple[slice, slice]:
+        """The blocks this view covers; it must start on a block and end on one or at the
+        whole matrix's end (a last, partial block)."""
+        index = []
+        for axis, start, length, whole in zip(
+            ("rows", "columns"), self.origin, self.shape, self.whole, strict=True
+        ):
+            end = start + length
+            if start % FP8_BLOCK or (end % FP8_BLOCK and end != whole):
+                raise ValueError(
+                    f"{axis} {start}..{end} of {whole} do not start and end on the "
+                    f"checkpoint's {FP8_BLOCK} x {FP8_BLOCK} blocks"
+                )
+            index.append(slice(start // FP8_BLOCK, -(-end // FP8_BLOCK)))
+        return index[0], index[1]
+
+
+def _blocks_of(shape: tuple[int, int]) -> tuple[int, int]:
+    return -(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK)
+
+
+class Fp8Checkpoint:
+    """Sets an fp8 checkpoint's scales aside while its weights load (`weights`), then gives
+    each Linear whose weight has them an Fp8BlockWeight (`keep_blocks`)."""
+
+    def __init__(self) -> None:
+        self.scales: dict[str, torch.Tensor] = {}  # weight name -> [N / 128, K / 128]
+        self.shapes: dict[str, tuple[int, int]] = {}  # weight name -> [N, K]
+
+    def weights(
+        self, stream: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`stream` without its scales, which it keeps (read whole: they are small)."""
+        for name, tensor in stream:
+            if name.endswith(SCALE_SUFFIX):
+                if not isinstance(tensor, torch.Tensor):  # a lazy tensor
+                    tensor = tensor.narrow(0, 0, tensor.shape[0])
+                self.scales[name.removesuffix("_scale_inv")] = tensor.float()
+                continue
+            if name.endswith(".weight"):
+                self.shapes[name] = tuple(tensor.shape)
+            yield name, tensor
+
+    def keep_blocks(self, net: nn.Module) -> None:
+        """Places the scales through the model's weight loaders; each Linear that got scales
+        for all its weight holds an Fp8BlockWeight on its codes from then on, and one that
+        got none (a module the checkpoint keeps in float) stays as it is.
+
+        Raises:
+            ValueError: a scale tensor of the wrong shape or for no Linear's weight, a Linear
+                with scales for part of its weight, or a fused part or tensor-parallel slice
+                that does not start and end on 128 x 128 blocks.
+        """
+        names = {m: n for n, m in net.named_modules() if isinstance(m, Linear)}
+        grids = {
+            m: BlockGrid(
+                torch.full(_blocks_of(m.weight.shape), float("nan"), device=m.weight.device),
+                tuple(m.weight.shape),
+            )
+            for m in names
+        }
+        with _loaders_onto(net, grids, names):
+            net.load_weights((name, self._grid(name, s)) for name, s in self.scales.items())
+        for module, grid in grids.items():
+            missing = grid.blocks.isnan()
+            if missing.all():
+                continue
+            if missing.any():
+                raise ValueError(
+                    f"the checkpoint's fp8 scales cover only part of {names[module]}.weight"
+                )
+            codes = module.weight.detach().to(torch.float8_e4m3fn)
+            module.quant = Fp8BlockWeight(codes, grid.blocks, module.weight.dtype)
+            module.weight = None
+
+    def _grid(self, name: str, scale: torch.Tensor) -> BlockGrid:
+        shape = self.shapes.get(name)
+        if shape is None:
+            raise ValueError(f"checkpoint tensor {name}_scale_inv has no weight {name}")
+        if tuple(scale.shape) != _blocks_of(shape):
+            raise ValueError(
+                f"checkpoint tensor {name}_scale_inv has shape {tuple(scale.shape)}, expected "
+                f"{_blocks_of(shape)}: one scale per {FP8_BLOCK} x {FP8_BLOCK} block of {shape}"
+            )
+        return BlockGrid(scale, shape)
+
+
+@contextmanager
+def _loaders_onto(net: nn.Module, grids: dict[Linear, BlockGrid], names: dict[Linear, str]):
+    """While open, each Linear weight's loader places a checkpoint BlockGrid into the Linear's
+    own grid through the Linear's weight_loader; every other parameter's refuses one."""
+    saved = {}
+    weights = {id(m.weight): m for m in grids}
+    for name, param in net.named_parameters():
+        saved[param] = getattr(param, "weight_loader", None)
+        module = weights.get(id(param))
+        if module is None:
+
+            def load(param, grid, *shard_id, name=name):
+                raise ValueError(f"the checkpoint has fp8 scales for {name}, kept in float here")
+
+        else:
+
+            def load(param, grid, *shard_id, module=module):
+                try:
+                    module.weight_loader(grids[module], grid, *shard_id)
+                except ValueError as e:
+                    raise ValueError(
+                        f"fp8 scales of {names[module]}.weight: {e}; fused parts and "
+                        "tensor-parallel slices must start and end on whole blocks"
+                    ) from None
+
+        param.weight_loader = load
+    try:
+        yield
+    finally:
+        for param, loader in saved.items():
+            if loader is None:
+                del param.weight_loader
+            else:
+                param.weight_loader = loader
