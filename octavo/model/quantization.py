@@ -489,5 +489,3 @@ def check_checkpoint_quantization(method: str | None, hf_config, load_format: st
             "reads a checkpoint's own quant_method ('awq', 'gptq', 'fp8'); 'int4', 'int8' "
             "and 'fp8' quantize float weights"
         )
-
-

@@ -253,8 +253,13 @@ def test_abort_frees_blocks(llm, chat_prompt_ids):
 
 def test_stats_fields(llm):
     stats = llm.get_stats()
-    for key in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
-                "kv_blocks_total", "kv_blocks_free"):
+    for key in (
+        "num_preemptions",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "kv_blocks_total",
+        "kv_blocks_free",
+    ):
         assert isinstance(stats[key], int)
 
 

@@ -70,7 +70,9 @@ def _largest_bodies(max_model_len: int) -> dict[str, bytes]:
         "/v1/completions texts": {"prompt": ["a"] * (DEFAULT_MAX_REQUEST_BYTES // 5 - 8)},
         "/v1/chat/completions empty": {"messages": [{"role": "user", "content": ""}] * 127_000},
         "/v1/completions stop ids": {
-            "prompt": "hi", "max_tokens": 1, "stop_token_ids": [1] * (ids_at_limit - 10)
+            "prompt": "hi",
+            "max_tokens": 1,
+            "stop_token_ids": [1] * (ids_at_limit - 10),
         },
         "/detokenize": {"tokens": [1] * ids_at_limit},
     }

@@ -27,9 +27,9 @@ from octavo.model.quantization import (
     Fp8Weight,
     check_quantization,
     checkpoint_method,
-    resolve_quantization,
     dequantize_fp8_blocks,
     quantize_fp8_blocks,
+    resolve_quantization,
 )
 
 

@@ -149,9 +149,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def chat_completions(req: ChatCompletionRequest, raw: HTTPRequest) -> Response:
         return await create_chat_completion(ctx, req, raw)
 
-    @app.post(
-        "/tokenize", response_model=TokenizeResponse, responses=_errors(400, 401, 404, 413)
-    )
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 401, 404, 413))
     async def tokenize_route(req: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
         return await _on_thread(tokenize, ctx, req)
 
