@@ -345,12 +345,15 @@ class Fp8Weight(QuantizedWeight):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq, x_scale = quantize_fp8(x)  # [T, K] e4m3, [T]
         if self.scaled_mm:
+            from octavo.kernels.quant_fp8 import per_token_quant_fp8
+
+            xq, x_scale = per_token_quant_fp8(x)  # [T, K] e4m3, [T]: one kernel
             return torch._scaled_mm(
                 xq, self.qweight.t(), scale_a=x_scale[:, None], scale_b=self.scale[None, :],
                 out_dtype=x.dtype,
             )  # fmt: skip
+        xq, x_scale = quantize_fp8(x)
         y = F.linear(xq.to(x.dtype), self.qweight.to(x.dtype))
         return y * x_scale.to(x.dtype)[:, None] * self.scale.to(x.dtype)
 
@@ -398,10 +401,12 @@ class Fp8BlockWeight(QuantizedWeight):
         rows = x.shape[0]
         if rows % 4:  # cuBLASLt: the activations' scales, column-major, in whole 16 bytes
             x = F.pad(x, (0, 0, 0, -rows % 4))
-        xq, x_scale = quantize_fp8_blocks(x, 1, FP8_BLOCK)
+        from octavo.kernels.quant_fp8 import per_group_quant_fp8
+
+        xq, x_scale = per_group_quant_fp8(x, FP8_BLOCK, column_major_scales=True)
         y = F.scaled_mm(
             xq, self.qweight.t(),
-            x_scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+            x_scale, F.ScalingType.BlockWise1x128,
             self.mm_scale.t(), F.ScalingType.BlockWise128x128,
             output_dtype=x.dtype,
         )  # fmt: skip
