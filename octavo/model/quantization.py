@@ -18,7 +18,9 @@ its float weight, built from the shard this rank loaded, so tensor parallelism n
 more. The quantize/dequantize functions are the reference the forwards are tested against.
 
 On the CPU, int8 and int4 run torch's weight-packed kernels, which are fast with bfloat16
-activations only: the activations pass through bfloat16 there (the "A16"). fp8 runs
+activations only: the activations pass through bfloat16 there (the "A16"). On CUDA, with
+16-bit weights, they run octavo's Triton GEMMs (kernels/quant_gemm.py), which dequantize
+inside the kernel; elsewhere they dequantize the whole weight for each product. fp8 runs
 torch._scaled_mm on Hopper and is emulated elsewhere (activations quantized to e4m3 and back,
 then a matmul), so that its accuracy can be measured on any machine.
 """
@@ -201,6 +203,18 @@ def _uses_cpu_kernels(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and CPU_KERNELS
 
 
+def _uses_gpu_kernels(weight: torch.Tensor, group_size: int | None = None) -> bool:
+    """Whether the product runs kernels/quant_gemm.py's Triton GEMMs: on CUDA with 16-bit
+    weights (and an int4 group size they take). Readies their split-K counters on that
+    device, before any CUDA graph captures them."""
+    if not weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from octavo.kernels import quant_gemm
+
+    quant_gemm.prepare(weight.device)
+    return group_size is None or group_size in quant_gemm.INT4_GROUP_SIZES
+
+
 def _pack_int4_for_cpu(
     q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,17 +239,27 @@ class QuantizedWeight(nn.Module):
 
 
 class Int8Weight(QuantizedWeight):
-    """W8A16: int8 [N, K] and a scale per row. On the CPU, bfloat16 scales for torch's kernel."""
+    """W8A16: int8 [N, K] and a scale per row. On the CPU, bfloat16 scales for torch's kernel;
+    on CUDA the codes packed four a word for the Triton kernels (quant_gemm.pack_int8)."""
 
     method = "int8"
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight)
         self.cpu_kernel = _uses_cpu_kernels(weight)
+        self.gpu_kernel = _uses_gpu_kernels(weight)
         q, scale = quantize_int8(weight, torch.bfloat16 if self.cpu_kernel else weight.dtype)
+        if self.gpu_kernel:
+            from octavo.kernels.quant_gemm import pack_int8
+
+            q = pack_int8(q)  # int32 [N, Kp / 4]
         self.qweight, self.scale = _frozen(q), _frozen(scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gpu_kernel:
+            from octavo.kernels.quant_gemm import int8_linear
+
+            return int8_linear(x.to(self.dtype), self.qweight, self.scale).to(x.dtype)
         if self.cpu_kernel and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale)
             return y.to(x.dtype)
@@ -244,8 +268,9 @@ class Int8Weight(QuantizedWeight):
 
 class Int4Weight(QuantizedWeight):
     """W4A16, group GROUP_SIZE. On the CPU the weight is in the layout of torch's int4 kernel
-    (`qscale_zero` [G, N, 2], its zero being min + 8 * scale); elsewhere two values a byte
-    (low nibble first) with `scale` and `min` [N, G], dequantized for each product.
+    (`qscale_zero` [G, N, 2], its zero being min + 8 * scale); on CUDA eight codes a word for
+    the Triton kernels (quant_gemm.pack_int4) with `scale` and `min` [N, G]; elsewhere two
+    values a byte (low nibble first) with `scale` and `min`, dequantized for each product.
     `columns` (GPTQ's act order): x's columns in the order of the weight's, or None."""
 
     method = "int4"
@@ -264,6 +289,7 @@ class Int4Weight(QuantizedWeight):
         self.register_buffer("columns", columns)
         self.group_size = group_size
         self.cpu_kernel = _uses_cpu_kernels(weight)
+        self.gpu_kernel = _uses_gpu_kernels(weight, group_size)
         param_dtype = torch.bfloat16 if self.cpu_kernel else weight.dtype
         if grid is None:
             q, scale, lo = quantize_int4(weight, group_size, param_dtype)
@@ -273,6 +299,11 @@ class Int4Weight(QuantizedWeight):
         if self.cpu_kernel:
             packed, scale_zero = _pack_int4_for_cpu(q, scale, lo)
             self.qweight, self.qscale_zero = _frozen(packed), _frozen(scale_zero)
+        elif self.gpu_kernel:
+            from octavo.kernels.quant_gemm import pack_int4
+
+            self.qweight = _frozen(pack_int4(q, group_size))  # int32 [N, Kp / 8]
+            self.scale, self.min = _frozen(scale), _frozen(lo)
         else:
             self.qweight = _frozen(q[:, 0::2] | (q[:, 1::2] << 4))  # [N, Kp / 2]
             self.scale, self.min = _frozen(scale), _frozen(lo)
@@ -285,6 +316,11 @@ class Int4Weight(QuantizedWeight):
             y = torch._weight_int4pack_mm_for_cpu(
                 x16, self.qweight, self.group_size, self.qscale_zero
             )
+            return y.to(x.dtype)
+        if self.gpu_kernel:
+            from octavo.kernels.quant_gemm import int4_linear
+
+            y = int4_linear(x.to(self.dtype), self.qweight, self.scale, self.min, self.group_size)
             return y.to(x.dtype)
         packed = self.qweight
         q = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
