@@ -1,4 +1,4 @@
-"""Three fixes to Triton 3.6's CPU interpreter, applied only when TRITON_INTERPRET=1.
+"""Four fixes to Triton 3.6's CPU interpreter, applied only when TRITON_INTERPRET=1.
 
 1. Scalars are 1-element arrays there, and `range(0, n)` over a loaded scalar calls `int()` on
    them, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted").
@@ -7,6 +7,8 @@
 3. Rounding float32 to float8e4nv drops the carry out of the mantissa (31.5 becomes 16, not
    32) and rounds ties away from even; round through torch's float8_e4m3fn instead (to
    nearest even, as the GPU's conversion). Widening fp8 is exact there already.
+4. Casting float32 to bfloat16 truncates; round through torch's bfloat16 instead (to nearest
+   even, as the GPU's cvt.rn).
 
 Neither changes what a kernel computes on the GPU; they let the same kernels run on the CPU.
 """
@@ -57,4 +59,15 @@ def apply() -> None:
         return original_fp_to_fp(self, src, dst_type, rounding_mode)
 
     builder_cls.create_fp_to_fp = create_fp_to_fp
+
+    original_cast = builder_cls.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bf16 = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return interpreter.TensorHandle(bf16.view(torch.int16).numpy().view(np.uint16),
+                                            tl.bfloat16)  # fmt: skip
+        return original_cast(self, src, dst_type)
+
+    builder_cls.cast_impl = cast_impl
     interpreter._octavo_patched = True
