@@ -1,8 +1,9 @@
 """The Triton attention kernels at Qwen3-0.6B shapes on the GPU, against their floors: decode
 and store_kv against the copy ceiling measured in the same run (bytes moved / time), prefill
-in TFLOP/s beside torch's own kernels on the same problem.
+in TFLOP/s beside torch's own kernels on the same problem; the weight-only quantized GEMMs
+at Qwen3-8B's projection shapes against bf16 F.linear.
 
-    python benchmarks/gpu_kernels.py [--sweep] [--only decode|prefill|store] [--json out.json]
+    python benchmarks/gpu_kernels.py [--sweep] [--only decode|prefill|store|quant] [--json f]
 
 Rows (H=16, KVH=8, D=128, bf16, pages of 16):
   decode  256 x 1k context, 256 / 128 / 64 x mixed contexts (100-2048), 1 x 8k, 16 x 4k
@@ -12,10 +13,16 @@ Rows (H=16, KVH=8, D=128, bf16, pages of 16):
           torch SDPA's flash kernel on the same dense problem as a yardstick, and torch's
           FlashAttention-2 varlen forward and cuDNN's ragged attention where they apply
   store_kv 8k tokens -> bytes written / time against the copy ceiling
+  quant   int4 (group 128) and int8 at 1, 16 and 256 rows, Qwen3-8B's qkv 4096->6144,
+          o 4096->4096, gate_up 4096->24576, down 12288->4096 -> weight bytes read / time,
+          and the time as a fraction of bf16 F.linear's at the same shape; then the four
+          summed at one row, as a decode step's projections
 
 Times are do_bench medians (the L2 is flushed before each repetition, so an 8k decode reads
 its 33 MB from HBM). Each kernel is checked against the torch backend first. --sweep also
-times the tile configs and split counts listed below and marks the fastest.
+times the tile configs and split counts listed below and marks the fastest. The quantized
+GEMMs and their bf16 baseline are timed as CUDA graphs over enough copies of the weight to
+overflow L2 (runner/gemm_tuning.py's graph_us), as a decode step runs them.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from triton.testing import do_bench
 
 from octavo.attention.backend import build_metadata
 from octavo.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from octavo.kernels import quant_gemm
 from octavo.kernels.decode_attention import (
     choose_num_splits,
     decode_attention,
@@ -40,6 +48,8 @@ from octavo.kernels.decode_attention import (
 )
 from octavo.kernels.prefill_attention import default_prefill_config, prefill_attention
 from octavo.kernels.store_kv import store_kv
+from octavo.model import quantization
+from octavo.runner.gemm_tuning import graph_us
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
 SCALE = HEAD_DIM**-0.5
@@ -73,6 +83,10 @@ DECODE_CONFIGS = [
     for s in (2, 3, 4)
 ]
 DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64]
+# Qwen3-8B's projections (name, N, K) and the row counts the quant stage times.
+QUANT_SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096),
+                ("down", 4096, 12288)]  # fmt: skip
+QUANT_ROWS = [1, 16, 256]
 PREFILL_CONFIGS = [
     {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s}
     for m, n, w, s in [
@@ -276,6 +290,96 @@ def bench_store(num_tokens: int, copy_gbs: float) -> dict:
     )
 
 
+def _copies(tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """Enough copies of a weight's tensors to hold 1.5 times the L2, two at least."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    extra = max(1, 3 * l2 // (2 * size))
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(extra)]
+
+
+def _quant_variants(method: str, m: int, n: int, k: int, sweep: bool) -> list:
+    """None for bf16; else the default plan first, then (--sweep) other kernels, tiles and
+    split counts."""
+    if method == "bf16":
+        return [None]
+    bits, group = (4, 128) if method == "int4" else (8, quant_gemm.INT8_BLOCK)
+    default = quant_gemm.plan(m, n, k, bits, group, num_sms(torch.device("cuda")))
+    out = [default]
+    if not sweep:
+        return out
+    if m == 1:
+        out += [default._replace(splits=s) for s in (1, 2, 4, 8, 16)]
+        out += [default._replace(block_n=bn, num_warps=bn // 32, splits=s)
+                for bn in (64, 256) for s in (4, 8, 16)]  # fmt: skip
+        out += [default._replace(num_stages=st) for st in (2, 4)]
+    block_m = min(max(16, triton.next_power_of_2(m)), 128)
+    out += [quant_gemm.Plan("gemm", block_m, bn, 128, s, w, st)
+            for bn, w in ((64, 4), (128, 4), (128, 8)) for s in (1, 2, 4, 8, 16)
+            for st in (3, 4) if s == 1 or block_m <= 64]  # fmt: skip
+    out.append(quant_gemm.Plan("dequant", m, 32, max(512 // bits, group), 1, 4, 1))
+    return list(dict.fromkeys(out))
+
+
+def _quant_product(method: str, x: torch.Tensor, p, tensors: tuple) -> torch.Tensor:
+    if method == "bf16":
+        return F.linear(x, tensors[0])
+    if method == "int4":
+        return quant_gemm.int4_linear(x, *tensors, 128, config=p)
+    return quant_gemm.int8_linear(x, *tensors, config=p)
+
+
+def bench_quant(copy_gbs: float, sweep: bool) -> list[dict]:
+    rows, at_one_row = [], {}
+    for name, n, k in QUANT_SHAPES:
+        w = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
+        codes, scale, lo = quantization.quantize_int4(w, 128, DTYPE)
+        codes8, scale8 = quantization.quantize_int8(w, DTYPE)
+        weights = {  # method: (copies of its tensors, the float32 weight they hold)
+            "bf16": (_copies((w,)), w.float()),
+            "int4": (
+                _copies((quant_gemm.pack_int4(codes, 128), scale, lo)),
+                quantization.dequantize_int4(codes, scale, lo, k, torch.float32),
+            ),
+            "int8": (
+                _copies((quant_gemm.pack_int8(codes8), scale8)),
+                quantization.dequantize_int8(codes8, scale8, torch.float32),
+            ),
+        }
+        for m in QUANT_ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=DTYPE)
+            shape, bf16_us = f"{name} {n}x{k} at {m}", None
+            for method, (copies, w_ref) in weights.items():
+                ref = x.float() @ w_ref.T
+                moved = sum(t.numel() * t.element_size() for t in copies[0])
+                for i, p in enumerate(_quant_variants(method, m, n, k, sweep)):
+                    call = partial(_quant_product, method, x, p)
+                    try:
+                        err = rel_err(call(copies[0]), ref)
+                        us = graph_us([partial(call, t) for t in copies], replays=20, rounds=3)
+                    except triton.runtime.errors.OutOfResources as e:
+                        print(f"skipped a config: {e}")
+                        continue
+                    rate = _bandwidth(moved, us, copy_gbs)
+                    if method == "bf16":
+                        bf16_us = us
+                    else:
+                        rate += f"  {us / bf16_us:5.2f} x bf16's time"
+                    label = "F.linear" if p is None else _plan_str(p)
+                    rows.append(_row(method, shape, label, i == 0, us, err, rate))
+                    if m == 1 and i == 0:
+                        at_one_row[method] = at_one_row.get(method, 0.0) + us
+    for method, us in at_one_row.items():
+        rate = f"{us / at_one_row['bf16']:5.2f} x bf16's time"
+        rows.append(_row(method, "4 projections at 1", "default", True, us, float("nan"), rate))
+    return rows
+
+
+def _plan_str(p: quant_gemm.Plan) -> str:
+    return (f"{p.kernel} m={p.block_m} n={p.block_n} k={p.block_k} splits={p.splits} "
+            f"w={p.num_warps} s={p.num_stages}")  # fmt: skip
+
+
 def _row(kernel: str, shape: str, config: str, default: bool, us: float, err: float, rate: str):
     return {"kernel": kernel, "shape": shape, "config": config, "default": default, "us": us,
             "rel_err": err, "rate": rate}  # fmt: skip
@@ -293,7 +397,7 @@ def _cfg_str(cfg: dict[str, int], splits: int | None = None) -> str:
 
 def print_table(rows: list[dict], copy_gbs: float) -> None:
     print(f"\n{torch.cuda.get_device_name()}  copy ceiling {copy_gbs:.0f} GB/s (read + write)")
-    print(f"{'kernel':10} {'shape':26} {'config':40} {'us':>9} {'rel err':>8}  rate")
+    print(f"{'kernel':10} {'shape':26} {'config':48} {'us':>9} {'rel err':>8}  rate")
     for group in dict.fromkeys((r["kernel"], r["shape"]) for r in rows):
         mine = [r for r in rows if (r["kernel"], r["shape"]) == group]
         best = min((r["us"] for r in mine if r["us"] == r["us"]), default=None)
@@ -301,7 +405,7 @@ def print_table(rows: list[dict], copy_gbs: float) -> None:
             tag = ("*" if r["default"] else " ") + (
                 "<" if r["us"] == best and len(mine) > 1 else " "
             )
-            print(f"{r['kernel']:10} {r['shape']:26} {r['config']:40} {r['us']:9.1f} "
+            print(f"{r['kernel']:10} {r['shape']:26} {r['config']:48} {r['us']:9.1f} "
                   f"{r['rel_err']:8.1e} {tag} {r['rate']}")  # fmt: skip
     print("* = default config   < = fastest of its group")
 
@@ -310,7 +414,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time other configs")
     parser.add_argument("--json", help="write all rows here")
-    parser.add_argument("--only", choices=["decode", "prefill", "store"], help="one kernel")
+    parser.add_argument("--only", choices=["decode", "prefill", "store", "quant"], help="one stage")
     args = parser.parse_args()
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
@@ -323,6 +427,8 @@ def main() -> None:
             rows += bench_prefill(query_lens, seq_lens, heads, args.sweep)
     if args.only in (None, "store"):
         rows.append(bench_store(8192, copy_gbs))
+    if args.only in (None, "quant"):
+        rows += bench_quant(copy_gbs, args.sweep)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
