@@ -317,6 +317,8 @@ def _quant_variants(method: str, m: int, n: int, k: int, sweep: bool) -> list:
     out += [quant_gemm.Plan("gemm", block_m, bn, 128, s, w, st)
             for bn, w in ((64, 4), (128, 4), (128, 8)) for s in (1, 2, 4, 8, 16)
             for st in (3, 4) if s == 1 or block_m <= 64]  # fmt: skip
+    if m > 128:
+        out.append(quant_gemm.Plan("gemm", 256, 128, 128, 1, 8, 2))
     out.append(quant_gemm.Plan("dequant", m, 32, max(512 // bits, group), 1, 4, 1))
     return list(dict.fromkeys(out))
 

@@ -32,7 +32,7 @@ Three paths, picked by the row count M (`plan`):
                 a code costs one FMA.
     M > 1       _gemm_kernel: each tile is dequantized in registers into x's dtype and is the
                 left operand of tl.dot ([BLOCK_N, BLOCK_K], at least 64 rows as wgmma
-                wants), with x^T the right one ([BLOCK_K, BLOCK_M], 16 to 128 rows of x).
+                wants), with x^T the right one ([BLOCK_K, BLOCK_M], 16 to 256 rows of x).
     M large     _dequant_kernel writes the whole weight in x's dtype, then F.linear: at
                 prefill sizes cuBLAS's GEMM beats a tile kernel that dequantizes per row block.
 
@@ -125,8 +125,12 @@ def plan(m: int, n: int, k: int, bits: int, group: int, sms: int) -> Plan:
         return Plan("gemv", 1, 128, block_k, splits, num_warps=4, num_stages=3)
     if m >= DEQUANT_MIN_ROWS:
         return Plan("dequant", m, 32, max(1024 // bits, group), 1, num_warps=4, num_stages=1)
-    block_m = min(max(16, triton.next_power_of_2(m)), 128)
     block_k = max(128, group)
+    if m > 128 and triton.cdiv(n, 128) * triton.cdiv(m, 256) >= sms:
+        # Each tile of W dequantized once for up to 256 rows of x, where these tiles still
+        # fill the GPU (2 stages: 3 would not fit in shared memory).
+        return Plan("gemm", 256, 128, block_k, 1, num_warps=8, num_stages=2)
+    block_m = min(max(16, triton.next_power_of_2(m)), 128)
     m_tiles = triton.cdiv(m, block_m)
     # 128 rows of W a tile spread the per-tile work over more codes; at 64 rows of x their
     # accumulator would not fit 4 warps' registers, at 128 it takes 8 warps, and only
@@ -272,7 +276,7 @@ def _write(out, offs, mask, y_ptr, partial_ptr, counter_ptr, tile, pid_k, num_sp
         tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["iters_per_split"])
+@triton.jit(do_not_specialize=["num_iters", "iters_per_split"])
 def _gemv_kernel(
     x_ptr,  # [K], one row
     w_ptr,  # [N, KW] int32 words
@@ -331,7 +335,7 @@ def _gemv_kernel(
            tl.num_programs(1), N, SPLIT)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["M", "iters_per_split"])
+@triton.jit(do_not_specialize=["M", "num_iters", "iters_per_split"])
 def _gemm_kernel(
     x_ptr,  # [M, K], rows stride_xm apart
     w_ptr,  # [N, KW] int32 words

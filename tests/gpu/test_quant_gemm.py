@@ -76,6 +76,8 @@ def configs(m: int, bits: int, group: int) -> list[qg.Plan]:
     wide_warps = 8 if block_m == 128 else 4
     out = [qg.Plan("gemm", block_m, 64, block_k, s, 4, 3) for s in (1, 4)]
     out += [qg.Plan("gemm", block_m, 128, block_k, s, wide_warps, 4) for s in (1, 2)]
+    if m > 32 or INTERPRET:
+        out.append(qg.Plan("gemm", 256, 128, block_k, 1, 8, 2))
     out.append(qg.Plan("dequant", m, 32, block_k, 1, 4, 1))
     if m == 1:
         out += [qg.Plan("gemv", 1, 128, max(512 // bits, group), s, 4, 3) for s in (1, 2, 16)]
@@ -184,7 +186,7 @@ def _check_against_reference(y, x, w_ref_dtype, w_exact):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [32, 128] if INTERPRET else [32, 64, 128])
 @pytest.mark.parametrize(
-    "nk", [(256, 512)] if INTERPRET else [(4096, 4096), (1536, 12288), (6144, 1024)]
+    "nk", [(256, 512)] if INTERPRET else [(4096, 4096), (1536, 12288), (24576, 1024)]
 )
 def test_int4_matches_the_dequantized_reference(nk, group, dtype):
     n, k = nk
@@ -201,7 +203,7 @@ def test_int4_matches_the_dequantized_reference(nk, group, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "nk", [(256, 512)] if INTERPRET else [(4096, 4096), (1536, 12288), (6144, 1000)]
+    "nk", [(256, 512)] if INTERPRET else [(4096, 4096), (1536, 12288), (24576, 1000)]
 )
 def test_int8_matches_the_dequantized_reference(nk, dtype):
     n, k = nk
