@@ -308,10 +308,9 @@ def _quant_variants(method: str, m: int, n: int, k: int, sweep: bool) -> list:
     out = [default]
     if not sweep:
         return out
-    if m == 1:
-        out += [default._replace(splits=s) for s in (1, 2, 4, 8, 16)]
-        out += [default._replace(block_n=bn, num_warps=bn // 32, splits=s)
-                for bn in (64, 256) for s in (4, 8, 16)]  # fmt: skip
+    if m == 1:  # tiles of 32 to 128 rows, each thread with 4 rows by 4 words
+        out += [default._replace(block_n=bn, block_k=max(65536 // (bn * bits), group), splits=s)
+                for bn in (32, 64, 128) for s in (1, 2, 4, 8, 16)]  # fmt: skip
         out += [default._replace(num_stages=st) for st in (2, 4)]
     block_m = min(max(16, triton.next_power_of_2(m)), 128)
     out += [quant_gemm.Plan("gemm", block_m, bn, 128, s, w, st)

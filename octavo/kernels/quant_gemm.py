@@ -33,8 +33,9 @@ Three paths, picked by the row count M (`plan`):
     M > 1       _gemm_kernel: each tile is dequantized in registers into x's dtype and is the
                 left operand of tl.dot ([BLOCK_N, BLOCK_K], at least 64 rows as wgmma
                 wants), with x^T the right one ([BLOCK_K, BLOCK_M], 16 to 256 rows of x).
-    M large     _dequant_kernel writes the whole weight in x's dtype, then F.linear: at
-                prefill sizes cuBLAS's GEMM beats a tile kernel that dequantizes per row block.
+    M >= DEQUANT_MIN_ROWS  _dequant_kernel writes the whole weight in x's dtype, then
+                F.linear: at prefill sizes cuBLAS's GEMM beats a tile kernel that dequantizes
+                per block of rows.
 
 Split-K. At decode row counts N / BLOCK_N tiles are too few programs to keep enough loads in
 flight for HBM, so K is cut into `splits` ranges run by separate programs. Each writes its
@@ -42,8 +43,8 @@ float32 partial to a workspace, then takes a ticket from its tile's counter; the
 takes the last ticket adds the partials in split order (the result does not depend on which
 finished last), writes y and puts the counter back to 0. One launch, no memset.
 
-    N = 4096, BLOCK_N = 32, K = 4096 (16 iterations of 256 columns), splits = 4:
-    128 tiles x 4 = 512 programs of 4 iterations; tile t's counter goes 0 -> 4 -> 0
+    one row, N = 4096, K = 4096: GEMV tiles of 32 rows by 512 columns, splits = 4
+    128 tiles x 4 = 512 programs of 2 iterations; tile t's counter goes 0 -> 4 -> 0
 
 NOTE: the counters are one buffer per device, shared by every call. Kernels on one stream run
 one after another (under PDL each waits for the grid before it), so launches never share a
@@ -119,10 +120,10 @@ class Plan(NamedTuple):
 def plan(m: int, n: int, k: int, bits: int, group: int, sms: int) -> Plan:
     """The plan for x [m, k] by W [n, k] (k padded to whole blocks) with `bits`-bit codes in
     blocks of `group` columns, on `sms` SMs."""
-    if m == 1:  # 64 bytes of codes per row and iteration, 4 rows a thread
-        block_k = max(512 // bits, group)
-        splits = _splits(triton.cdiv(n, 128), triton.cdiv(k, block_k), 4 * sms, min_iters=2)
-        return Plan("gemv", 1, 128, block_k, splits, num_warps=4, num_stages=3)
+    if m == 1:  # 32 rows by 256 bytes of codes an iteration: 4 rows by 4 words a thread
+        block_k = max(2048 // bits, group)
+        splits = _splits(triton.cdiv(n, 32), triton.cdiv(k, block_k), 4 * sms, min_iters=2)
+        return Plan("gemv", 1, 32, block_k, splits, num_warps=4, num_stages=3)
     if m >= DEQUANT_MIN_ROWS:
         return Plan("dequant", m, 32, max(1024 // bits, group), 1, num_warps=4, num_stages=1)
     block_k = max(128, group)
@@ -186,11 +187,12 @@ def _load(ptrs, mask, EVEN: tl.constexpr):
 def _load_words(w_ptr, offs_n, n_ok, it, KW, TILE_G: tl.constexpr, WPG: tl.constexpr,
                 EVEN: tl.constexpr):  # fmt: skip
     """Iteration `it`'s words [BLOCK_N, TILE_G, WPG]: TILE_G blocks of WPG words a row, 0
-    past the row's end."""
-    word = (it * TILE_G + tl.arange(0, TILE_G))[:, None] * WPG + tl.arange(0, WPG)[None, :]
-    rows = w_ptr + offs_n.to(tl.int64)[:, None, None] * KW
-    mask = n_ok[:, None, None] & (word < KW)[None, :, :]
-    return _load(rows + word[None, :, :], mask, EVEN)
+    past the row's end. Loaded as [BLOCK_N, TILE_G * WPG], so that threads spread along
+    the row before the blocks are split out."""
+    word = it * TILE_G * WPG + tl.arange(0, TILE_G * WPG)
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * KW
+    words = _load(rows + word[None, :], n_ok[:, None] & (word < KW)[None, :], EVEN)
+    return tl.reshape(words, [words.shape[0], TILE_G, WPG])
 
 
 @triton.jit

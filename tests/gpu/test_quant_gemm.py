@@ -80,7 +80,8 @@ def configs(m: int, bits: int, group: int) -> list[qg.Plan]:
         out.append(qg.Plan("gemm", 256, 128, block_k, 1, 8, 2))
     out.append(qg.Plan("dequant", m, 32, block_k, 1, 4, 1))
     if m == 1:
-        out += [qg.Plan("gemv", 1, 128, max(512 // bits, group), s, 4, 3) for s in (1, 2, 16)]
+        out += [qg.Plan("gemv", 1, 32, max(2048 // bits, group), s, 4, 3) for s in (1, 2)]
+        out += [qg.Plan("gemv", 1, 128, max(512 // bits, group), s, 4, 2) for s in (1, 4)]
     return out
 
 
@@ -163,7 +164,7 @@ def test_split_k_leaves_its_counters_at_zero():
     codes, scale, lo, w = exact_int4(256, 512, 128, seed=3)
     words = qg.pack_int4(codes, 128)
     x = integer_x(1, 512, torch.bfloat16, seed=3)
-    for p in [qg.Plan("gemv", 1, 128, 128, 4, 4, 3), qg.Plan("gemm", 16, 64, 128, 4, 4, 3)]:
+    for p in [qg.Plan("gemv", 1, 32, 128, 4, 4, 3), qg.Plan("gemm", 16, 64, 128, 4, 4, 3)]:
         for _ in range(3):
             y = qg.int4_linear(x, words, scale.bfloat16(), lo.bfloat16(), 128, config=p)
             assert torch.equal(y, (x.double() @ w.T).bfloat16())
