@@ -101,7 +101,7 @@ def pack_int8(codes: torch.Tensor) -> torch.Tensor:
     return _pack(padded.view(n, -1, 4, INT8_BLOCK // 4), 8)
 
 
-# --- the kernels ---------------------------------------------------------------------------
+# --- the plan ------------------------------------------------------------------------------
 
 
 class Plan(NamedTuple):
@@ -158,6 +158,9 @@ def _splits(tiles: int, iters: int, target: int, min_iters: int) -> int:
     ):
         splits *= 2
     return splits
+
+
+# --- the kernels ---------------------------------------------------------------------------
 
 
 @triton.jit
@@ -494,7 +497,8 @@ def _run(x, words, scale, lo, bits, block, config) -> torch.Tensor:
 
 def _launch(x, words, scale, lo, y, bits, block, p: Plan) -> None:
     (m, k), (n, kw) = x.shape, words.shape
-    num_iters = triton.cdiv(kw, p.block_k * bits // 32)  # the last one may be partial
+    words_per_iter = p.block_k * bits // 32
+    num_iters = triton.cdiv(kw, words_per_iter)  # the last one may be partial
     per_split = triton.cdiv(num_iters, p.splits)
     split = p.splits > 1
     tiles = triton.cdiv(n, p.block_n) * triton.cdiv(m, p.block_m)
@@ -503,7 +507,6 @@ def _launch(x, words, scale, lo, y, bits, block, p: Plan) -> None:
     partial = torch.empty(p.splits, m, n, dtype=torch.float32, device=x.device) if split else y
     counters = _device_counters(x.device) if split else y
     num_groups = scale.shape[1] if bits == 4 else 1
-    words_per_iter = p.block_k * bits // 32
     even = n % p.block_n == 0 and kw % words_per_iter == 0 and k * bits == kw * 32
     common = dict(
         BITS=bits, BLOCK=block, BLOCK_N=p.block_n, TILE_G=p.block_k // block, EVEN=even,
