@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
 
 
 @triton.jit
