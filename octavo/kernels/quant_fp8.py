@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def _per_token_kernel(x_ptr, q_ptr, s_ptr, stride_x, K, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
