@@ -64,7 +64,7 @@ import triton.language as tl
 from octavo.kernels.decode_attention import num_sms
 from octavo.kernels.pdl import pdl_args
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)
+INT4_GROUP_SIZES = (32, 64, 128)  # a larger group runs as runs of 128 (Int4Weight)
 INT8_BLOCK = 64  # columns an int8 word's fields spread over
 DTYPES = (torch.bfloat16, torch.float16)
 DEQUANT_MIN_ROWS = 1024  # from here on: dequantize once, then cuBLAS

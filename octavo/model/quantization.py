@@ -212,7 +212,8 @@ def _uses_gpu_kernels(weight: torch.Tensor, group_size: int | None = None) -> bo
     from octavo.kernels import quant_gemm
 
     quant_gemm.prepare(weight.device)
-    return group_size is None or group_size in quant_gemm.INT4_GROUP_SIZES
+    sizes = quant_gemm.INT4_GROUP_SIZES
+    return group_size is None or group_size in sizes or group_size % sizes[-1] == 0
 
 
 def _pack_int4_for_cpu(
@@ -296,6 +297,10 @@ class Int4Weight(QuantizedWeight):
         else:
             q, scale, lo = quantize_int4_on_grid(weight, *grid, param_dtype)
         self.padded_in_features = q.shape[1]
+        if self.gpu_kernel and group_size > 128:  # the kernels' largest: runs of 128
+            runs = group_size // 128
+            scale, lo = scale.repeat_interleave(runs, 1), lo.repeat_interleave(runs, 1)
+            self.group_size = group_size = 128
         if self.cpu_kernel:
             packed, scale_zero = _pack_int4_for_cpu(q, scale, lo)
             self.qweight, self.qscale_zero = _frozen(packed), _frozen(scale_zero)

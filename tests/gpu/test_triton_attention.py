@@ -292,6 +292,9 @@ def test_decode_padding_sequence_gives_zeros(num_splits):
 
 
 FP8_SCALES = {"k_scale": 0.37, "v_scale": 1.7}
+# The reference rounds e4m3 x scale to bfloat16 where the kernels fold the scales into fp32
+# factors: two bfloat16 roundings apart, not one.
+FP8_TOLERANCE = 2 * TOLERANCE[torch.bfloat16]
 
 
 def fp8_batch(query_lens: list[int], seq_lens: list[int], group: int, head_dim: int):
@@ -315,7 +318,7 @@ def test_prefill_over_an_fp8_cache_matches_reference(batch, group, head_dim):
     prefill_attention(q, cache, md.query_start_loc, md.seq_lens, md.block_tables,
                       head_dim**-0.5, md.num_seqs, out=out, **FP8_SCALES)  # fmt: skip
     assert not out.isnan().any(), "some output elements were not written"
-    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    assert rel_err(out, ref) < FP8_TOLERANCE
 
 
 @pytest.mark.parametrize("num_splits", full_or_small([None, 1, 3], [1, 3]))
@@ -329,7 +332,7 @@ def test_decode_over_an_fp8_cache_matches_reference(num_splits, group, head_dim)
     decode_attention(q, cache, md.seq_lens, md.block_tables, head_dim**-0.5, num_splits,
                      out=out, **FP8_SCALES)  # fmt: skip
     assert not out.isnan().any(), "some output elements were not written"
-    assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+    assert rel_err(out, ref) < FP8_TOLERANCE
 
 
 def test_num_splits_depend_on_shapes_only():
