@@ -39,7 +39,7 @@ from triton.testing import do_bench
 
 from octavo.attention.backend import build_metadata
 from octavo.attention.torch_backend import TorchAttentionBackend, write_kv_cache
-from octavo.kernels import quant_gemm
+from octavo.kernels import quant_fp8, quant_gemm
 from octavo.kernels.decode_attention import (
     choose_num_splits,
     decode_attention,
@@ -86,7 +86,7 @@ DECODE_SPLITS = [1, 2, 4, 8, 16, 32, 64]
 # Qwen3-8B's projections (name, N, K) and the row counts the quant stage times.
 QUANT_SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096),
                 ("down", 4096, 12288)]  # fmt: skip
-QUANT_ROWS = [1, 16, 256]
+QUANT_ROWS = [1, 16, 64, 256]
 PREFILL_CONFIGS = [
     {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s}
     for m, n, w, s in [
@@ -301,7 +301,7 @@ def _copies(tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]
 def _quant_variants(method: str, m: int, n: int, k: int, sweep: bool) -> list:
     """None for bf16; else the default plan first, then (--sweep) other kernels, tiles and
     split counts."""
-    if method == "bf16":
+    if method in ("bf16", "fp8", "fp8-mm"):
         return [None]
     bits, group = (4, 128) if method == "int4" else (8, quant_gemm.INT8_BLOCK)
     default = quant_gemm.plan(m, n, k, bits, group, num_sms(torch.device("cuda")))
@@ -327,6 +327,14 @@ def _quant_product(method: str, x: torch.Tensor, p, tensors: tuple) -> torch.Ten
         return F.linear(x, tensors[0])
     if method == "int4":
         return quant_gemm.int4_linear(x, *tensors, 128, config=p)
+    if method == "fp8":  # weight-only: e4m3 widened in the kernel
+        return quant_fp8.fp8_weight_linear(x, *tensors)
+    if method == "fp8-mm":  # W8A8: x quantized per token, then cuBLASLt's scaled matmul
+        xq, x_scale = quant_fp8.per_token_quant_fp8(x)
+        w, w_scale = tensors
+        return torch._scaled_mm(
+            xq, w.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], out_dtype=x.dtype
+        )
     return quant_gemm.int8_linear(x, *tensors, config=p)
 
 
@@ -336,6 +344,7 @@ def bench_quant(copy_gbs: float, sweep: bool) -> list[dict]:
         w = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
         codes, scale, lo = quantization.quantize_int4(w, 128, DTYPE)
         codes8, scale8 = quantization.quantize_int8(w, DTYPE)
+        codes_fp8, scale_fp8 = quantization.quantize_fp8(w)
         weights = {  # method: (copies of its tensors, the float32 weight they hold)
             "bf16": (_copies((w,)), w.float()),
             "int4": (
@@ -346,7 +355,12 @@ def bench_quant(copy_gbs: float, sweep: bool) -> list[dict]:
                 _copies((quant_gemm.pack_int8(codes8), scale8)),
                 quantization.dequantize_int8(codes8, scale8, torch.float32),
             ),
+            "fp8": (
+                _copies((codes_fp8, scale_fp8)),
+                quantization.dequantize_fp8(codes_fp8, scale_fp8, torch.float32),
+            ),
         }
+        weights["fp8-mm"] = weights["fp8"]
         for m in QUANT_ROWS:
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
             shape, bf16_us = f"{name} {n}x{k} at {m}", None
