@@ -301,7 +301,7 @@ def _copies(tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]
 def _quant_variants(method: str, m: int, n: int, k: int, sweep: bool) -> list:
     """None for bf16; else the default plan first, then (--sweep) other kernels, tiles and
     split counts."""
-    if method in ("bf16", "fp8", "fp8-mm"):
+    if method in ("bf16", "fp8"):
         return [None]
     bits, group = (4, 128) if method == "int4" else (8, quant_gemm.INT8_BLOCK)
     default = quant_gemm.plan(m, n, k, bits, group, num_sms(torch.device("cuda")))
@@ -327,9 +327,7 @@ def _quant_product(method: str, x: torch.Tensor, p, tensors: tuple) -> torch.Ten
         return F.linear(x, tensors[0])
     if method == "int4":
         return quant_gemm.int4_linear(x, *tensors, 128, config=p)
-    if method == "fp8":  # weight-only: e4m3 widened in the kernel
-        return quant_fp8.fp8_weight_linear(x, *tensors)
-    if method == "fp8-mm":  # W8A8: x quantized per token, then cuBLASLt's scaled matmul
+    if method == "fp8":  # W8A8: x quantized per token, then cuBLASLt's scaled matmul
         xq, x_scale = quant_fp8.per_token_quant_fp8(x)
         w, w_scale = tensors
         return torch._scaled_mm(
@@ -360,7 +358,6 @@ def bench_quant(copy_gbs: float, sweep: bool) -> list[dict]:
                 quantization.dequantize_fp8(codes_fp8, scale_fp8, torch.float32),
             ),
         }
-        weights["fp8-mm"] = weights["fp8"]
         for m in QUANT_ROWS:
             x = torch.randn(m, k, device="cuda", dtype=DTYPE)
             shape, bf16_us = f"{name} {n}x{k} at {m}", None

@@ -21,8 +21,7 @@ On the CPU, int8 and int4 run torch's weight-packed kernels, which are fast with
 activations only: the activations pass through bfloat16 there (the "A16"). On CUDA, with
 16-bit weights, they run octavo's Triton GEMMs (kernels/quant_gemm.py), which dequantize
 inside the kernel; elsewhere they dequantize the whole weight for each product. fp8 runs
-torch._scaled_mm on Hopper (up to FP8_WEIGHT_ONLY_MAX_ROWS rows, a Triton kernel on 16-bit
-activations instead) and is emulated elsewhere (activations quantized to e4m3 and back, then
+torch._scaled_mm on Hopper and is emulated elsewhere (activations quantized to e4m3 and back, then
 a matmul), so that its accuracy can be measured on any machine.
 """
 
@@ -37,10 +36,6 @@ QUANTIZATION_CHOICES = ("auto", "none", *METHODS)  # the CLI's: "none" is None
 GROUP_SIZE = 128
 FP8_BLOCK = 128  # an HF fp8 checkpoint's weight_block_size, each way
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-# Up to this many rows, fp8 weights on Hopper multiply 16-bit activations as they are (a
-# Triton kernel widening e4m3 in registers), past them the activations are quantized too
-# for cuBLASLt's fp8 GEMM.
-FP8_WEIGHT_ONLY_MAX_ROWS = 16
 # Up to this many rows the CPU's int8 kernel beats dequantizing the weight for one float GEMM.
 INT8_KERNEL_MAX_ROWS = 64
 # Whether the CPU paths use torch's weight-packed kernels (the tests turn them off to check
@@ -392,10 +387,8 @@ class Fp8Weight(QuantizedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scaled_mm:
-            from octavo.kernels.quant_fp8 import fp8_weight_linear, per_token_quant_fp8
+            from octavo.kernels.quant_fp8 import per_token_quant_fp8
 
-            if x.shape[0] <= FP8_WEIGHT_ONLY_MAX_ROWS:  # decode: the weight read bounds it
-                return fp8_weight_linear(x, self.qweight, self.scale)
             xq, x_scale = per_token_quant_fp8(x)  # [T, K] e4m3, [T]: one kernel
             return torch._scaled_mm(
                 xq, self.qweight.t(), scale_a=x_scale[:, None], scale_b=self.scale[None, :],

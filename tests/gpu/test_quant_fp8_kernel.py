@@ -15,7 +15,7 @@ INTERPRET = os.environ.get("OCTAVO_TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
 
-from octavo.kernels.quant_fp8 import fp8_weight_linear, per_group_quant_fp8, per_token_quant_fp8
+from octavo.kernels.quant_fp8 import per_group_quant_fp8, per_token_quant_fp8
 from octavo.model.quantization import quantize_fp8, quantize_fp8_blocks
 
 pytestmark = pytest.mark.gpu
@@ -67,22 +67,3 @@ def test_a_strided_input_is_read_as_its_values():
     ref_q, ref_scale = quantize_fp8(x)
     torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
     _assert_codes_close(q, ref_q)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(
-    "m, n, k",
-    [(1, 64, 512), (3, 40, 300), (17, 48, 256)]
-    + ([] if INTERPRET else [(1, 6144, 4096), (16, 4096, 12288), (33, 4096, 4096)]),
-)
-def test_fp8_weight_linear_matches_dequantize_then_matmul(m, n, k, dtype):
-    """Rows and columns that end inside a tile, K inside a block of 256."""
-    gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    w = torch.randn(n, k, generator=gen) * 0.05
-    codes, scale = quantize_fp8(w)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    y = fp8_weight_linear(x.to(DEVICE), codes.to(DEVICE), scale.to(DEVICE))
-    ref = x.double() @ (codes.double() * scale.double()[:, None]).T
-    assert y.dtype == dtype and y.shape == (m, n)
-    err = (y.double().cpu() - ref).norm() / ref.norm()
-    assert err < (8e-3 if dtype == torch.bfloat16 else 1e-3)
