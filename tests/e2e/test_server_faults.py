@@ -54,8 +54,8 @@ def _largest_bodies(max_model_len: int) -> dict[str, bytes]:
     them for the context: as many prompts at the character limit as the default body
     limit holds, and conversations of many messages with that many characters in all; and
     bodies at the size limit made of tiny items, refused before they are parsed or
-    tokenized: one-token prompts, one-character prompts and empty messages; and long lists of
-    ids, parsed off the event loop (stop ids, ids to detokenize)."""
+    tokenized: one-token prompts, one-character prompts, empty messages, and long lists of ids
+    (stop ids, ids to detokenize)."""
     chars = MAX_CHARS_PER_TOKEN * max_model_len
     words = "The quick brown fox jumps over the lazy dog. "
     text = (words * (chars // len(words) + 1))[:chars]

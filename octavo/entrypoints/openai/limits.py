@@ -20,29 +20,35 @@ MAX_ERROR_DETAIL_CHARS = 200  # of a compiler's message, which may quote the who
 # Parsing and validating a body holds the GIL, and its cost is per JSON array, object and
 # member far more than per byte: a body of this many stays within tens of milliseconds.
 MAX_JSON_ITEMS = 16384
+# And values (commas): enough for a prompt of token ids as long as any context served, twice
+# over (Llama 3.1's is 131,072 tokens).
+MAX_JSON_ARRAY_VALUES = 262144
 MAX_PROMPTS = 2048  # a completion request's prompts, each an engine request
 
 _TOKEN_ID = re.compile(r"-?[0-9]+")  # ASCII digits only; fullmatch, so no trailing newline
-# A JSON string, or an array's or object's opening or an object member's colon outside one.
-_STRING_OR_ITEM = re.compile(rb'"(?:[^"\\]++|\\.)*+"|([\[{:])')
+# A JSON string, or outside one an array's or object's opening or an object member's colon
+# (group 1), or a comma (group 2).
+_STRING_OR_ITEM = re.compile(rb'"(?:[^"\\]++|\\.)*+"|([\[{:])|(,)')
 
 
 def check_json_items(body: bytes) -> None:
     """ValueError for a body with more than MAX_JSON_ITEMS arrays, objects and object
-    members. Counting the brackets and colons is enough for most bodies; a body with more of
-    them, inside its strings perhaps, is counted exactly by a slow Python loop (call this on a
-    thread: the loop lets the event loop take the GIL)."""
-    if body.count(b"[") + body.count(b"{") + body.count(b":") <= MAX_JSON_ITEMS:
+    members, or more than MAX_JSON_ARRAY_VALUES commas (array values, members). Counting the
+    brackets, colons and commas is enough for most bodies; a body with more of them, inside
+    its strings perhaps, is counted exactly by a slow Python loop (call this on a thread: the
+    loop lets the event loop take the GIL)."""
+    items = body.count(b"[") + body.count(b"{") + body.count(b":")
+    if items <= MAX_JSON_ITEMS and body.count(b",") <= MAX_JSON_ARRAY_VALUES:
         return
-    count = 0
+    items = commas = 0
     for match in _STRING_OR_ITEM.finditer(body):
-        if match.lastindex is not None:
-            count += 1
-            if count > MAX_JSON_ITEMS:
-                raise ValueError(
-                    f"the request body has more than {MAX_JSON_ITEMS} JSON arrays, objects and "
-                    "object members, this server's limit"
-                )
+        items += match.lastindex == 1
+        commas += match.lastindex == 2
+        if items > MAX_JSON_ITEMS or commas > MAX_JSON_ARRAY_VALUES:
+            raise ValueError(
+                f"the request body has more than {MAX_JSON_ITEMS} JSON arrays, objects and "
+                f"object members or {MAX_JSON_ARRAY_VALUES} values, this server's limit"
+            )
 
 
 def check_num_prompts(num_prompts: int) -> None:
