@@ -113,14 +113,14 @@ def test_too_many_prompts_or_json_items_are_400s_that_name_the_limit(server, mon
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         r = httpx.post(server.url + path, json=body, headers=AUTH, timeout=30)
         assert limit in _assert_error(r, 400, param)["message"]
+    # Brackets and colons inside strings are text, not JSON items.
+    body = {"prompt": "[{:" * 20_000}
+    assert httpx.post(server.url + "/tokenize", json=body, headers=AUTH).status_code == 200
     # /detokenize: as many ids as a prompt's characters (a shorter context keeps the body small)
     monkeypatch.setattr(server.ctx, "max_model_len", 1024)
     limit = 16 * 1024
     r = httpx.post(server.url + "/detokenize", json={"tokens": [1] * (limit + 1)}, headers=AUTH)
     assert str(limit) in _assert_error(r, 400, "tokens")["message"]
-    # Brackets and colons inside strings are text, not JSON items.
-    body = {"prompt": "[{:" * 20_000}
-    assert httpx.post(server.url + "/tokenize", json=body, headers=AUTH).status_code == 200
 
 
 # ---- the API key -------------------------------------------------------------------------
