@@ -117,6 +117,7 @@ def test_llm_generate_leaves_the_callers_params_alone(llm, prompts):
         SamplingParams(output_kind="delta")
 
 
+@pytest.mark.slow
 def test_a_consumer_that_falls_behind_gets_the_deltas_joined(llm, prompts):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     (expected,) = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)

@@ -54,6 +54,7 @@ def test_sample_i_of_a_seeded_n_request_is_the_n1_request_with_seed_plus_i(llm, 
     assert len({tuple(c.token_ids) for c in n3.outputs}) > 1
 
 
+@pytest.mark.slow
 def test_n4_uses_three_prompt_copies_fewer_blocks(llm_no_prefix_cache, chat_prompt_ids):
     llm = llm_no_prefix_cache
     prompt_ids = chat_prompt_ids[2]

@@ -71,7 +71,7 @@ def float32_perplexity(llm_factory):
     return get
 
 
-@pytest.mark.parametrize("method", ["int8", "kv-fp8"])
+@pytest.mark.parametrize("method", [pytest.param("int8", marks=pytest.mark.slow), "kv-fp8"])
 def test_perplexity_of_a_short_prefix(llm_factory, float32_perplexity, method):
     found = perplexity(engine(llm_factory, method), 256)
     assert found == pytest.approx(float32_perplexity(256), rel=0.02)

@@ -200,6 +200,7 @@ def test_sizes_that_do_not_split_the_model_are_refused_before_anything_starts(ll
         LLM(tensor_parallel_size=2)
 
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_the_requests_and_stops_the_others(tmp_path):
     _tiny_model("llama", tmp_path)
     two = LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS)

@@ -156,7 +156,12 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(CASES))
+FAST_CASES = ("awq-g128-llama", "gptq-g64-act-order-qwen3")  # the others with the slow tests
+
+
+@pytest.mark.parametrize(
+    "case", [c if c in FAST_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
 def test_checkpoint_loads_its_exact_weights_and_hf_greedy_tokens(case, tmp_path, monkeypatch):
     arch, method, options = CASES[case]
     path, float_path, hf = write_checkpoint(arch, tmp_path, method, **options)

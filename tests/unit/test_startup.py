@@ -143,6 +143,7 @@ LAZY_MODULES = (
 )
 
 
+@pytest.mark.slow
 def test_building_an_engine_leaves_the_heavy_modules_unimported(smollm2_path):
     code = (
         "import sys\n"
