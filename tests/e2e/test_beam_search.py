@@ -92,6 +92,7 @@ def test_beams_and_scores_match_hf(beam_llm, hf_model, prompts, width, penalty, 
     assert blocks_all_free(beam_llm)
 
 
+@pytest.mark.slow
 def test_sequences_are_consistent(beam_llm, prompts):
     """cum_logprob is the sum of the chosen tokens' log-probs, score is HF's length-penalized
     cum_logprob, text is the generated tokens' text without EOS (or with it if asked)."""

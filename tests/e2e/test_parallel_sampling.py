@@ -27,6 +27,7 @@ def peak_blocks(llm, prompts, params) -> tuple[int, list]:
     return kv.sharing.peak_blocks_used, outs
 
 
+@pytest.mark.slow
 def test_n4_outputs_are_seeded_reproducible_and_different(llm, chat_prompt_ids):
     params = SamplingParams(n=4, temperature=0.8, seed=7, max_tokens=8)
     prompt = {"prompt_token_ids": chat_prompt_ids[1]}

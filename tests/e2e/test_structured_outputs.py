@@ -75,6 +75,7 @@ def test_json_object_and_sampled_completions_are_valid_json(llm):
     assert len({c.text for c in group.outputs}) > 1
 
 
+@pytest.mark.slow
 def test_async_scheduling_gives_the_same_text_and_a_plain_request_is_left_alone(
     llm, chat_prompt_ids, greedy_reference
 ):
