@@ -52,8 +52,9 @@ def resolve_quantization(
     "gguf" for a GGUF file read on the CPU (its blocks kept, as llama.cpp runs them;
     perplexity as float32's); else None. "none" -> None; others as given."""
     if method == "auto":
-        if load_format != "dummy" and checkpoint_method(hf_config) is not None:
-            return checkpoint_method(hf_config)
+        found = checkpoint_method(hf_config) if load_format != "dummy" else None
+        if found is not None:
+            return found
         gguf = model_path.endswith(".gguf") and load_format != "dummy"
         return "gguf" if gguf and device.type == "cpu" and CPU_KERNELS else None
     return None if method == "none" else method
