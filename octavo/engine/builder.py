@@ -13,7 +13,7 @@ from octavo.engine.engine import Engine
 from octavo.model.embedded import embedded_model_path
 from octavo.model.hf_config import get_num_kv_heads, load_hf_config
 from octavo.model.parallel import check_tp_size
-from octavo.model.quantization import check_quantization, resolve_quantization
+from octavo.model.quant_method import check_quantization, resolve_quantization
 from octavo.model.tokenizer import eos_token_ids, load_tokenizer
 from octavo.runner import kv_setup
 from octavo.runner.model_runner import ModelRunner

@@ -18,7 +18,7 @@ from typing import Self
 
 from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.parallel_args import add_parallel_args
-from octavo.model.quantization import QUANTIZATION_CHOICES
+from octavo.model.quant_method import QUANTIZATION_CHOICES
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 EXIT_USAGE = 2

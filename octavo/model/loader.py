@@ -14,7 +14,8 @@ from transformers import PretrainedConfig
 
 from octavo.model.int4_checkpoint import CHECKPOINT_METHODS, int4_format, iter_int4_weights
 from octavo.model.layers import Linear, RMSNorm, default_weight_loader
-from octavo.model.quantization import Int4Weight, check_quantization, checkpoint_method
+from octavo.model.quant_method import check_quantization, checkpoint_method
+from octavo.model.quantization import Int4Weight
 from octavo.model.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "dummy")

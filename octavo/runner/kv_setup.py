@@ -14,7 +14,7 @@ from octavo.config import CacheConfig
 from octavo.model.hf_config import get_head_dim, get_num_kv_heads
 from octavo.model.layers import Linear
 from octavo.model.parallel import get_tp, kv_head_range
-from octavo.model.quantization import check_fp8_device
+from octavo.model.quant_method import check_fp8_device
 from octavo.runner.sampler import Sampler
 from octavo.runner.sampling_metadata import SamplingMetadata
 from octavo.sampling_params import SamplingParams

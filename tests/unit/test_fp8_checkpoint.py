@@ -22,14 +22,12 @@ from octavo.model.hf_config import load_hf_config
 from octavo.model.layers import Linear
 from octavo.model.loader import load_model
 from octavo.model.parallel import set_tp
+from octavo.model.quant_method import check_quantization, checkpoint_method, resolve_quantization
 from octavo.model.quantization import (
     Fp8BlockWeight,
     Fp8Weight,
-    check_quantization,
-    checkpoint_method,
     dequantize_fp8_blocks,
     quantize_fp8_blocks,
-    resolve_quantization,
 )
 
 

@@ -277,7 +277,7 @@ def test_packing_orders_of_one_word():
 
 
 def test_options_that_do_not_fit_the_checkpoint_raise(tmp_path):
-    from octavo.model.quantization import resolve_quantization
+    from octavo.model.quant_method import resolve_quantization
 
     path, float_path, _ = write_checkpoint("qwen3", tmp_path, "awq", group_size=32)
     cfg = load_hf_config(path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from octavo.model import quant_method
 from octavo.model import quantization as q
 from octavo.model.layers import MergedLinear, RowParallelLinear
 from octavo.model.parallel import set_tp
@@ -199,14 +200,14 @@ def test_each_rank_quantizes_its_own_shard():
 
 def test_unknown_method_is_a_value_error():
     with pytest.raises(ValueError, match="quantization must be None or one of"):
-        q.check_quantization("nf4", torch.device("cpu"))
+        quant_method.check_quantization("nf4", torch.device("cpu"))
     with pytest.raises(ValueError, match="quantization"):
         q.quantize_weight("awq", torch.randn(4, 4))
     with pytest.raises(ValueError, match="quantization"):
         q.quantize_weight("gguf", torch.randn(4, 4))  # only a GGUF file's own blocks
-    q.check_quantization(None, torch.device("cpu"))
-    for method in q.METHODS:
-        q.check_quantization(method, torch.device("cpu"))
+    quant_method.check_quantization(None, torch.device("cpu"))
+    for method in quant_method.METHODS:
+        quant_method.check_quantization(method, torch.device("cpu"))
 
 
 def test_build_engine_refuses_an_unknown_method_before_loading():
@@ -227,10 +228,10 @@ def test_fp8_needs_a_gpu_with_fp8(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match="quantization='fp8' needs a GPU with FP8"):
-        q.check_quantization("fp8", cuda)
-    q.check_quantization("int8", cuda)
+        quant_method.check_quantization("fp8", cuda)
+    quant_method.check_quantization("int8", cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    q.check_quantization("fp8", cuda)
+    quant_method.check_quantization("fp8", cuda)
 
 
 def test_warm_up_runs_quantized_projections_on_float_inputs():

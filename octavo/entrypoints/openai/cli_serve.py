@@ -12,7 +12,7 @@ import os
 from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
 from octavo.entrypoints.parallel_args import add_parallel_args, parallel_options
-from octavo.model.quantization import QUANTIZATION_CHOICES
+from octavo.model.quant_method import QUANTIZATION_CHOICES
 
 API_KEY_ENV = "OCTAVO_API_KEY"
 
