@@ -1,12 +1,18 @@
-"""A/B of `octavo bench throughput --peer hf` between two source trees on a shared CPU machine.
+"""CPU A/B of source trees on a shared 2-core machine, two ways:
 
-Runs alternate (A, B, A, B, ...), each started only once the machine has been quiet for a
-while, and each records how busy the *other* processes kept the cores while it ran: with 2
-cores and 2 OpenMP threads, one busy foreign process slows every parallel op several-fold, so
-a run with foreign load is reported as such rather than silently averaged in.
+- `throughput OLD NEW`: `octavo bench throughput --peer hf` on each tree in turn (A, B, A,
+  B, ...), each run started once the machine has been quiet for a while and recording how
+  busy the *other* processes kept the cores meanwhile: with 2 cores and 2 OpenMP threads one
+  busy foreign process slows every parallel op several-fold, so such a run is reported as
+  such rather than silently averaged in.
+- `startup [TREE ...]`: `LLM()` on the embedded model, each run in a fresh process, phase by
+  phase. Warm runs keep the converted GGUF tokenizer in a cache directory shared by a tree's
+  runs; cold runs start with an empty one (the page cache stays warm either way). Trees
+  alternate, so that a busy machine slows all alike.
 
     git worktree add --detach /tmp/old main      # the tree to compare against
-    python benchmarks/cpu_ab.py /tmp/old . --pairs 3 --out /tmp/ab
+    python benchmarks/cpu_ab.py throughput /tmp/old . --pairs 3 --out /tmp/ab
+    python benchmarks/cpu_ab.py startup /tmp/old . --runs 7 --cold 3 --json out.json
 """
 
 from __future__ import annotations
@@ -14,7 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
+import sys
+import tempfile
 import time
 
 HZ = os.sysconf("SC_CLK_TCK")
@@ -48,7 +58,7 @@ def wait_quiet(max_other_cores: float, window_s: float, give_up_s: float) -> flo
             return cores
 
 
-def run(tree: str, json_path: str) -> dict:
+def run_throughput(tree: str, json_path: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     cmd = ["octavo", "bench", "throughput", "--peer", "hf", "--json", json_path]
     b0, t0 = busy_jiffies(), time.time()
@@ -72,23 +82,77 @@ def run(tree: str, json_path: str) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("old")
-    p.add_argument("new")
-    p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--out", default="/tmp/cpu_ab")
-    p.add_argument("--quiet-cores", type=float, default=0.15, help="busy cores that count as quiet")
-    p.add_argument("--quiet-window", type=float, default=10.0)
-    p.add_argument("--give-up", type=float, default=600.0, help="max seconds to wait for quiet")
-    args = p.parse_args()
+PHASES = ("import torch", "import transformers", "import octavo", "config", "tokenizer",
+          "weights", "kv cache", "LLM()", "total")  # fmt: skip
+
+
+def startup_child() -> None:
+    """One start-up, timed phase by phase; prints the phases' seconds as JSON."""
+    import time
+
+    start = time.perf_counter()
+    import torch  # noqa: F401
+
+    after_torch = time.perf_counter()
+    from transformers import AutoTokenizer, PretrainedConfig  # noqa: F401
+
+    after_transformers = time.perf_counter()
+    from octavo.engine import builder
+    from octavo.entrypoints.llm import LLM
+    from octavo.runner import model_runner
+
+    after_octavo = time.perf_counter()
+    seconds: dict[str, float] = {}
+
+    def timed(owner, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t
+
+        setattr(owner, name, wrapper)
+
+    timed(builder, "load_hf_config", "config")
+    timed(builder, "load_tokenizer", "tokenizer")
+    timed(model_runner, "load_model", "weights")
+    timed(model_runner.ModelRunner, "allocate_kv_cache", "kv cache")
+    LLM()
+    end = time.perf_counter()
+    seconds |= {
+        "import torch": after_torch - start,
+        "import transformers": after_transformers - after_torch,
+        "import octavo": after_octavo - after_transformers,
+        "LLM()": end - after_octavo,
+        "total": end - start,
+    }
+    print(json.dumps(seconds))
+
+
+def run_startup(tree: str, cache_dir: str) -> dict[str, float]:
+    env = os.environ | {"PYTHONPATH": os.path.abspath(tree), "OCTAVO_CACHE_DIR": cache_dir}
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "startup-child"],
+        env=env,
+        cwd=tempfile.gettempdir(),  # import octavo from `tree`, never from the current directory
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def throughput(args: argparse.Namespace) -> None:
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for i in range(1, args.pairs + 1):
         for side, tree in (("old", args.old), ("new", args.new)):
             rev = subprocess.check_output(["git", "-C", tree, "rev-parse", "--short", "HEAD"])
             before = wait_quiet(args.quiet_cores, args.quiet_window, args.give_up)
-            r = run(tree, f"{args.out}/pair{i}-{side}.json")
+            r = run_throughput(tree, f"{args.out}/pair{i}-{side}.json")
             r |= {"pair": i, "code": f"{side} {rev.decode().strip()}", "busy_before": before}
             rows.append(r)
             print(json.dumps(r), flush=True)
@@ -102,6 +166,57 @@ def main() -> None:
             f"{r['pair']:<5}{r['code']:<13}{r['octavo_tok_s']:>13.1f}{r['hf_tok_s']:>10.1f}"
             f"{r['ratio']:>7.2f}x{r['other_cores_busy']:>10.2f}"
         )
+
+
+def startup(args: argparse.Namespace) -> None:
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {
+        t: {"warm": [], "cold": []} for t in args.trees
+    }
+    warm_dirs = {t: tempfile.mkdtemp(prefix="octavo-startup-") for t in args.trees}
+    for tree in args.trees:  # fills each tree's warm cache
+        run_startup(tree, warm_dirs[tree])
+    cold = args.runs if args.cold is None else args.cold
+    for i in range(max(args.runs, cold)):
+        for tree in args.trees:
+            if i < args.runs:
+                runs[tree]["warm"].append(run_startup(tree, warm_dirs[tree]))
+            if i < cold:
+                with tempfile.TemporaryDirectory(prefix="octavo-startup-") as empty:
+                    runs[tree]["cold"].append(run_startup(tree, empty))
+    print(f"{'tree':<20} {'cache':<5} " + " ".join(f"{p:>19}" for p in PHASES))
+    for tree, by_state in runs.items():
+        for state, rows in by_state.items():
+            if rows:
+                medians = [statistics.median(r.get(p, 0.0) for r in rows) for p in PHASES]
+                print(f"{tree:<20} {state:<5} " + " ".join(f"{m:>19.2f}" for m in medians))
+    print("medians of", args.runs, "warm and", cold, "cold runs, seconds")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=1)
+    for directory in warm_dirs.values():
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def main() -> None:
+    if sys.argv[1:] == ["startup-child"]:  # one timed start-up, in the process run_startup made
+        return startup_child()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    p = sub.add_parser("throughput", help="octavo bench throughput --peer hf, alternated")
+    p.add_argument("old")
+    p.add_argument("new")
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--out", default="/tmp/cpu_ab")
+    p.add_argument("--quiet-cores", type=float, default=0.15, help="busy cores that count as quiet")
+    p.add_argument("--quiet-window", type=float, default=10.0)
+    p.add_argument("--give-up", type=float, default=600.0, help="max seconds to wait for quiet")
+    p = sub.add_parser("startup", help="LLM() phase by phase in fresh processes")
+    p.add_argument("trees", nargs="*", default=["."], help="source trees to time")
+    p.add_argument("--runs", type=int, default=5, help="runs per tree and cache state")
+    p.add_argument("--cold", type=int, default=None, help="cold runs (default: --runs)")
+    p.add_argument("--json", help="write every run's phases here")
+    args = parser.parse_args()
+    (throughput if args.mode == "throughput" else startup)(args)
 
 
 if __name__ == "__main__":

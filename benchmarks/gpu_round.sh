@@ -8,7 +8,8 @@
 #   tp06, tp8b     `octavo bench throughput`, the nano-vllm workload, Qwen3-0.6B with the HF
 #                  peer / Qwen3-8B without it (tp06-nopeer, tp8b-peer: the other way round)
 #   latency        one Qwen3-8B request (latency.py; latency06: Qwen3-0.6B)
-#   serve          `octavo serve` end to end on the dummy Qwen3-0.6B (serve_smoke.py)
+#   serve          `octavo serve` end to end on the dummy Qwen3-0.6B: its start-up, then 64
+#                  requests at once through `octavo bench serve` (a failed one is counted)
 #   serve06, serve8b  `octavo bench serve` against `octavo serve` at two Poisson rates
 #   timeline06, timeline8b  the workload step by step against each step's floor (step_timeline.py)
 #   runprof06, runprof8b    the workload's kernels by step, and its bounds (run_profile.py)
@@ -40,9 +41,9 @@ serve_bench() {  # model, requests, rate...
   local model=$1 requests=$2 port=8051; shift 2
   "${OCTAVO[@]}" serve --model "$model" --load-format dummy --max-model-len 4096 \
     --max-num-batched-tokens 2048 --port $port --log-level warning > "$OUT/serve_$model.log" 2>&1 &
-  local pid=$!
+  local pid=$! up=$(date +%s)
   for _ in $(seq 300); do  # until it answers, or its process is gone
-    curl -sf http://127.0.0.1:$port/health > /dev/null && break
+    curl -sf http://127.0.0.1:$port/health > /dev/null && { echo "/health after $(( $(date +%s) - up )) s"; break; }
     kill -0 $pid 2>/dev/null || { echo "octavo serve exited: see $OUT/serve_$model.log"; return 1; }
     sleep 1
   done
@@ -79,7 +80,7 @@ for stage in $stages; do
             --json "$OUT/latency_qwen3_8b.json" 2>&1 | tee "$OUT/latency.log" | tail -4 ;;
     latency06) timeout 300 python3 benchmarks/latency.py --model qwen3-0.6b \
             --json "$OUT/latency_qwen3_0.6b.json" 2>&1 | tee "$OUT/latency06.log" | tail -4 ;;
-    serve) timeout 300 python3 benchmarks/serve_smoke.py --requests 64 2>&1 | grep -v "INFO:" | tee "$OUT/serve_smoke.log" | tail -4 ;;
+    serve) serve_bench qwen3-0.6b 64 inf 2>&1 | tee "$OUT/serve.log" | grep -E "^(/health|Successful|Failed)" ;;
     serve06) serve_bench qwen3-0.6b 256 16 64 2>&1 | tee "$OUT/serve06.log" | grep -E "^(Request rate|Output token|Mean|P99)" ;;
     serve8b) serve_bench qwen3-8b 128 4 16 2>&1 | tee "$OUT/serve8b.log" | grep -E "^(Request rate|Output token|Mean|P99)" ;;
     timeline06) timeout 300 python3 benchmarks/step_timeline.py --model qwen3-0.6b \
