@@ -79,6 +79,7 @@ def _largest_bodies(max_model_len: int) -> dict[str, bytes]:
     return {path: json.dumps(body).encode() for path, body in bodies.items()}
 
 
+@pytest.mark.alone
 @pytest.mark.parametrize(
     "body_name",
     ["/v1/completions", "/v1/chat/completions", "/tokenize", "/v1/completions token ids",
