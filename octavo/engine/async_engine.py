@@ -129,6 +129,8 @@ class AsyncEngine:
     number of tasks, and `await shutdown()` at the end.
     """
 
+    restarts = 0  # times the engine was started again after it died (EngineProcess only)
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._commands: queue.Queue = queue.Queue()

@@ -112,6 +112,7 @@ class EngineProcess(AsyncEngine):
         self._outbox = queue.SimpleQueue()  # aborts for the old process: nobody to read them
         self._closed, self.error = False, None
         self.start()
+        self.restarts += 1
 
     # ---- what the server reads --------------------------------------------------------
 

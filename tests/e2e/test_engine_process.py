@@ -122,9 +122,11 @@ def test_a_killed_engine_process_fails_its_stream_and_comes_back(served):
     assert httpx.get(server.url + "/health").status_code == 503
     scraped = httpx.get(server.url + "/metrics").text
     assert "octavo_engine_up 0.0" in scraped and "octavo_num_requests_running" not in scraped
+    assert "octavo_engine_restarts_total 0.0" in scraped
     assert wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, timeout=60)
     assert engine._process is not dead and engine._process.is_alive()
-    assert "octavo_engine_up 1.0" in httpx.get(server.url + "/metrics").text
+    scraped = httpx.get(server.url + "/metrics").text
+    assert "octavo_engine_up 1.0" in scraped and "octavo_engine_restarts_total 1.0" in scraped
     good = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     assert httpx.post(url, json=good, timeout=60).json()["usage"]["completion_tokens"] == 2
 

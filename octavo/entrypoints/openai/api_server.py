@@ -78,7 +78,10 @@ def build_app(
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
-    metrics = ServerMetrics(lambda: async_engine.stats if async_engine.is_running else None)
+    metrics = ServerMetrics(
+        lambda: async_engine.stats if async_engine.is_running else None,
+        lambda: async_engine.restarts,
+    )
     ctx = ServingContext(async_engine, model_name, async_engine.max_model_len, metrics)
 
     @asynccontextmanager

@@ -25,8 +25,13 @@ _TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
 class ServerMetrics:
     """The metrics of one server; `render()` is the body of GET /metrics."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, int | float | str] | None]) -> None:
-        """`engine_stats` gives the engine's stats snapshot, or None while it is down."""
+    def __init__(
+        self,
+        engine_stats: Callable[[], dict[str, int | float | str] | None],
+        engine_restarts: Callable[[], int] = lambda: 0,
+    ) -> None:
+        """`engine_stats` gives the engine's stats snapshot, or None while it is down;
+        `engine_restarts` how many times the engine was started again after it died."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -55,7 +60,7 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter("octavo_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("octavo_generation_tokens", "Generated tokens", registry=r)
-        r.register(_EngineStatsCollector(engine_stats))
+        r.register(_EngineStatsCollector(engine_stats, engine_restarts))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -116,8 +121,13 @@ class RequestTimer:
 class _EngineStatsCollector:
     """Turns the engine's stats snapshot into gauges and counters at scrape time."""
 
-    def __init__(self, engine_stats: Callable[[], dict[str, int | float | str] | None]) -> None:
+    def __init__(
+        self,
+        engine_stats: Callable[[], dict[str, int | float | str] | None],
+        engine_restarts: Callable[[], int],
+    ) -> None:
         self.engine_stats = engine_stats
+        self.engine_restarts = engine_restarts
 
     def describe(self):
         return []  # unchecked collector: names are not reserved in the registry
@@ -126,6 +136,11 @@ class _EngineStatsCollector:
         s = self.engine_stats()
         up = 0 if s is None else 1
         yield GaugeMetricFamily("octavo_engine_up", "1 while the engine runs, else 0", up)
+        yield CounterMetricFamily(
+            "octavo_engine_restarts",
+            "Times the engine process was started again after it died",
+            value=self.engine_restarts(),
+        )
         if s is None:  # a dead engine's last snapshot would show requests it no longer has
             return
         total, free = s.get("kv_blocks_total", 0), s.get("kv_blocks_free", 0)
