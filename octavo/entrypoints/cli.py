@@ -76,7 +76,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=QUANTIZATION_CHOICES,
         help="quantize the linear layers' weights on load: int8 (W8A16), int4 (W4A16, group "
-        "128) or fp8 (W8A8); gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks; awq, gptq keep "
+        "128) or fp8 (W8A8); gguf keeps a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks; awq, gptq keep "
         "such a checkpoint's 4-bit groups; auto (default): the checkpoint's "
         "quantization_config, gguf for a GGUF file on the CPU, else none",
     )

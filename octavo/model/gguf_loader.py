@@ -59,6 +59,8 @@ _STRING, _ARRAY = 8, 9
 # ggml tensor types (GGMLQuantizationType) dequantized here; any other type goes through the
 # `gguf` package's slower code.
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+Q4_K = 12  # dequantized by the `gguf` package; with quantization="gguf" kept as 4-bit groups
+Q4_TYPES = (Q4_0, Q4_1, Q4_K)
 # ggml type -> (elements per block, bytes per block).
 _BLOCK_SIZES = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20)}
 _BLOCK_SIZES[Q8_0] = (32, 34)
@@ -294,8 +296,11 @@ def q8_0_blocks(tensor: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _q4_scale_min(tensor: GGUFTensor) -> np.ndarray:
-    """A Q4_0/Q4_1 tensor in its shape with each block's scale d in the block's first element
-    and its minimum m in the second (Q4_1 stores both; Q4_0 d, with m = -8 d)."""
+    """A Q4_0/Q4_1/Q4_K tensor in its shape with each group of 32's scale d in the group's
+    first element and its minimum m in the second (Q4_1 stores both; Q4_0 d, with m = -8 d;
+    Q4_K a 6-bit scale and minimum per 32, times its super-block's d and dmin)."""
+    if tensor.ggml_type == Q4_K:
+        return _q4_k_scale_min(tensor)
     blocks = tensor.data.reshape(-1, _BLOCK_SIZES[tensor.ggml_type][1])
     d_m = _halves(blocks, 2 if tensor.ggml_type == Q4_1 else 1)
     out = np.zeros((blocks.shape[0], 32), np.float32)
@@ -304,14 +309,30 @@ def _q4_scale_min(tensor: GGUFTensor) -> np.ndarray:
     return out.reshape(tensor.shape)
 
 
+def _q4_k_scale_min(tensor: GGUFTensor) -> np.ndarray:
+    """_q4_scale_min of a Q4_K tensor. A super-block of 256 is d and dmin (float16), twelve
+    bytes of 6-bit scales and minimums for its eight groups, then the 4-bit codes; a value is
+    (d * scale) * q - dmin * min, computed as the `gguf` package dequantizes it."""
+    from gguf.quants import Q4_K as Q4KFormat
+
+    blocks = tensor.data.reshape(-1, 144)
+    d_dmin = _halves(blocks, 2)
+    scales, mins = Q4KFormat.get_scale_min(blocks[:, 4:16])  # [B, 8] each
+    out = np.zeros((blocks.shape[0], 8, 32), np.float32)
+    out[:, :, 0] = d_dmin[:, :1] * scales.astype(np.float32)
+    out[:, :, 1] = -(d_dmin[:, 1:] * mins.astype(np.float32))
+    return out.reshape(tensor.shape)
+
+
 def iter_gguf_weights(
     path: str, hf_config: PretrainedConfig, blocks: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, float32 tensor) for every weight of the GGUF file.
 
-    blocks=True: for the Q4_0 and Q4_1 tensors only, each block's scale and minimum (value =
-    q * scale + min, q in 0..15) in the block's first two elements instead of its values, in
-    the same layout, so that a model's own weight loaders place them as they place weights.
+    blocks=True: for the Q4_0, Q4_1 and Q4_K tensors only, each group of 32's scale and
+    minimum (value = q * scale + min, q in 0..15) in the group's first two elements instead
+    of its values, in the same layout, so that a model's own weight loaders place them as
+    they place weights.
 
     Raises:
         ValueError: a tensor name that maps to no HF weight and is not known to be ignorable.
@@ -331,7 +352,7 @@ def iter_gguf_weights(
         if hf_name is None:
             raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no HF counterpart")
         if blocks:
-            if tensor.ggml_type not in (Q4_0, Q4_1):
+            if tensor.ggml_type not in Q4_TYPES:
                 continue
             weight = _q4_scale_min(tensor)
         else:

@@ -39,7 +39,7 @@ def load_model(
             values of a sane scale, the same for the same seed (on the same device).
         quantization: None, or "int8", "int4" or "fp8": the linear layers' weights
             (qkv, o, gate_up, down) are quantized once loaded (model/quantization.py);
-            "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1 keep their blocks;
+            "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1/Q4_K keep their groups;
             "awq", "gptq" (a checkpoint of that quant_method): they keep its 4-bit groups.
     Returns:
         The model in eval mode, with requires_grad off.
@@ -75,7 +75,7 @@ def load_model(
             loaded = net.load_weights(weights)
             _check_all_loaded(net, loaded, model)
     with torch.no_grad():
-        if quantization == "gguf":  # Q4_0/Q4_1 tensors as blocks of 32, their scale and min first
+        if quantization == "gguf":  # Q4 tensors as groups of 32, their scale and min first
             from octavo.model.gguf_loader import iter_gguf_weights
 
             _keep_int4_groups(net, iter_gguf_weights(model, hf_config, blocks=True), 32)

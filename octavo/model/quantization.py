@@ -7,9 +7,9 @@
           with one scale per token at each call. An HF fp8 checkpoint keeps its own e4m3
           weights and its scale per 128 x 128 block (Fp8BlockWeight); its activations take a
           scale per token and 128 columns.
-    gguf  a GGUF file's Q4_0 and Q4_1 tensors kept in their own blocks of 32 (int4 as above,
-          with the file's scales and minimums, not new ones), and a Q8_0 LM head kept as its
-          int8 blocks (Q8Weight); its other tensors load as without quantization.
+    gguf  a GGUF file's Q4_0, Q4_1 and Q4_K tensors kept in their own groups of 32 (int4 as
+          above, with the file's scales and minimums, not new ones), and a Q8_0 LM head kept
+          as its int8 blocks (Q8Weight); its other tensors load as without quantization.
     awq, gptq  an AWQ or GPTQ checkpoint's 4-bit weights kept on their own groups (int4 as
           above, see model/int4_checkpoint.py); read from a config's quantization_config.
 

@@ -128,6 +128,8 @@ def write_gguf(path, arch: str, cfg, tensors: dict[str, tuple[np.ndarray, Q]]) -
     for name, (data, qtype) in tensors.items():
         if qtype == Q.F32:
             writer.add_tensor(name, data)
+        elif data.dtype == np.uint8:  # packed already (a type gguf cannot quantize)
+            writer.add_tensor(name, data, raw_dtype=qtype)
         else:
             writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
@@ -289,6 +291,57 @@ def test_k_quant_tensors_dequantize_in_hf_shape(qtype, tmp_path):
     ((name, weight),) = list(iter_gguf_weights(str(path), cfg))
     assert name == "model.layers.0.mlp.down_proj.weight"
     assert torch.equal(weight, torch.from_numpy(expected))
+
+
+def random_q4_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Q4_K blocks [rows, cols / 256 * 144] of random codes: d and dmin (float16), twelve bytes
+    of 6-bit scales and minimums (any byte values encode some), 128 bytes of nibbles."""
+    blocks = rng.integers(0, 256, (rows * cols // 256, 144), dtype=np.uint8)
+    d_dmin = rng.uniform(0.0005, 0.004, (blocks.shape[0], 2)).astype(np.float16)
+    blocks[:, :4] = d_dmin.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def test_q4_k_tensors_keep_their_groups_with_quantization_gguf(tmp_path, monkeypatch):
+    """A llama whose projections are Q4_K: with quantization="gguf" each holds int4 codes on
+    the file's own scales and minimums per 32 columns, which dequantize (float32 scales, as off
+    the CPU kernels) to exactly the weights the float load reads through the gguf package; with
+    the CPU kernels its logits follow the float model's (bfloat16 activations)."""
+    from octavo.model import quantization
+    from octavo.model.layers import Linear
+
+    cfg = LlamaConfig(
+        **(TINY | {"hidden_size": 256, "intermediate_size": 512}), tie_word_embeddings=True
+    )
+    tensors = hf_to_gguf_tensors(tiny_hf(cfg), "llama", cfg)
+    rng = np.random.default_rng(0)
+    for name, (data, _) in list(tensors.items()):
+        if name.startswith("blk.") and data.ndim == 2:
+            tensors[name] = (random_q4_k(*data.shape, rng), Q.Q4_K)
+    path = str(tmp_path / "q4k.gguf")
+    write_gguf(path, "llama", cfg, tensors)
+    cfg = load_hf_config(path)
+    plain = load_model(path, cfg, torch.float32, CPU)
+    ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    (want,) = PagedRunner(plain, cfg).step([(0, ids)])
+    (got,) = PagedRunner(load_model(path, cfg, torch.float32, CPU, quantization="gguf"), cfg).step(
+        [(0, ids)]
+    )
+    assert rel_err(got, want) < 0.02
+    monkeypatch.setattr(quantization, "CPU_KERNELS", False)
+    kept = load_model(path, cfg, torch.float32, CPU, quantization="gguf")
+    weights = dict(plain.named_modules())
+    linears = [(n, m) for n, m in kept.named_modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * cfg.num_hidden_layers
+    for name, module in linears:
+        quant = module.quant
+        assert module.weight is None and isinstance(quant, quantization.Int4Weight), name
+        codes = torch.stack([quant.qweight & 0xF, quant.qweight >> 4], dim=-1)
+        back = quantization.dequantize_int4(
+            codes.view(quant.qweight.shape[0], -1), quant.scale, quant.min, quant.in_features,
+            torch.float32,
+        )  # fmt: skip
+        assert torch.equal(back, weights[name].weight), name
 
 
 def test_unknown_gguf_tensor_raises(tmp_path):
