@@ -130,7 +130,8 @@ class BodyLimitMiddleware:
             if size >= TRIM_AFTER_BYTES and _malloc_trim is not None:
                 del data, chunks, parsed
                 scope.pop(PARSED_JSON, None)
-                await asyncio.to_thread(_malloc_trim, 0)  # ctypes lets go of the GIL
+                # On a thread (ctypes lets go of the GIL), not awaited: the response is sent.
+                asyncio.get_running_loop().run_in_executor(None, _malloc_trim, 0)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.metrics.count_error()
