@@ -27,7 +27,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import multiprocessing
 import queue
 import signal
 import threading
@@ -43,6 +42,7 @@ from octavo.engine.async_engine import (
     step_engine,
 )
 from octavo.engine.gc_heap import frozen_gc_heap
+from octavo.engine.spawn import start_engine_process
 from octavo.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -87,15 +87,17 @@ class EngineProcess(AsyncEngine):
         self.error: BaseException | None = None
 
     @classmethod
-    def start_process(cls, **options: Any) -> EngineProcess:
-        """Spawns the engine process, which runs `build_engine(**options)`; waits until it
-        is built and raises what building raised (ValueError for bad options)."""
+    def start_process(cls, started: tuple[Any, Any] | None = None, **options: Any) -> EngineProcess:
+        """Spawns the engine process, which runs `build_engine(**options)` (or takes the one
+        `spawn.start_engine_process(options)` started); waits until it is built and raises
+        what building raised (ValueError for bad options)."""
         # The server's own tokenizer loads while the engine is built (a GGUF tokenizer takes
         # seconds to convert); an error in building wins over one in loading.
         loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="octavo-tokenizer")
         tokenizer = loader.submit(_server_tokenizer, options)
         loader.shutdown(wait=False)
-        process, conn, (max_model_len, vocab_size, stats) = _spawn(options)
+        process, conn = started or start_engine_process(options)
+        max_model_len, vocab_size, stats = _wait_built(process, conn)
         return cls(process, conn, max_model_len, vocab_size, stats, tokenizer.result(), options)
 
     async def restart(self) -> None:
@@ -241,16 +243,13 @@ class EngineProcess(AsyncEngine):
 
 
 def _spawn(options: dict) -> tuple[Any, Any, tuple[int, int, dict]]:
-    """Spawns an engine process that runs `build_engine(**options)` and waits until it is
-    built: (process, the server's end of the pipe, (max_model_len, vocab_size, stats))."""
-    context = multiprocessing.get_context("spawn")
-    conn, child_conn = context.Pipe()
-    process = context.Process(
-        target=_engine_process_main, args=(child_conn, options), name="octavo-engine",
-        daemon=True,
-    )  # fmt: skip
-    process.start()
-    child_conn.close()
+    process, conn = start_engine_process(options)
+    return process, conn, _wait_built(process, conn)
+
+
+def _wait_built(process, conn) -> tuple[int, int, dict]:
+    """Waits until the engine process has built its Engine: (max_model_len, vocab_size,
+    stats); raises what building raised."""
     try:
         message = conn.recv()
     except EOFError:
@@ -259,7 +258,7 @@ def _spawn(options: dict) -> tuple[Any, Any, tuple[int, int, dict]]:
     if message[0] == "failed":
         process.join()
         raise message[1]
-    return process, conn, tuple(message[1:])
+    return tuple(message[1:])
 
 
 def _server_tokenizer(options: dict):
@@ -299,7 +298,7 @@ class _Pipe:
             raise _ServerGone from e
 
 
-def _engine_process_main(conn, options: dict) -> None:
+def engine_process_main(conn, options: dict) -> None:
     """The engine process: build the Engine, then step it and answer commands until told
     to stop or until the server's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops us

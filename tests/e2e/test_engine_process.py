@@ -317,18 +317,24 @@ def test_bad_options_raise_in_the_server_process():
 
 def test_serve_runs_the_engine_in_a_process_unless_told_otherwise(monkeypatch):
     from octavo.entrypoints import cli
+    from octavo.entrypoints.openai import cli_serve
     from octavo.entrypoints.openai.lifecycle import Server
 
-    started, served = [], []
+    spawned, started, served = [], [], []
     fake = types.SimpleNamespace(
         get_stats=dict, tokenizer=None, scheduler_config=types.SimpleNamespace(max_model_len=64)
+    )
+    # The process is started before the server's imports, then waited for.
+    monkeypatch.setattr(
+        cli_serve, "start_engine_process", lambda options: spawned.append(options) or "process"
     )
     monkeypatch.setattr(
         EngineProcess,
         "start_process",
-        lambda **options: started.append(options) or AsyncEngine(fake),
+        lambda process, **options: started.append((process, options)) or AsyncEngine(fake),
     )
     monkeypatch.setattr(Server, "run", lambda self: served.append(self.config.app))
     args = cli.build_parser().parse_args(["serve", "--max-num-seqs", "7"])
     assert args.func(args) == 0
-    assert len(started) == 1 and started[0]["max_num_seqs"] == 7
+    assert len(spawned) == 1 and spawned[0]["max_num_seqs"] == 7
+    assert started == [("process", spawned[0])]

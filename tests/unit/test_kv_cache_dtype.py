@@ -103,11 +103,13 @@ class _EngineOptions(Exception):
 def test_every_command_passes_kv_cache_dtype_to_the_engine(monkeypatch, command):
     from octavo.engine.engine_process import EngineProcess
     from octavo.entrypoints import llm
+    from octavo.entrypoints.openai import cli_serve
 
     def capture(*args, **options):
         raise _EngineOptions(options)
 
     monkeypatch.setattr(llm, "build_engine", capture)
+    monkeypatch.setattr(cli_serve, "start_engine_process", lambda options: capture(**options))
     monkeypatch.setattr(EngineProcess, "start_process", capture)
     with pytest.raises(_EngineOptions) as built:
         cli.main([*command, "--kv-cache-dtype", "fp8"])

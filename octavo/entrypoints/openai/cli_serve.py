@@ -10,6 +10,7 @@ import logging
 import os
 
 from octavo.config import KV_CACHE_DTYPES
+from octavo.engine.spawn import start_engine_process
 from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
 from octavo.entrypoints.parallel_args import add_parallel_args, parallel_options
 from octavo.model.quant_method import QUANTIZATION_CHOICES
@@ -105,14 +106,6 @@ def default_model_name(model: str | None) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from octavo.engine.async_engine import AsyncEngine
-    from octavo.engine.builder import build_engine
-    from octavo.engine.engine_process import EngineProcess
-    from octavo.entrypoints.openai.api_server import build_app
-    from octavo.entrypoints.openai.lifecycle import Server
-
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     names = (
         "model", "dtype", "device", "load_format", "quantization", "kv_cache_dtype",
@@ -129,10 +122,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{args.dist_init_addr}", flush=True)  # fmt: skip
         return launch_node(args.tensor_parallel_size, args.nnodes, args.node_rank,
                            args.dist_init_addr)  # fmt: skip
+    # The engine process starts before this process imports the server and the engine's
+    # modules, so that the two processes' imports overlap.
+    started = None if args.engine_in_thread else start_engine_process(options)
+    import uvicorn
+
+    from octavo.engine.async_engine import AsyncEngine
+    from octavo.engine.builder import build_engine
+    from octavo.engine.engine_process import EngineProcess
+    from octavo.entrypoints.openai.api_server import build_app
+    from octavo.entrypoints.openai.lifecycle import Server
+
     if args.engine_in_thread:  # on the thread that will step it (see AsyncEngine.build)
         engine = AsyncEngine.build(lambda: build_engine(**options))
     else:
-        engine = EngineProcess.start_process(**options)
+        engine = EngineProcess.start_process(started, **options)
     name = args.served_model_name or default_model_name(args.model)
     app = build_app(
         engine,
