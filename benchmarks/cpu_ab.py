@@ -6,7 +6,7 @@
   busy foreign process slows every parallel op several-fold, so such a run is reported as
   such rather than silently averaged in.
 - `startup [TREE ...]`: `LLM()` on the embedded model, each run in a fresh process, phase by
-  phase. Warm runs keep the converted GGUF tokenizer in a cache directory shared by a tree's
+  phase (`--serve`: `octavo serve` until its /health answers). Warm runs keep the converted GGUF tokenizer in a cache directory shared by a tree's
   runs; cold runs start with an empty one (the page cache stays warm either way). Trees
   alternate, so that a busy machine slows all alike.
 
@@ -168,26 +168,57 @@ def throughput(args: argparse.Namespace) -> None:
         )
 
 
+def run_serve(tree: str, cache_dir: str) -> dict[str, float]:
+    """Seconds from starting `octavo serve` until its /health answers 200."""
+    import socket
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = os.environ | {"PYTHONPATH": os.path.abspath(tree), "OCTAVO_CACHE_DIR": cache_dir}
+    argv = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", "--port", str(port)]
+    start = time.perf_counter()
+    server = subprocess.Popen(
+        [*argv, "--log-level", "warning"], env=env, cwd=tempfile.gettempdir(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        while server.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    return {"octavo serve": time.perf_counter() - start}
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"octavo serve exited with status {server.returncode}")
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def startup(args: argparse.Namespace) -> None:
+    run, phases = (run_serve, ("octavo serve",)) if args.serve else (run_startup, PHASES)
     runs: dict[str, dict[str, list[dict[str, float]]]] = {
         t: {"warm": [], "cold": []} for t in args.trees
     }
     warm_dirs = {t: tempfile.mkdtemp(prefix="octavo-startup-") for t in args.trees}
     for tree in args.trees:  # fills each tree's warm cache
-        run_startup(tree, warm_dirs[tree])
+        run(tree, warm_dirs[tree])
     cold = args.runs if args.cold is None else args.cold
     for i in range(max(args.runs, cold)):
         for tree in args.trees:
             if i < args.runs:
-                runs[tree]["warm"].append(run_startup(tree, warm_dirs[tree]))
+                runs[tree]["warm"].append(run(tree, warm_dirs[tree]))
             if i < cold:
                 with tempfile.TemporaryDirectory(prefix="octavo-startup-") as empty:
-                    runs[tree]["cold"].append(run_startup(tree, empty))
-    print(f"{'tree':<20} {'cache':<5} " + " ".join(f"{p:>19}" for p in PHASES))
+                    runs[tree]["cold"].append(run(tree, empty))
+    print(f"{'tree':<20} {'cache':<5} " + " ".join(f"{p:>19}" for p in phases))
     for tree, by_state in runs.items():
         for state, rows in by_state.items():
             if rows:
-                medians = [statistics.median(r.get(p, 0.0) for r in rows) for p in PHASES]
+                medians = [statistics.median(r.get(p, 0.0) for r in rows) for p in phases]
                 print(f"{tree:<20} {state:<5} " + " ".join(f"{m:>19.2f}" for m in medians))
     print("medians of", args.runs, "warm and", cold, "cold runs, seconds")
     if args.json:
@@ -215,6 +246,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5, help="runs per tree and cache state")
     p.add_argument("--cold", type=int, default=None, help="cold runs (default: --runs)")
     p.add_argument("--json", help="write every run's phases here")
+    p.add_argument("--serve", action="store_true", help="time `octavo serve` until /health")
     args = parser.parse_args()
     (throughput if args.mode == "throughput" else startup)(args)
 
