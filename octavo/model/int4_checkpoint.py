@@ -96,7 +96,8 @@ def iter_int4_weights(
     weights: Iterable[tuple[str, torch.Tensor]], fmt: Int4Format, part: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of a checkpoint's `weights`, each layer's packed tensors
-    (`prefix.qweight`, ...) yielded once as `prefix.weight` [N, K]:
+    (`prefix.qweight`, ...) yielded once as `prefix.weight` [N, K], made when a loader
+    narrows it (_Layer):
 
         part "float": its float weight (float32), and every other tensor as it is;
         "groups": only those, each run of kernel_group_size input features of one group
@@ -113,9 +114,9 @@ def iter_int4_weights(
                 yield name, tensor
             continue
         layer = pending.setdefault(prefix, {})
-        layer[suffix] = _read(tensor) if suffix != "qweight" or part == "float" else tensor
+        layer[suffix] = tensor if suffix == "qweight" else _read(tensor)
         if len(layer) == len(names):
-            yield f"{prefix}.weight", _layer(prefix, pending.pop(prefix), fmt, part)
+            yield f"{prefix}.weight", _Layer(prefix, pending.pop(prefix), fmt, part)
     if pending:
         raise ValueError(f"checkpoint lacks some of {names} for {sorted(pending)}")
 
@@ -125,25 +126,51 @@ def _read(tensor) -> torch.Tensor:
     return tensor if isinstance(tensor, torch.Tensor) else tensor.narrow(0, 0, tensor.shape[0])
 
 
-def _layer(prefix: str, tensors: dict, fmt: Int4Format, part: str) -> torch.Tensor:
-    awq = fmt.method == "awq"
-    order = AWQ_ORDER if awq else range(8)
-    k = tensors["qweight"].shape[0] * (1 if awq else 8)
-    scale = tensors["scales"].float()  # [G, N]
-    lo = -(_unpack(tensors["qzeros"], 1, order) + fmt.zero_offset) * scale  # [G, N]
-    group = fmt.group_size or k
-    g_idx = tensors["g_idx"].long() if "g_idx" in tensors else torch.arange(k) // group
-    in_order = torch.arange(k) // group
-    if scale.shape[0] * group != k or not torch.equal(g_idx.sort().values, in_order):
-        raise ValueError(f"{prefix}: its {k} input features are not whole groups of {group}")
-    if not fmt.act_order and not torch.equal(g_idx, in_order):
-        raise ValueError(f"{prefix}: g_idx numbers the groups out of order, but desc_act is off")
-    if part == "group_ids":
-        return g_idx.float().expand(scale.shape[1], k)
-    if part == "groups":
-        return _placed(scale, lo, g_idx, fmt.kernel_group_size)
-    q = _unpack(_read(tensors["qweight"]), 1 if awq else 0, order)  # [K, N]
-    return (q * scale[g_idx] + lo[g_idx]).t()
+class _Layer:
+    """One packed layer as the [N, K] tensor `part` asks for, made only for the rows or
+    columns a weight loader narrows it to (`shape` and `narrow`, as model/loader.py's
+    LazyTensor): a tensor-parallel rank reads only its words of qweight. The scales, zeros
+    and g_idx (an eighth of qweight or less) are read whole."""
+
+    def __init__(self, prefix: str, tensors: dict, fmt: Int4Format, part: str) -> None:
+        awq = fmt.method == "awq"
+        self.order = AWQ_ORDER if awq else range(8)
+        self.packed_dim = 1 if awq else 0  # qweight [K, N / 8] or [K / 8, N]
+        self.qweight, self.part, self.run = tensors["qweight"], part, fmt.kernel_group_size
+        k = self.qweight.shape[0] * (1 if awq else 8)
+        self.scale = tensors["scales"].float()  # [G, N]
+        self.lo = -(_unpack(tensors["qzeros"], 1, self.order) + fmt.zero_offset) * self.scale
+        group = fmt.group_size or k
+        g_idx = tensors["g_idx"].long() if "g_idx" in tensors else torch.arange(k) // group
+        in_order = torch.arange(k) // group
+        if self.scale.shape[0] * group != k or not torch.equal(g_idx.sort().values, in_order):
+            raise ValueError(f"{prefix}: its {k} input features are not whole groups of {group}")
+        if not fmt.act_order and not torch.equal(g_idx, in_order):
+            raise ValueError(
+                f"{prefix}: g_idx numbers the groups out of order, but desc_act is off"
+            )
+        self.g_idx = g_idx
+        self.shape = (self.scale.shape[1], k)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        rows = slice(start, start + length) if dim == 0 else slice(None)
+        cols = slice(start, start + length) if dim == 1 else slice(None)
+        scale, lo, g_idx = self.scale[:, rows], self.lo[:, rows], self.g_idx[cols]
+        if self.part == "group_ids":
+            return g_idx.float().expand(scale.shape[1], len(g_idx))
+        if self.part == "groups":
+            return _placed(scale, lo, self.g_idx, self.run, cols)
+        q = self._codes(1 - dim, start, length)  # [K, N] or the slice asked for
+        return (q * scale[g_idx] + lo[g_idx]).t()
+
+    def _codes(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """The codes [K, N], unpacked, of `length` rows (dim 0) or columns (dim 1) from
+        `start`: only the int32 words that hold them are read."""
+        if dim != self.packed_dim:
+            return _unpack(self.qweight.narrow(dim, start, length), self.packed_dim, self.order)
+        first, last = start // 8, -(-(start + length) // 8)
+        words = self.qweight.narrow(dim, first, last - first)
+        return _unpack(words, dim, self.order).narrow(dim, start - 8 * first, length)
 
 
 def _unpack(packed: torch.Tensor, dim: int, order: Sequence[int]) -> torch.Tensor:
@@ -154,12 +181,17 @@ def _unpack(packed: torch.Tensor, dim: int, order: Sequence[int]) -> torch.Tenso
     return ((packed.unsqueeze(dim + 1) >> shifts) & 0xF).flatten(dim, dim + 1)
 
 
-def _placed(scale: torch.Tensor, lo: torch.Tensor, g_idx: torch.Tensor, size: int) -> torch.Tensor:
-    """[N, K]: for each run of `size` input features of one group, taken in g_idx's stable
-    sort order, the group's scale in the run's first column and its minimum in its second."""
+def _placed(
+    scale: torch.Tensor, lo: torch.Tensor, g_idx: torch.Tensor, size: int, cols: slice
+) -> torch.Tensor:
+    """[N, K] (or the input features `cols`): for each run of `size` input features of one
+    group, taken in g_idx's stable sort order, the group's scale in the run's first column and
+    its minimum in its second; NaN elsewhere."""
     order = torch.argsort(g_idx, stable=True)
     first, second = order[0::size], order[1::size]
-    placed = torch.full((scale.shape[1], len(g_idx)), float("nan"))
-    placed[:, first] = scale[g_idx[first]].t()
-    placed[:, second] = lo[g_idx[first]].t()
+    start, stop, _ = cols.indices(len(g_idx))
+    placed = torch.full((scale.shape[1], stop - start), float("nan"))
+    for at, values in ((first, scale[g_idx[first]]), (second, lo[g_idx[first]])):
+        keep = (at >= start) & (at < stop)
+        placed[:, at[keep] - start] = values[keep].t()
     return placed

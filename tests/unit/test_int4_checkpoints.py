@@ -311,3 +311,49 @@ def test_quantization_configs_octavo_does_not_read_raise(tmp_path, change, match
     config_path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match=match):
         _load(path, quantization=None if "quant_method" in change else "awq")
+
+
+class _Recorded:
+    """A lazy tensor (as model/loader.py's LazyTensor) that records what is read of it."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.shape, self.reads = tensor, tuple(tensor.shape), []
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        self.reads.append((dim, length))
+        return self.tensor.narrow(dim, start, length)
+
+
+@pytest.mark.parametrize("part", ["float", "groups", "group_ids"])
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_a_rank_reads_only_the_qweight_words_of_its_slice(method, part):
+    """A packed layer narrowed to some output rows or input features (as a column- or
+    row-parallel rank's loader narrows it) equals the whole layer's slice, unaligned to the
+    eight-value words too, and reads only the words that hold the slice (no qweight at all
+    for the groups and group ids)."""
+    from octavo.model.int4_checkpoint import Int4Format, _Layer
+
+    k, n, group = 256, 64, 64
+    gen = torch.Generator().manual_seed(0)
+    words = (k, n // 8) if method == "awq" else (k // 8, n)
+    tensors = {
+        "qweight": torch.randint(-(2**31), 2**31 - 1, words, dtype=torch.int32, generator=gen),
+        "qzeros": torch.randint(-(2**31), 2**31 - 1, (k // group, n // 8), dtype=torch.int32),
+        "scales": torch.rand(k // group, n, generator=gen).half(),
+    }
+    if method == "gptq":  # act order: the groups numbered out of order
+        tensors["g_idx"] = (torch.arange(k) // group).flip(0).int()
+    fmt = Int4Format(method, group, 32, method == "gptq", 0)
+    whole = _Layer("layer", tensors, fmt, part).narrow(0, 0, n)
+    assert whole.shape == (n, k)
+    for dim, start, length in ((0, 16, 24), (0, 12, 20), (1, 64, 128), (1, 12, 100)):
+        recorded = _Recorded(tensors["qweight"])
+        layer = _Layer("layer", {**tensors, "qweight": recorded}, fmt, part)
+        got = layer.narrow(dim, start, length)
+        assert torch.equal(got.isnan(), whole.narrow(dim, start, length).isnan())
+        assert torch.equal(got.nan_to_num(), whole.narrow(dim, start, length).nan_to_num())
+        if part != "float":
+            assert recorded.reads == []
+            continue
+        ((read_dim, read),) = recorded.reads  # one read, along the words' dimension
+        assert read_dim == 1 - dim and read < words[read_dim]
