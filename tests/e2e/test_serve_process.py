@@ -93,9 +93,9 @@ def _resident_mib(pid: int) -> float:
 
 def test_the_server_gives_back_the_memory_of_its_largest_requests(serve):
     """Each of the largest bodies three times (24 requests, ~90 MiB of bodies): the server's
-    process then holds at most 64 MiB more than before them (23-44 measured here; 41-92
-    without guards.py's malloc_trim; one that kept each body would hold ~90 more from the
-    bodies alone). Runs first: the next test stops this server."""
+    process then holds at most 64 MiB more than before them (31-37 measured here; 41-59
+    without cli_serve's fixed malloc thresholds; one that kept each body would hold ~90 more
+    from the bodies alone). Runs first: the next test stops this server."""
     from test_server_faults import _largest_bodies
 
     proc, url = serve("grace")
@@ -110,7 +110,7 @@ def test_the_server_gives_back_the_memory_of_its_largest_requests(serve):
     before = _resident_mib(proc.pid)
     for _ in range(3):
         send(_largest_bodies(8192))  # the embedded model's max_model_len
-    time.sleep(1.0)  # the last request's memory is given back after its response
+    time.sleep(1.0)  # the last response's buffers are freed after it is sent
     assert _resident_mib(proc.pid) - before < 64
 
 

@@ -105,7 +105,25 @@ def default_model_name(model: str | None) -> str:
     return model
 
 
+def _give_large_blocks_back() -> None:
+    """glibc's malloc raises its mmap threshold each time a large block is freed (up to 32
+    MiB), after which a large request's buffers come from the heap and stay with the process.
+    Fixed thresholds keep every block of 1 MiB or more in a mapping of its own, unmapped when
+    freed, and trim the heap's top past 4 MiB. Not glibc: nothing to set."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mallopt(m_mmap_threshold, 1 << 20)
+    mallopt(m_trim_threshold, 4 << 20)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    _give_large_blocks_back()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     names = (
         "model", "dtype", "device", "load_format", "quantization", "kv_cache_dtype",

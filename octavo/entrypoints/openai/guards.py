@@ -6,8 +6,6 @@ here, and the routes (ParsedJSONRoute) read it instead of parsing it on the even
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import hmac
 import json
 from typing import Any
@@ -20,21 +18,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from octavo.entrypoints.openai.limits import check_json_items
 from octavo.entrypoints.openai.metrics import ServerMetrics
 from octavo.entrypoints.openai.serving import OpenAIError
-
-
-# After a body this large, the memory its parsing and tokenizing took is handed back to the
-# operating system: glibc's malloc keeps freed pages of a large request otherwise.
-TRIM_AFTER_BYTES = 1 << 20
-
-
-def _load_malloc_trim():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return None
-
-
-_malloc_trim = _load_malloc_trim()
 
 
 def error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -124,14 +107,7 @@ class BodyLimitMiddleware:
                 return message
             return await receive()
 
-        try:
-            await self.app(scope, replay, send)
-        finally:
-            if size >= TRIM_AFTER_BYTES and _malloc_trim is not None:
-                del data, chunks, parsed
-                scope.pop(PARSED_JSON, None)
-                # On a thread (ctypes lets go of the GIL), not awaited: the response is sent.
-                asyncio.get_running_loop().run_in_executor(None, _malloc_trim, 0)
+        await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.metrics.count_error()
