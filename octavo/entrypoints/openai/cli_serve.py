@@ -109,7 +109,8 @@ def _give_large_blocks_back() -> None:
     """glibc's malloc raises its mmap threshold each time a large block is freed (up to 32
     MiB), after which a large request's buffers come from the heap and stay with the process.
     Fixed thresholds keep every block of 1 MiB or more in a mapping of its own, unmapped when
-    freed, and trim the heap's top past 4 MiB. Not glibc: nothing to set."""
+    freed, and trim the heap's top past 4 MiB. Only the server's process: the spawned engine
+    process keeps glibc's defaults. Not glibc: nothing to set."""
     import ctypes
     import ctypes.util
 
@@ -123,7 +124,8 @@ def _give_large_blocks_back() -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    _give_large_blocks_back()
+    if not args.engine_in_thread:  # an engine here would map and fault in its large tensors
+        _give_large_blocks_back()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     names = (
         "model", "dtype", "device", "load_format", "quantization", "kv_cache_dtype",
