@@ -592,6 +592,11 @@ def test_null_means_the_default_as_openai_clients_send_it(server):
 
 
 def test_disconnect_aborts_and_frees_kv_blocks(server):
+    engine = server.ctx.engine
+    # An earlier test's aborted stream may still be finishing: start from an idle engine.
+    assert wait_for(
+        lambda: engine.stats["num_requests_running"] + engine.stats["num_requests_waiting"] == 0
+    )
     free_before = server.ctx.engine.stats["kv_blocks_free"]
     aborts_before = metrics(server).get("octavo_requests_total{outcome=abort}", 0)
     body = {
