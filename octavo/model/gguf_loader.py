@@ -315,7 +315,7 @@ def _q4_k_scale_min(tensor: GGUFTensor) -> np.ndarray:
     (d * scale) * q - dmin * min, computed as the `gguf` package dequantizes it."""
     from gguf.quants import Q4_K as Q4KFormat
 
-    blocks = tensor.data.reshape(-1, 144)
+    blocks = tensor.data.reshape(-1, Q4KFormat.type_size)
     d_dmin = _halves(blocks, 2)
     scales, mins = Q4KFormat.get_scale_min(blocks[:, 4:16])  # [B, 8] each
     out = np.zeros((blocks.shape[0], 8, 32), np.float32)
