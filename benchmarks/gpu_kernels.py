@@ -13,7 +13,8 @@ Rows (H=16, KVH=8, D=128, bf16, pages of 16):
           torch SDPA's flash kernel on the same dense problem as a yardstick, and torch's
           FlashAttention-2 varlen forward and cuDNN's ragged attention where they apply
   store_kv 8k tokens -> bytes written / time against the copy ceiling
-  quant   int4 (group 128) and int8 at 1, 16 and 256 rows, Qwen3-8B's qkv 4096->6144,
+  quant   int4 (group 128), int8 and fp8 at 1, 16, 64 and 256 rows (fp8: the GEMV at one
+          row, then torch._scaled_mm), Qwen3-8B's qkv 4096->6144,
           o 4096->4096, gate_up 4096->24576, down 12288->4096 -> weight bytes read / time,
           and the time as a fraction of bf16 F.linear's at the same shape; then the four
           summed at one row, as a decode step's projections
@@ -301,11 +302,17 @@ def _copies(tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]
 def _quant_variants(method: str, m: int, n: int, k: int, sweep: bool) -> list:
     """None for bf16; else the default plan first, then (--sweep) other kernels, tiles and
     split counts."""
-    if method in ("bf16", "fp8"):
+    if method == "bf16" or (method == "fp8" and m > 1):
         return [None]
     bits, group = (4, 128) if method == "int4" else (8, quant_gemm.INT8_BLOCK)
     default = quant_gemm.plan(m, n, k, bits, group, num_sms(torch.device("cuda")))
     out = [default]
+    if method == "fp8":  # the GEMV's tiles, then the scaled matmul it replaces at one row
+        if sweep:
+            out += [default._replace(block_n=bn, block_k=max(65536 // (bn * bits), group),
+                                     splits=s)
+                    for bn in (32, 64, 128) for s in (1, 2, 4, 8, 16)]  # fmt: skip
+        return list(dict.fromkeys(out)) + [None]
     if not sweep:
         return out
     if m == 1:  # tiles of 32 to 128 rows, each thread with 4 rows by 4 words
@@ -327,6 +334,8 @@ def _quant_product(method: str, x: torch.Tensor, p, tensors: tuple) -> torch.Ten
         return F.linear(x, tensors[0])
     if method == "int4":
         return quant_gemm.int4_linear(x, *tensors, 128, config=p)
+    if method == "fp8" and p is not None:
+        return quant_gemm.fp8_gemv(x, *tensors, config=p)
     if method == "fp8":  # W8A8: x quantized per token, then cuBLASLt's scaled matmul
         xq, x_scale = quant_fp8.per_token_quant_fp8(x)
         w, w_scale = tensors
@@ -377,7 +386,7 @@ def bench_quant(copy_gbs: float, sweep: bool) -> list[dict]:
                         bf16_us = us
                     else:
                         rate += f"  {us / bf16_us:5.2f} x bf16's time"
-                    label = "F.linear" if p is None else _plan_str(p)
+                    label = _plan_str(p) if p else ("_scaled_mm" if method == "fp8" else "F.linear")
                     rows.append(_row(method, shape, label, i == 0, us, err, rate))
                     if m == 1 and i == 0:
                         at_one_row[method] = at_one_row.get(method, 0.0) + us

@@ -25,6 +25,12 @@ field u placed in the top mantissa bits of 1.0f reads as v = 1 + u / 2**b, exact
 
 so a code costs a shift and one and-or before its FMA.
 
+fp8 (e4m3, a float32 scale per row) keeps the plain [N, K] layout that torch._scaled_mm
+reads, so one copy serves both: viewed as int32 words [N, K / 4], byte j of word w is column
+4 w + j. Only the GEMV reads it (`fp8_gemv`); a code's sign, exponent and mantissa move to
+float32's places with shifts and masks, times 2**120 for the exponents' bias (7 against 127),
+which also makes e4m3's subnormals exact, with no conversion instruction.
+
 Three paths, picked by the row count M (`plan`):
 
     M = 1       _gemv_kernel, on the FMA units: per word it sums v * x and x over the
@@ -179,6 +185,18 @@ def _field(words, j: tl.constexpr, one, BITS: tl.constexpr):
 
 
 @triton.jit
+def _fp8_value(words, j: tl.constexpr):
+    """Byte j of each word, an e4m3 code, as float32 (e4m3's NaN reads as 480)."""
+    if j == 3:
+        sign = words & -0x80000000
+        bits = (words >> 4) & 0x07F00000
+    else:
+        sign = (words << (24 - 8 * j)) & -0x80000000
+        bits = (words << (20 - 8 * j)) & 0x07F00000
+    return (sign | bits).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
+
+
+@triton.jit
 def _load(ptrs, mask, EVEN: tl.constexpr):
     """tl.load, 0 where `mask` is off; unmasked when the shapes divide into whole tiles."""
     if EVEN:
@@ -285,8 +303,8 @@ def _write(out, offs, mask, y_ptr, partial_ptr, counter_ptr, tile, pid_k, num_sp
 def _gemv_kernel(
     x_ptr,  # [K], one row
     w_ptr,  # [N, KW] int32 words
-    scale_ptr,  # int4: [N, NG]; int8: [N]
-    min_ptr,  # int4: [N, NG]; int8: unused
+    scale_ptr,  # int4: [N, NG]; int8, fp8: [N]
+    min_ptr,  # int4: [N, NG]; int8, fp8: unused
     y_ptr,  # [N]
     partial_ptr,  # [splits, N] float32 (only if SPLIT)
     counter_ptr,  # [tiles] int32, 0 between launches (only if SPLIT)
@@ -303,6 +321,7 @@ def _gemv_kernel(
     TILE_G: tl.constexpr,  # blocks per iteration
     EVEN: tl.constexpr,  # N, K in whole tiles: no masks but the split's
     SPLIT: tl.constexpr,
+    FP8: tl.constexpr,  # e4m3 bytes in the plain layout (BITS 8)
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -318,22 +337,33 @@ def _gemv_kernel(
     last = tl.minimum(first + iters_per_split, num_iters)
     for it in tl.range(first, last, num_stages=NUM_STAGES):
         words = _load_words(w_ptr, offs_n, n_ok, it, KW, TILE_G, WPG, EVEN)
-        col0 = (it * TILE_G + tl.arange(0, TILE_G))[:, None] * BLOCK + tl.arange(0, WPG)[None, :]
+        block = (it * TILE_G + tl.arange(0, TILE_G))[:, None]
+        if FP8:  # field j of word w: column 4 w + j
+            col0 = 4 * (block * WPG + tl.arange(0, WPG)[None, :])
+        else:  # column j * WPG + w of the word's block
+            col0 = block * BLOCK + tl.arange(0, WPG)[None, :]
         vx = tl.zeros([BLOCK_N, TILE_G, WPG], tl.float32)  # sum over a word's fields of v x
         xs = tl.zeros([TILE_G, WPG], tl.float32)  # ... and of x
         for j in tl.static_range(32 // BITS):
-            k = col0 + j * WPG
+            k = col0 + j if FP8 else col0 + j * WPG
             x = _load(x_ptr + k, k < K, EVEN).to(tl.float32)
-            vx += _field(words, j, one, BITS) * x[None, :, :]
-            xs += x
-        if BITS == 4:  # sum over a word's fields of (16 s v + m - 16 s) x
+            if FP8:
+                vx += _fp8_value(words, j) * x[None, :, :]
+            else:
+                vx += _field(words, j, one, BITS) * x[None, :, :]
+                xs += x
+        if FP8:
+            acc += vx
+        elif BITS == 4:  # sum over a word's fields of (16 s v + m - 16 s) x
             s16, shift = _group_params(scale_ptr, min_ptr, offs_n, n_ok, it, NG, TILE_G, EVEN)
             acc += s16 * vx + shift * xs[None, :, :]
         else:
             acc += vx
             x_sum += xs
     out = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
-    if BITS == 8:  # the sum of s (256 v - 384) x
+    if FP8:
+        out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+    elif BITS == 8:  # the sum of s (256 v - 384) x
         scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         out = scale * (256.0 * out - 384.0 * tl.sum(tl.sum(x_sum, axis=1), axis=0))
     _write(out, offs_n, n_ok, y_ptr, partial_ptr, counter_ptr, pid_n, pid_k,
@@ -477,6 +507,27 @@ def int8_linear(
     return _run(x, words, scale, scale, 8, INT8_BLOCK, config)
 
 
+def fp8_gemv(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, config: Plan | None = None
+) -> torch.Tensor:
+    """One row x [..., K] (bf16 or fp16) times e4m3 codes [N, K] (contiguous, K a multiple of 4)
+    with a float32 scale [N] per row: x W^T [..., N] in x's dtype, W read as it is stored."""
+    k = codes.shape[1]
+    if x.numel() != x.shape[-1] or x.shape[-1] != k or k % 4 or not codes.is_contiguous():
+        raise ValueError(f"fp8_gemv takes one row of {k} columns and contiguous codes with K in "
+                         f"4s; got {tuple(x.shape)} by {tuple(codes.shape)}")  # fmt: skip
+    if x.dtype not in DTYPES or scale.dtype != torch.float32:
+        raise ValueError(f"fp8_gemv takes {DTYPES} activations and float32 scales")
+    n, words = codes.shape[0], codes.view(torch.int32)
+    x2 = x.reshape(1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    p = config or plan(1, n, k, 8, INT8_BLOCK, num_sms(x.device))
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _launch(x2, words, scale, scale, y, 8, INT8_BLOCK, p, fp8=True)
+    return y.view(*x.shape[:-1], n)
+
+
 def _run(x, words, scale, lo, bits, block, config) -> torch.Tensor:
     if x.dtype not in DTYPES or words.dtype != torch.int32 or not words.is_contiguous():
         raise ValueError(f"quantized GEMMs take {DTYPES} activations and contiguous int32 words")
@@ -495,7 +546,7 @@ def _run(x, words, scale, lo, bits, block, config) -> torch.Tensor:
     return y.view(*x.shape[:-1], n)
 
 
-def _launch(x, words, scale, lo, y, bits, block, p: Plan) -> None:
+def _launch(x, words, scale, lo, y, bits, block, p: Plan, fp8: bool = False) -> None:
     (m, k), (n, kw) = x.shape, words.shape
     words_per_iter = p.block_k * bits // 32
     num_iters = triton.cdiv(kw, words_per_iter)  # the last one may be partial
@@ -515,8 +566,10 @@ def _launch(x, words, scale, lo, y, bits, block, p: Plan) -> None:
     if p.kernel == "gemv":
         _gemv_kernel[(triton.cdiv(n, p.block_n), p.splits)](
             x, words, scale, lo, y, partial, counters, n, k, kw, num_groups, num_iters,
-            per_split, ONE_BITS, NUM_STAGES=p.num_stages, **common,
+            per_split, ONE_BITS, FP8=fp8, NUM_STAGES=p.num_stages, **common,
         )  # fmt: skip
+    elif fp8:
+        raise ValueError(f"fp8 codes run the GEMV only, not {p.kernel!r}")
     else:
         _gemm_kernel[(triton.cdiv(n, p.block_n), triton.cdiv(m, p.block_m), p.splits)](
             x, words, scale, lo, y, partial, counters, m, n, k, kw, num_groups, x.stride(0),

@@ -4,7 +4,7 @@
     int4  W4A16: 4-bit weights in groups of GROUP_SIZE input columns, each with a scale and a
           minimum (asymmetric, as GGUF's Q4_1 and AWQ): w ~ q * scale + min, q in 0..15.
     fp8   W8A8: e4m3 weights with one scale per output row, and activations quantized to e4m3
-          with one scale per token at each call. An HF fp8 checkpoint keeps its own e4m3
+          with one scale per token at each call (one row on Hopper: W8A16, the GEMV). An HF fp8 checkpoint keeps its own e4m3
           weights and its scale per 128 x 128 block (Fp8BlockWeight); its activations take a
           scale per token and 128 columns.
     gguf  a GGUF file's Q4_0, Q4_1 and Q4_K tensors kept in their own groups of 32 (int4 as
@@ -343,8 +343,18 @@ class Fp8Weight(QuantizedWeight):
             and self.in_features % 16 == 0
             and self.out_features % 16 == 0
         )
+        if self.scaled_mm:
+            from octavo.kernels import quant_gemm
+
+            quant_gemm.prepare(weight.device)  # the GEMV's split-K counters, before any graph
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scaled_mm and x.numel() == self.in_features:
+            # One row: the Triton GEMV reads the codes as they are and keeps x in 16 bits;
+            # cuBLASLt would pad the row to its fp8 tile.
+            from octavo.kernels.quant_gemm import fp8_gemv
+
+            return fp8_gemv(x, self.qweight, self.scale)
         if self.scaled_mm:
             from octavo.kernels.quant_fp8 import per_token_quant_fp8
 

@@ -65,6 +65,18 @@ def exact_int8(n: int, k: int, seed: int):
     return codes, scale, codes.double() * scale[:, None]
 
 
+def exact_fp8(n: int, k: int, seed: int):
+    """(e4m3 codes [N, K], float32 scale [N], float64 weight) with power-of-two scales and
+    every code whose magnitude is below 16, subnormals and both zeros included: sums of K
+    such codes against -1, 0, 1 are exact in float32."""
+    g = _gen(seed)
+    byte = torch.randint(0, 256, (n, k), generator=g, device=DEVICE).to(torch.uint8)
+    byte = byte & 0xDF  # exponent field at most 10 (below 2**4), so never NaN
+    codes = byte.view(torch.float8_e4m3fn)
+    scale = 2.0 ** torch.randint(-3, 2, (n,), generator=g, device=DEVICE).float()
+    return codes, scale, codes.double() * scale.double()[:, None]
+
+
 def integer_x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randint(-1, 2, (m, k), generator=_gen(seed), device=DEVICE).to(dtype)
 
@@ -121,6 +133,32 @@ def test_int8_kernels_are_exact_on_an_exact_grid(m, dtype):
             continue
         y = qg.int8_linear(x, words, scale.to(dtype), config=p)
         assert y.dtype == dtype and torch.equal(y, ref), _name(p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nk", [(256, 512), (136, 200)])
+def test_fp8_gemv_is_exact_on_an_exact_grid(nk, dtype):
+    """Every e4m3 code below 16 reads as its value, in the plain layout, split or not, with N
+    off the tile size and K ending inside an iteration."""
+    n, k = nk
+    codes, scale, w = exact_fp8(n, k, seed=n)
+    x = integer_x(1, k, dtype, seed=k)
+    ref = (x.double() @ w.T).to(dtype)
+    for p in [qg.Plan("gemv", 1, 32, 256, s, 4, 3) for s in (1, 2)] + [None]:
+        y = qg.fp8_gemv(x, codes, scale, config=p)
+        assert y.dtype == dtype and torch.equal(y, ref), p
+    assert torch.equal(qg.fp8_gemv(x[0], codes, scale), ref[0])  # a 1-D row
+
+
+def test_fp8_gemv_refuses_what_it_cannot_read():
+    codes, scale, _ = exact_fp8(64, 256, seed=1)
+    x = integer_x(2, 256, torch.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="one row"):
+        qg.fp8_gemv(x, codes, scale)
+    with pytest.raises(ValueError, match="K in 4s"):
+        qg.fp8_gemv(x[:1, :254], codes[:, :254].contiguous(), scale)
+    with pytest.raises(ValueError, match="float32 scales"):
+        qg.fp8_gemv(x[:1], codes, scale.bfloat16())
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -217,6 +255,21 @@ def test_int8_matches_the_dequantized_reference(nk, dtype):
     for m in ROWS:
         x = torch.randn(m, k, generator=g, device=DEVICE).to(dtype)
         _check_against_reference(qg.int8_linear(x, words, scale), x, w_dtype, w_exact)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "nk", [(256, 512)] if INTERPRET else [(4096, 4096), (1536, 12288), (24576, 1000)]
+)
+def test_fp8_gemv_matches_the_dequantized_reference(nk, dtype):
+    n, k = nk
+    g = _gen(n + k + 8)
+    weight = torch.randn(n, k, generator=g, device=DEVICE) * 0.02
+    codes, scale = q.quantize_fp8(weight)
+    w_exact = q.dequantize_fp8(codes, scale, torch.float64)
+    w_dtype = q.dequantize_fp8(codes, scale, dtype)
+    x = torch.randn(1, k, generator=g, device=DEVICE).to(dtype)
+    _check_against_reference(qg.fp8_gemv(x, codes, scale), x, w_dtype, w_exact)
 
 
 # --- the plan --------------------------------------------------------------------------------
