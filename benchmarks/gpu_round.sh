@@ -22,7 +22,7 @@
 #   quantlat       one Qwen3-8B request at each of QUANTS (none fp8 int4 int8) (latency.py)
 #   quantthru      the nano-vllm workload on Qwen3-8B: bf16, fp8 weights, fp8 KV cache, both
 #   host           short-context decode steps, plain and streamed; STRUCTURED=integer|string
-#                  adds a JSON schema to every request (decode_host.py; HOST_ARGS are passed on)
+#                  adds a JSON schema to every request (step_timeline.py --host; HOST_ARGS are passed on)
 set -u
 # NVLink multicast stays off (NCCL's NVLS and torch's symmetric memory).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -91,7 +91,7 @@ for stage in $stages; do
             timeout 400 python3 benchmarks/run_profile.py --model $m \
             --json "$OUT/run_profile_$m.json" 2>&1 | tee "$OUT/run_profile_$m.log" | tail -14 ;;
     host) kind=${STRUCTURED:-plain}
-            timeout 400 python3 benchmarks/decode_host.py ${STRUCTURED:+--structured $STRUCTURED} \
+            timeout 400 python3 benchmarks/step_timeline.py --host ${STRUCTURED:+--structured $STRUCTURED} \
             ${HOST_ARGS:-} --json "$OUT/decode_host_$kind.json" 2>&1 | grep -v '^{' \
             | tee "$OUT/decode_host_$kind.log" | tail -12 ;;
     tptests) timeout 560 python3 -m pytest tests/gpu/test_tp_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/tp_tests.log" | tail -15 ;;
