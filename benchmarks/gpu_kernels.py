@@ -7,7 +7,7 @@ at Qwen3-8B's projection shapes against bf16 F.linear.
 
 Rows (H=16, KVH=8, D=128, bf16, pages of 16):
   decode  256 x 1k context, 256 / 128 / 64 x mixed contexts (100-2048), 1 x 8k, 16 x 4k
-          -> KV bytes read / time against the copy ceiling
+          -> KV bytes read / time against the copy ceiling; then over an fp8 cache
   prefill 8 x 1k new tokens (no prefix), 1 x 1k new behind a 7k prefix, a 16k-token step
           drawn like the nano-vllm workload's (at 16 and at 32 query heads) -> TFLOP/s, with
           torch SDPA's flash kernel on the same dense problem as a yardstick, and torch's
@@ -181,6 +181,16 @@ def bench_decode(batch: int, context: int | str, copy_gbs: float, sweep: bool) -
                  (splits, cfg, ordered) == (splits0, cfg0, True), us, err,
                  _bandwidth(kv_bytes, us, copy_gbs))
         )  # fmt: skip
+    # The same over an e4m3 cache (k / 0.5, v / 2), against the torch backend on its values.
+    scales = {"k_scale": 0.5, "v_scale": 2.0}
+    fp8 = torch.stack([(cache[0] / 0.5), (cache[1] / 2.0)]).to(torch.float8_e4m3fn)
+    widened = torch.stack([fp8[0].to(DTYPE) * 0.5, fp8[1].to(DTYPE) * 2.0])
+    ref8 = decode_attention(q, widened, md.seq_lens, md.block_tables, SCALE, splits0, config=cfg0)
+    run = partial(decode_attention, q, fp8, md.seq_lens, md.block_tables, SCALE, splits0,
+                  config=cfg0, order=order, **scales)  # fmt: skip
+    us, err = measure(run, ref8)
+    rows.append(_row("decode fp8", f"{batch} x {context}", _cfg_str(cfg0, splits0), True, us,
+                     err, _bandwidth(kv_bytes // 2, us, copy_gbs)))  # fmt: skip
     return rows
 
 

@@ -43,7 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.kernels.paged_kv_tile import LOG2E, attend_kv_chunk, check_attention_inputs, to_cache
+from octavo.kernels.paged_kv_tile import (
+    LOG2E,
+    attend_kv_chunk,
+    check_attention_inputs,
+    dot_operand,
+    to_cache,
+)
 from octavo.kernels.pdl import pdl_args
 
 MIN_SPLIT_LEN = 256  # context positions per split: below this the partial writes dominate
@@ -159,6 +165,7 @@ def _decode_split_kernel(
         kv_hi = tl.where(owns_new, pos, kv_hi)
     else:
         q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=head_ok[:, None], other=0.0)
+    q = dot_operand(q, k_cache_ptr)
 
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)

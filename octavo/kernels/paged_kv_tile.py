@@ -10,8 +10,10 @@ then scored against M query rows with tl.dot and folded into the running (max, s
 each row, in fp32 and in the log2 domain (scores are pre-multiplied by scale * log2(e)).
 
 An fp8 (e4m3) cache holds k / k_scale and v / v_scale (`to_cache`). Its tiles are widened to
-q's dtype for the dots; k_scale goes into the kernels' qk_scale and v_scale multiplies their
-output, so the loop itself never scales. The torch reference is attention/torch_backend.py's
+float16 for the dots, with q in float16 too (`dot_operand`): e4m3 widens to float16 exactly
+in one conversion instruction per pair of codes, where bfloat16 would take three, enough to
+make the loop bound by conversions instead of by its reads. k_scale goes into the kernels'
+qk_scale and v_scale multiplies their output, so the loop itself never scales. The torch reference is attention/torch_backend.py's
 `to_kv_cache` and `from_kv_cache`.
 """
 
@@ -23,6 +25,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+F16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
@@ -32,6 +35,15 @@ def to_cache(x, scale, cache_ptr):
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
         x = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
     return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def dot_operand(q, cache_ptr):
+    """q as the dots take it against the cache at `cache_ptr`: float16 (clamped to its range)
+    for an e4m3 cache, whose tiles widen to float16; q as it is otherwise."""
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        q = tl.clamp(q.to(tl.float32), -F16_MAX, F16_MAX).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -75,7 +87,7 @@ def attend_kv_chunk(
     else:
         k = tl.load(k_cache_ptr + kv_off)
         v = tl.load(v_cache_ptr + kv_off)
-    k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 widened; other caches hold q's dtype
+    k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 widened (dot_operand); others hold q's dtype
 
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N] fp32
     if MASKED:

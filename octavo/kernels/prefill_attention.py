@@ -30,7 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from octavo.kernels.paged_kv_tile import LOG2E, attend_kv_chunk, check_attention_inputs
+from octavo.kernels.paged_kv_tile import (
+    LOG2E,
+    attend_kv_chunk,
+    check_attention_inputs,
+    dot_operand,
+)
 from octavo.kernels.pdl import pdl_args
 
 
@@ -98,6 +103,7 @@ def _prefill_kernel(
     q_pos = prefix + tok  # [M] context position of each row's query
     q_off = (q_start + tok).to(tl.int64) * stride_q_tok + head * stride_q_head
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = dot_operand(q, k_cache_ptr)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
