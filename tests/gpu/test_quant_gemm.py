@@ -339,6 +339,31 @@ def test_quantized_weights_run_the_kernels_eagerly_and_in_graphs(method, group, 
 
 
 @cuda_only
+def test_fp8_weight_runs_the_gemv_at_one_row_eagerly_and_in_graphs():
+    """Fp8Weight on Hopper: one row through the GEMV, which keeps x in 16 bits, so its error
+    is that of the dequantized weight (the scaled matmul's, with x in e4m3 too, is ~15 times
+    larger); replayed from a CUDA graph over new activations."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._scaled_mm's fp8 path needs Hopper")
+    n, k = 2048, 1536
+    g = _gen(9)
+    layer = q.Fp8Weight((torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16())
+    assert layer.scaled_mm
+    w_exact = q.dequantize_fp8(layer.qweight, layer.scale, torch.float64)
+    w_dtype = q.dequantize_fp8(layer.qweight, layer.scale, torch.bfloat16)
+    x = torch.randn(1, k, generator=g, device="cuda").bfloat16()
+    _check_against_reference(layer(x), x, w_dtype, w_exact)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    for _ in range(3):
+        x.copy_(torch.randn(1, k, generator=g, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_against_reference(y, x, w_dtype, w_exact)
+
+
+@cuda_only
 def test_float32_weights_keep_the_dequantizing_path():
     weight = torch.randn(256, 512, device="cuda")
     layer = q.Int4Weight(weight)
