@@ -25,8 +25,8 @@ field u placed in the top mantissa bits of 1.0f reads as v = 1 + u / 2**b, exact
 
 so a code costs a shift and one and-or before its FMA.
 
-fp8 (e4m3, a float32 scale per row) keeps the plain [N, K] layout that torch._scaled_mm
-reads, so one copy serves both: viewed as int32 words [N, K / 4], byte j of word w is column
+fp8 (e4m3, a float32 scale per row, or per 128 x 128 block as HF fp8 checkpoints store it)
+keeps the plain [N, K] layout that torch._scaled_mm reads, so one copy serves both: viewed as int32 words [N, K / 4], byte j of word w is column
 4 w + j. Only the GEMV reads it (`fp8_gemv`); a code's sign, exponent and mantissa move to
 float32's places with shifts and masks, times 2**120 for the exponents' bias (7 against 127),
 which also makes e4m3's subnormals exact, with no conversion instruction.
@@ -303,7 +303,7 @@ def _write(out, offs, mask, y_ptr, partial_ptr, counter_ptr, tile, pid_k, num_sp
 def _gemv_kernel(
     x_ptr,  # [K], one row
     w_ptr,  # [N, KW] int32 words
-    scale_ptr,  # int4: [N, NG]; int8, fp8: [N]
+    scale_ptr,  # int4: [N, NG]; int8, fp8: [N]; fp8 in blocks: [N / FP8_BLOCK, NG]
     min_ptr,  # int4: [N, NG]; int8, fp8: unused
     y_ptr,  # [N]
     partial_ptr,  # [splits, N] float32 (only if SPLIT)
@@ -322,6 +322,7 @@ def _gemv_kernel(
     EVEN: tl.constexpr,  # N, K in whole tiles: no masks but the split's
     SPLIT: tl.constexpr,
     FP8: tl.constexpr,  # e4m3 bytes in the plain layout (BITS 8)
+    FP8_BLOCK: tl.constexpr,  # fp8 with a scale per FP8_BLOCK x FP8_BLOCK block; 0: per row
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -352,7 +353,12 @@ def _gemv_kernel(
             else:
                 vx += _field(words, j, one, BITS) * x[None, :, :]
                 xs += x
-        if FP8:
+        if FP8_BLOCK:  # each block of words lies in one block of scales
+            kb = (it * TILE_G + tl.arange(0, TILE_G)) * BLOCK // FP8_BLOCK
+            offs = (offs_n // FP8_BLOCK)[:, None] * NG + kb[None, :]
+            s = _load(scale_ptr + offs, n_ok[:, None] & (kb < NG)[None, :], EVEN)
+            acc += vx * s[:, :, None]
+        elif FP8:
             acc += vx
         elif BITS == 4:  # sum over a word's fields of (16 s v + m - 16 s) x
             s16, shift = _group_params(scale_ptr, min_ptr, offs_n, n_ok, it, NG, TILE_G, EVEN)
@@ -362,7 +368,8 @@ def _gemv_kernel(
             x_sum += xs
     out = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
     if FP8:
-        out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+        if not FP8_BLOCK:  # the row's scale (a block's was applied in the loop)
+            out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     elif BITS == 8:  # the sum of s (256 v - 384) x
         scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         out = scale * (256.0 * out - 384.0 * tl.sum(tl.sum(x_sum, axis=1), axis=0))
@@ -508,23 +515,33 @@ def int8_linear(
 
 
 def fp8_gemv(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, config: Plan | None = None
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    block_size: int = 0,
+    config: Plan | None = None,
 ) -> torch.Tensor:
     """One row x [..., K] (bf16 or fp16) times e4m3 codes [N, K] (contiguous, K a multiple of 4)
-    with a float32 scale [N] per row: x W^T [..., N] in x's dtype, W read as it is stored."""
-    k = codes.shape[1]
+    with a float32 scale [N] per row, or with block_size B (a multiple of 64) a scale
+    [ceil(N / B), ceil(K / B)] per B x B block: x W^T [..., N] in x's dtype, W read as it is
+    stored."""
+    n, k = codes.shape
     if x.numel() != x.shape[-1] or x.shape[-1] != k or k % 4 or not codes.is_contiguous():
         raise ValueError(f"fp8_gemv takes one row of {k} columns and contiguous codes with K in "
                          f"4s; got {tuple(x.shape)} by {tuple(codes.shape)}")  # fmt: skip
-    if x.dtype not in DTYPES or scale.dtype != torch.float32:
-        raise ValueError(f"fp8_gemv takes {DTYPES} activations and float32 scales")
-    n, words = codes.shape[0], codes.view(torch.int32)
+    if x.dtype not in DTYPES or scale.dtype != torch.float32 or not scale.is_contiguous():
+        raise ValueError(f"fp8_gemv takes {DTYPES} activations and contiguous float32 scales")
+    want = (-(-n // block_size), -(-k // block_size)) if block_size else (n,)
+    if block_size % INT8_BLOCK or tuple(scale.shape) != want:
+        raise ValueError(f"fp8_gemv: scales {tuple(scale.shape)} for codes {tuple(codes.shape)} "
+                         f"in blocks of {block_size} (a multiple of {INT8_BLOCK}; 0: per row)")  # fmt: skip
+    words = codes.view(torch.int32)
     x2 = x.reshape(1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     p = config or plan(1, n, k, 8, INT8_BLOCK, num_sms(x.device))
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _launch(x2, words, scale, scale, y, 8, INT8_BLOCK, p, fp8=True)
+    _launch(x2, words, scale, scale, y, 8, INT8_BLOCK, p, fp8_block=block_size, fp8=True)
     return y.view(*x.shape[:-1], n)
 
 
@@ -546,7 +563,7 @@ def _run(x, words, scale, lo, bits, block, config) -> torch.Tensor:
     return y.view(*x.shape[:-1], n)
 
 
-def _launch(x, words, scale, lo, y, bits, block, p: Plan, fp8: bool = False) -> None:
+def _launch(x, words, scale, lo, y, bits, block, p: Plan, fp8=False, fp8_block=0) -> None:
     (m, k), (n, kw) = x.shape, words.shape
     words_per_iter = p.block_k * bits // 32
     num_iters = triton.cdiv(kw, words_per_iter)  # the last one may be partial
@@ -557,7 +574,7 @@ def _launch(x, words, scale, lo, y, bits, block, p: Plan, fp8: bool = False) -> 
         raise ValueError(f"split-K over {tiles} tiles; at most {COUNTERS}")
     partial = torch.empty(p.splits, m, n, dtype=torch.float32, device=x.device) if split else y
     counters = _device_counters(x.device) if split else y
-    num_groups = scale.shape[1] if bits == 4 else 1
+    num_groups = scale.shape[1] if bits == 4 or fp8_block else 1
     even = n % p.block_n == 0 and kw % words_per_iter == 0 and k * bits == kw * 32
     common = dict(
         BITS=bits, BLOCK=block, BLOCK_N=p.block_n, TILE_G=p.block_k // block, EVEN=even,
@@ -566,7 +583,7 @@ def _launch(x, words, scale, lo, y, bits, block, p: Plan, fp8: bool = False) -> 
     if p.kernel == "gemv":
         _gemv_kernel[(triton.cdiv(n, p.block_n), p.splits)](
             x, words, scale, lo, y, partial, counters, n, k, kw, num_groups, num_iters,
-            per_split, ONE_BITS, FP8=fp8, NUM_STAGES=p.num_stages, **common,
+            per_split, ONE_BITS, FP8=fp8, FP8_BLOCK=fp8_block, NUM_STAGES=p.num_stages, **common,
         )  # fmt: skip
     elif fp8:
         raise ValueError(f"fp8 codes run the GEMV only, not {p.kernel!r}")

@@ -374,8 +374,9 @@ class Fp8BlockWeight(QuantizedWeight):
     w = q * scale; each call quantizes x per token and 128 columns.
 
     On Hopper, torch's block-scaled GEMM (F.scaled_mm, BlockWise1x128 activations against
-    BlockWise128x128 weights, through cuBLASLt); elsewhere emulated: both dequantized, then a
-    matmul in x's dtype (the reference the GPU path is tested against).
+    BlockWise128x128 weights, through cuBLASLt), and one row through the Triton GEMV on the same
+    codes (x kept in 16 bits); elsewhere emulated: both dequantized, then a matmul in x's dtype
+    (the reference the GPU path is tested against).
     """
 
     method = "fp8"
@@ -398,8 +399,15 @@ class Fp8BlockWeight(QuantizedWeight):
             self.register_buffer(
                 "mm_scale", F.pad(scale, (0, -scale.shape[1] % 4)), persistent=False
             )
+            from octavo.kernels import quant_gemm
+
+            quant_gemm.prepare(codes.device)  # the GEMV's split-K counters, before any graph
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scaled_mm and x.numel() == self.in_features:
+            from octavo.kernels.quant_gemm import fp8_gemv
+
+            return fp8_gemv(x, self.qweight, self.scale.float(), block_size=FP8_BLOCK)
         if self.scaled_mm:
             return self._scaled_mm(x)
         xq, x_scale = quantize_fp8_blocks(x, 1, FP8_BLOCK)  # [T, K] e4m3, [T, K/128]

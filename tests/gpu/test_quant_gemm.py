@@ -150,6 +150,21 @@ def test_fp8_gemv_is_exact_on_an_exact_grid(nk, dtype):
     assert torch.equal(qg.fp8_gemv(x[0], codes, scale), ref[0])  # a 1-D row
 
 
+@pytest.mark.parametrize("nk", [(256, 512), (200, 328)])
+def test_fp8_gemv_reads_a_scale_per_block(nk):
+    """HF fp8 checkpoints' layout: a scale per 128 x 128 block, N and K ending inside one."""
+    n, k = nk
+    codes, _, _ = exact_fp8(n, k, seed=k)
+    blocks = (-(-n // 128), -(-k // 128))
+    scale = 2.0 ** torch.randint(-1, 2, blocks, generator=_gen(n), device=DEVICE).float()
+    per_element = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    w = codes.double() * per_element.double()
+    x = integer_x(1, k, torch.bfloat16, seed=n)
+    ref = (x.double() @ w.T).bfloat16()
+    for p in [qg.Plan("gemv", 1, 32, 256, s, 4, 3) for s in (1, 2)] + [None]:
+        assert torch.equal(qg.fp8_gemv(x, codes, scale, block_size=128, config=p), ref), p
+
+
 def test_fp8_gemv_refuses_what_it_cannot_read():
     codes, scale, _ = exact_fp8(64, 256, seed=1)
     x = integer_x(2, 256, torch.bfloat16, seed=1)
@@ -159,6 +174,10 @@ def test_fp8_gemv_refuses_what_it_cannot_read():
         qg.fp8_gemv(x[:1, :254], codes[:, :254].contiguous(), scale)
     with pytest.raises(ValueError, match="float32 scales"):
         qg.fp8_gemv(x[:1], codes, scale.bfloat16())
+    with pytest.raises(ValueError, match="in blocks of 128"):
+        qg.fp8_gemv(x[:1], codes, scale, block_size=128)  # a scale per row, not per block
+    with pytest.raises(ValueError, match="in blocks of 96"):
+        qg.fp8_gemv(x[:1], codes, torch.ones(1, 3, device=DEVICE), block_size=96)
 
 
 @pytest.mark.parametrize("group", [32, 128])
