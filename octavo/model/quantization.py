@@ -276,7 +276,9 @@ class Int4Weight(QuantizedWeight):
         if self.columns is not None:
             x = x.index_select(-1, self.columns)
         if self.cpu_kernel:
-            x16 = F.pad(x.to(torch.bfloat16), (0, self.padded_in_features - self.in_features))
+            x16 = x.to(torch.bfloat16)
+            if self.padded_in_features != self.in_features:  # K ends inside a group
+                x16 = F.pad(x16, (0, self.padded_in_features - self.in_features))
             y = torch._weight_int4pack_mm_for_cpu(
                 x16, self.qweight, self.group_size, self.qscale_zero
             )
