@@ -13,8 +13,8 @@ An fp8 (e4m3) cache holds k / k_scale and v / v_scale (`to_cache`). Its tiles ar
 float16 for the dots, with q in float16 too (`dot_operand`): e4m3 widens to float16 exactly
 in one conversion instruction per pair of codes, where bfloat16 would take three, enough to
 make the loop bound by conversions instead of by its reads. k_scale goes into the kernels'
-qk_scale and v_scale multiplies their output, so the loop itself never scales. The torch reference is attention/torch_backend.py's
-`to_kv_cache` and `from_kv_cache`.
+qk_scale and v_scale multiplies their output, so the loop itself never scales. The torch
+reference is attention/torch_backend.py's `to_kv_cache` and `from_kv_cache`.
 """
 
 from __future__ import annotations

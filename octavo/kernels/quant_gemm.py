@@ -26,10 +26,11 @@ field u placed in the top mantissa bits of 1.0f reads as v = 1 + u / 2**b, exact
 so a code costs a shift and one and-or before its FMA.
 
 fp8 (e4m3, a float32 scale per row, or per 128 x 128 block as HF fp8 checkpoints store it)
-keeps the plain [N, K] layout that torch._scaled_mm reads, so one copy serves both: viewed as int32 words [N, K / 4], byte j of word w is column
-4 w + j. Only the GEMV reads it (`fp8_gemv`); a code's sign, exponent and mantissa move to
-float32's places with shifts and masks, times 2**120 for the exponents' bias (7 against 127),
-which also makes e4m3's subnormals exact, with no conversion instruction.
+keeps the plain [N, K] layout that torch._scaled_mm reads, so one copy serves both: viewed as
+int32 words [N, K / 4], byte j of word w is column 4 w + j. Only the GEMV reads it
+(`fp8_gemv`); a code's sign, exponent and mantissa move to float32's places with shifts and
+masks, times 2**120 for the exponents' bias (7 against 127), which also makes e4m3's
+subnormals exact, with no conversion instruction.
 
 Three paths, picked by the row count M (`plan`):
 
@@ -533,8 +534,10 @@ def fp8_gemv(
         raise ValueError(f"fp8_gemv takes {DTYPES} activations and contiguous float32 scales")
     want = (-(-n // block_size), -(-k // block_size)) if block_size else (n,)
     if block_size % INT8_BLOCK or tuple(scale.shape) != want:
-        raise ValueError(f"fp8_gemv: scales {tuple(scale.shape)} for codes {tuple(codes.shape)} "
-                         f"in blocks of {block_size} (a multiple of {INT8_BLOCK}; 0: per row)")  # fmt: skip
+        raise ValueError(
+            f"fp8_gemv: scales {tuple(scale.shape)} for codes {tuple(codes.shape)} in blocks "
+            f"of {block_size} (a multiple of {INT8_BLOCK}; 0: per row)"
+        )
     words = codes.view(torch.int32)
     x2 = x.reshape(1, k)
     if x2.stride(-1) != 1:

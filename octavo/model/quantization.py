@@ -4,9 +4,9 @@
     int4  W4A16: 4-bit weights in groups of GROUP_SIZE input columns, each with a scale and a
           minimum (asymmetric, as GGUF's Q4_1 and AWQ): w ~ q * scale + min, q in 0..15.
     fp8   W8A8: e4m3 weights with one scale per output row, and activations quantized to e4m3
-          with one scale per token at each call (one row on Hopper: W8A16, the GEMV). An HF fp8 checkpoint keeps its own e4m3
-          weights and its scale per 128 x 128 block (Fp8BlockWeight); its activations take a
-          scale per token and 128 columns.
+          with one scale per token at each call (one row on Hopper: W8A16, a Triton GEMV).
+          An HF fp8 checkpoint keeps its own e4m3 weights and its scale per 128 x 128 block
+          (Fp8BlockWeight); its activations take a scale per token and 128 columns.
     gguf  a GGUF file's Q4_0, Q4_1 and Q4_K tensors kept in their own groups of 32 (int4 as
           above, with the file's scales and minimums, not new ones), and a Q8_0 LM head kept
           as its int8 blocks (Q8Weight); its other tensors load as without quantization.
@@ -21,8 +21,9 @@ On the CPU, int8 and int4 run torch's weight-packed kernels, which are fast with
 activations only: the activations pass through bfloat16 there (the "A16"). On CUDA, with
 16-bit weights, they run octavo's Triton GEMMs (kernels/quant_gemm.py), which dequantize
 inside the kernel; elsewhere they dequantize the whole weight for each product. fp8 runs
-torch._scaled_mm on Hopper and is emulated elsewhere (activations quantized to e4m3 and back, then
-a matmul), so that its accuracy can be measured on any machine.
+torch._scaled_mm on Hopper, and one row through kernels/quant_gemm.py's GEMV on the same codes;
+elsewhere it is emulated (activations quantized to e4m3 and back, then a matmul), so that its
+accuracy can be measured on any machine.
 """
 
 from __future__ import annotations
