@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from multiprocessing.connection import Connection, Listener, wait
@@ -235,12 +236,26 @@ class MultiprocRunner:
                 except (EOFError, OSError):
                     self._die(f"tensor-parallel worker rank {sender} died{self._exit_code(sender)}")
                 if tag == "error":
-                    self._die(f"tensor-parallel worker rank {sender} failed: {value}")
+                    cause = self._other_death(sender)
+                    self._die(cause or f"tensor-parallel worker rank {sender} failed: {value}")
                 self._inbox[sender].append(value)
             for local, proc in enumerate(self._procs):
                 if proc.poll() is not None:
                     self._die(f"tensor-parallel worker rank {local} died{self._exit_code(local)}")
         return self._inbox[rank].popleft()
+
+    def _other_death(self, sender: int, wait_s: float = 1.0) -> str | None:
+        """A local worker other than `sender` that has died, seen within `wait_s`: a
+        collective that lost its peer fails on the survivors too, and the one that died is
+        the cause to report."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self._procs):
+                if rank != sender and proc.poll() is not None:
+                    return f"tensor-parallel worker rank {rank} died{self._exit_code(rank)}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def _exit_code(self, rank: int) -> str:
         if rank < len(self._procs):
