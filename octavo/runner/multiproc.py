@@ -239,23 +239,26 @@ class MultiprocRunner:
                     cause = self._other_death(sender)
                     self._die(cause or f"tensor-parallel worker rank {sender} failed: {value}")
                 self._inbox[sender].append(value)
-            for local, proc in enumerate(self._procs):
-                if proc.poll() is not None:
-                    self._die(f"tensor-parallel worker rank {local} died{self._exit_code(local)}")
+            dead = self._dead_worker()
+            if dead is not None:
+                self._die(dead)
         return self._inbox[rank].popleft()
+
+    def _dead_worker(self, other_than: int | None = None) -> str | None:
+        """Which local worker (other than `other_than`) has exited, as the error to report."""
+        for rank, proc in enumerate(self._procs):
+            if rank != other_than and proc.poll() is not None:
+                return f"tensor-parallel worker rank {rank} died{self._exit_code(rank)}"
+        return None
 
     def _other_death(self, sender: int, wait_s: float = 1.0) -> str | None:
         """A local worker other than `sender` that has died, seen within `wait_s`: a
         collective that lost its peer fails on the survivors too, and the one that died is
         the cause to report."""
         deadline = time.monotonic() + wait_s
-        while True:
-            for rank, proc in enumerate(self._procs):
-                if rank != sender and proc.poll() is not None:
-                    return f"tensor-parallel worker rank {rank} died{self._exit_code(rank)}"
-            if time.monotonic() >= deadline:
-                return None
+        while (dead := self._dead_worker(sender)) is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        return dead
 
     def _exit_code(self, rank: int) -> str:
         if rank < len(self._procs):
