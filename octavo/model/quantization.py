@@ -386,7 +386,7 @@ class Fp8BlockWeight(QuantizedWeight):
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__(torch.empty(codes.shape, dtype=dtype, device="meta"))
-        self.qweight, self.scale = _frozen(codes), _frozen(scale)
+        self.qweight, self.scale = _frozen(codes), _frozen(scale.float())
         # torch's block-scaled GEMM runs on sm90 only; whole blocks keep it to one layout.
         self.scaled_mm = (
             codes.is_cuda
@@ -410,7 +410,7 @@ class Fp8BlockWeight(QuantizedWeight):
         if self.scaled_mm and x.numel() == self.in_features:
             from octavo.kernels.quant_gemm import fp8_gemv
 
-            return fp8_gemv(x, self.qweight, self.scale.float(), block_size=FP8_BLOCK)
+            return fp8_gemv(x, self.qweight, self.scale, block_size=FP8_BLOCK)
         if self.scaled_mm:
             return self._scaled_mm(x)
         xq, x_scale = quantize_fp8_blocks(x, 1, FP8_BLOCK)  # [T, K] e4m3, [T, K/128]
