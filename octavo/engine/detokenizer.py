@@ -26,6 +26,8 @@ from typing import Protocol
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
+from octavo.model.fast_tokenizer import FastTokenizer
+
 REPLACEMENT_CHAR = "\ufffd"
 # Past this many held-back tokens, finalize at a safe split (see _finalize_held_tokens);
 # a UTF-8 character has at most 4 bytes, and each token that decodes to text adds at least 1.
@@ -51,8 +53,11 @@ def rust_backend(tokenizer: object) -> RustTokenizer | None:
     transformers' own `decode` runs the Rust decode and then, where the tokenizer asks for
     it, `clean_up_tokenization_spaces`; transformers 5.7 and later skip that clean-up for BPE
     models unless told otherwise. A subclass that overrides `decode` or `_decode` (Whisper's
-    tokenizer, for one) may do more, and gets no fast path.
+    tokenizer, for one) may do more, and gets no fast path. A FastTokenizer decodes with its
+    backend alone.
     """
+    if isinstance(tokenizer, FastTokenizer):
+        return tokenizer.backend_tokenizer
     backend = getattr(tokenizer, "_tokenizer", None)
     if not isinstance(backend, RustTokenizer):
         return None

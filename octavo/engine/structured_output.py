@@ -16,6 +16,7 @@ An n > 1 request's samples each get their own copy of the grammar when they fork
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -23,6 +24,7 @@ import logging
 import torch
 
 from octavo.core.sched_output import GrammarBitmask
+from octavo.model.fast_tokenizer import FastTokenizer
 from octavo.runner.penalties import bitmask_width, outside_of_bitmask
 from octavo.sampling_params import StructuredOutputsParams
 
@@ -76,21 +78,30 @@ class GrammarCompiler:
         self.eos_token_ids = eos_token_ids
         self._ll_tokenizer = None
 
+    def _build_ll_tokenizer(self, llguidance):
+        # The model's config may name an EOS id the tokenizer does not have.
+        eos = [t for t in self.eos_token_ids if t < len(self.tokenizer)] or None
+        if isinstance(self.tokenizer, FastTokenizer):
+            backend = copy.copy(self.tokenizer.backend_tokenizer)
+            backend.no_padding()
+            backend.no_truncation()
+            eos = eos or self.tokenizer.eos_token_id
+            return llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+        import llguidance.hf
+
+        try:
+            return llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=self.vocab_size, eos_token=eos
+            )
+        except ValueError as e:  # a slow tokenizer, say
+            raise ValueError(f"structured_outputs cannot use this tokenizer: {e}") from None
+
     def compile(self, spec: StructuredOutputsParams) -> Grammar:
         """A fresh Grammar for the constraint; ValueError naming the problem if it does not
         compile (a bad schema, regex or grammar)."""
         llguidance = _import_llguidance()
         if self._ll_tokenizer is None:
-            import llguidance.hf
-
-            # The model's config may name an EOS id the tokenizer does not have.
-            eos = [t for t in self.eos_token_ids if t < len(self.tokenizer)] or None
-            try:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self.tokenizer, n_vocab=self.vocab_size, eos_token=eos
-                )
-            except ValueError as e:  # a slow tokenizer, say
-                raise ValueError(f"structured_outputs cannot use this tokenizer: {e}") from None
+            self._ll_tokenizer = self._build_ll_tokenizer(llguidance)
         try:
             grammar = _grammar_text(llguidance, spec)
         except ValueError as e:

@@ -7,10 +7,12 @@ Also small accessors that read the same fact from transformers 4.x configs (`rop
 from __future__ import annotations
 
 import os
-
-from transformers import AutoConfig, PretrainedConfig
+from typing import TYPE_CHECKING, Any
 
 from octavo.model.registry import get_architecture, hf_architecture_for_gguf
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def load_hf_config(model: str) -> PretrainedConfig:
@@ -26,6 +28,8 @@ def load_hf_config(model: str) -> PretrainedConfig:
     else:
         if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"model directory {model!r} has no config.json")
+        from transformers import AutoConfig
+
         try:
             config = AutoConfig.from_pretrained(model)
         except (OSError, KeyError) as e:  # transformers' errors for unreadable/unknown configs
@@ -66,29 +70,26 @@ def get_rope_scaling(config: PretrainedConfig) -> dict | None:
     return None if scaling["rope_type"] == "default" else scaling
 
 
-class GGUFLlamaConfig(PretrainedConfig):
-    """A config read from a GGUF file: the fields octavo's models read, in the form
-    transformers 5's LlamaConfig gives them (`rope_parameters` holds theta and scaling).
+class GGUFConfig:
+    """A config read from a GGUF file: the fields octavo's models read, named as in
+    transformers 5's LlamaConfig (`rope_parameters` holds theta and scaling).
 
-    NOTE: transformers' own config classes are not used here: importing their modules pulls
-    in torch.distributed and transformers' model-loading code, over a second of start-up.
+    NOTE: a plain object, not a transformers config: importing transformers takes about a
+    second, most of a GGUF model's start-up, and nothing here needs it.
     """
 
-    model_type = "llama"
+    def __init__(self, model_type: str, **fields: Any) -> None:
+        self.model_type = model_type
+        self.__dict__.update(fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"GGUFConfig({self.__dict__!r})"
 
 
-class GGUFQwen2Config(GGUFLlamaConfig):
-    model_type = "qwen2"
-
-
-class GGUFQwen3Config(GGUFLlamaConfig):
-    model_type = "qwen3"
-
-
-_GGUF_CONFIGS = {"llama": GGUFLlamaConfig, "qwen2": GGUFQwen2Config, "qwen3": GGUFQwen3Config}
-
-
-def gguf_to_hf_config(path: str) -> PretrainedConfig:
+def gguf_to_hf_config(path: str) -> GGUFConfig:
     """Builds an HF config from a GGUF file's metadata and tensor list.
 
     NOTE: the lm_head is tied exactly when the file has no `output.weight`. A `rope_freqs`
@@ -136,7 +137,7 @@ def gguf_to_hf_config(path: str) -> PretrainedConfig:
         kwargs["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
     scaling = _gguf_rope_scaling(get) or {"rope_type": "default"}
     kwargs["rope_parameters"] = {"rope_theta": float(get("rope.freq_base", 10000.0))} | scaling
-    config = _GGUF_CONFIGS[arch](**kwargs)
+    config = GGUFConfig(str(arch), **kwargs)
     if "rope_freqs.weight" in tensors:
         config.rope_freq_factors = dequantize_tensor(tensors["rope_freqs.weight"]).tolist()
     return config

@@ -21,11 +21,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PretrainedConfig
 
 from octavo.model.hf_config import get_head_dim
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 CHECKPOINT_METHODS = ("awq", "gptq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

@@ -14,10 +14,10 @@ shard: its share of the heads and of the MLP's columns (model/parallel.py).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from octavo.attention.backend import AttentionMetadata
 from octavo.attention.layer import Attention
@@ -39,6 +39,9 @@ from octavo.model.layers import (
     default_weight_loader,
 )
 from octavo.model.parallel import check_tp_size, get_tp, kv_head_range
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Checkpoint projection name -> (fused parameter's module, shard id).
 STACKED_PARAMS: dict[str, tuple[str, str | int]] = {

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from torch import nn
-from transformers import PretrainedConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # HF `architectures[0]` -> (module, class name).
 _MODELS: dict[str, tuple[str, str]] = {

@@ -2,12 +2,15 @@
 
 A model is a `.gguf` file (the tokenizer, its special tokens and the chat template come from
 the GGUF metadata, converted by transformers) or an HF directory (tokenizer files next to
-config.json; a dummy-weights config directory has none, and then there is no tokenizer).
+config.json, loaded by transformers; a dummy-weights config directory has none, and then
+there is no tokenizer).
 
 Converting a GGUF tokenizer costs more than reading the saved result, so the converted
 tokenizer is saved once, in HF's own format, under `$OCTAVO_CACHE_DIR` (default
 `$XDG_CACHE_HOME/octavo`, else `~/.cache/octavo`; an empty value turns the cache off), keyed
-by the file's path, size and modification time and by the transformers version.
+by the file's path, size and modification time and by the transformers version. The saved
+form is read back as a FastTokenizer (model/fast_tokenizer.py), without importing
+transformers, wherever that class reads it.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-
-import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from importlib.metadata import version
+from typing import TYPE_CHECKING
 
 from octavo.cache import cache_root
+from octavo.model.fast_tokenizer import FastTokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +47,9 @@ TOKENIZER_FILES = (
 )
 
 
-def load_tokenizer(model: str, load_format: str = "auto") -> PreTrainedTokenizerBase | None:
+def load_tokenizer(
+    model: str, load_format: str = "auto"
+) -> FastTokenizer | PreTrainedTokenizerBase | None:
     """Loads the tokenizer of a model, cached per path for the life of the process.
 
     Args:
@@ -50,8 +58,9 @@ def load_tokenizer(model: str, load_format: str = "auto") -> PreTrainedTokenizer
             same way for real and dummy weights.
 
     Returns:
-        The tokenizer, with `chat_template` set when the model has one; None for a
-        directory without tokenizer files (prompts must then be given as token ids).
+        The tokenizer, with `chat_template` set when the model has one (a FastTokenizer for
+        a GGUF file where that class reads the converted form, else transformers'); None
+        for a directory without tokenizer files (prompts must then be given as token ids).
 
     Raises:
         ValueError: an unknown load_format, or a path that is neither a `.gguf` file nor a
@@ -68,16 +77,18 @@ def load_tokenizer(model: str, load_format: str = "auto") -> PreTrainedTokenizer
 
 
 @functools.lru_cache(maxsize=8)
-def _load_cached(path: str) -> PreTrainedTokenizerBase | None:
+def _load_cached(path: str) -> FastTokenizer | PreTrainedTokenizerBase | None:
     # NOTE: the cache hands the same object to every caller; nobody may mutate it.
     if os.path.isdir(path):
         if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
             return None
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path)
     cache = gguf_tokenizer_cache_dir(path)
     if cache is not None and os.path.isfile(os.path.join(cache, "tokenizer.json")):
         try:
-            return AutoTokenizer.from_pretrained(cache)
+            return _load_saved(cache)
         except Exception as e:  # noqa: BLE001 - a damaged entry: convert and save again
             logger.warning("replacing the cached tokenizer in %s: %r", cache, e)
             shutil.rmtree(cache, ignore_errors=True)
@@ -86,15 +97,29 @@ def _load_cached(path: str) -> PreTrainedTokenizerBase | None:
         template = read_gguf_chat_template(path)
         if template is not None:
             tokenizer.chat_template = template
-    if cache is not None:
-        _save(tokenizer, cache)
-    return tokenizer
+    if cache is not None and _save(tokenizer, cache):
+        return _load_saved(cache)
+    with tempfile.TemporaryDirectory(prefix="octavo-tokenizer-") as staging:
+        tokenizer.save_pretrained(staging)
+        return FastTokenizer.from_directory(staging) or tokenizer
+
+
+def _load_saved(directory: str) -> FastTokenizer | PreTrainedTokenizerBase:
+    """A tokenizer saved by transformers: as a FastTokenizer where that class reads it."""
+    fast = FastTokenizer.from_directory(directory)
+    if fast is not None:
+        return fast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
 
 
 def _convert_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """Builds the tokenizer a GGUF file's metadata describes, of the class AutoTokenizer
     would pick. For the architectures octavo runs, the class is found from the architecture:
     AutoTokenizer would first build the model's config with transformers' slower GGUF reader."""
+    from transformers import AutoTokenizer
+
     directory, filename = os.path.split(path)
     cls = _gguf_tokenizer_class(path)
     if cls is None:
@@ -128,14 +153,14 @@ def gguf_tokenizer_cache_dir(path: str) -> str | None:
     if root is None:
         return None
     stat = os.stat(path)
-    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{version('transformers')}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return os.path.join(root, "tokenizers", f"{os.path.basename(path)}-{digest}")
 
 
-def _save(tokenizer: PreTrainedTokenizerBase, cache: str) -> None:
+def _save(tokenizer: PreTrainedTokenizerBase, cache: str) -> bool:
     """Saves into a new directory, then renames it into place: a reader sees all of it or
-    none, and of two processes saving at once, one wins."""
+    none, and of two processes saving at once, one wins. False where nothing is saved."""
     staging = None
     try:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
@@ -146,6 +171,7 @@ def _save(tokenizer: PreTrainedTokenizerBase, cache: str) -> None:
         logger.info("did not cache the converted tokenizer in %s: %r", cache, e)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+    return os.path.isfile(os.path.join(cache, "tokenizer.json"))
 
 
 def read_gguf_chat_template(path: str) -> str | None:

@@ -248,16 +248,18 @@ def test_rust_and_python_paths_stream_the_same_deltas(smollm2_tokenizer, data):
 def test_rust_backend_only_where_it_decodes_as_transformers_does(smollm2_tokenizer, tmp_path):
     """The fast path decodes with the Rust backend alone: it may be taken only where
     transformers' decode gives the same text, its clean-up of spaces included."""
-    assert rust_backend(smollm2_tokenizer) is smollm2_tokenizer._tokenizer
+    assert rust_backend(smollm2_tokenizer) is smollm2_tokenizer.backend_tokenizer
     assert rust_backend(PythonDecodeOnly(smollm2_tokenizer)) is None
     smollm2_tokenizer.save_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    assert rust_backend(hf) is hf._tokenizer
     bpe_cleaned = AutoTokenizer.from_pretrained(tmp_path, clean_up_tokenization_spaces=True)
     wordpiece = Tokenizer(WordPiece({"[UNK]": 0, "a": 1, ",": 2, ".": 3}, unk_token="[UNK]"))
     wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
     wordpiece.decoder = decoders.WordPiece(cleanup=False)  # the clean-up is transformers' alone
     wp_cleaned = PreTrainedTokenizerFast(tokenizer_object=wordpiece, unk_token="[UNK]",
                                          clean_up_tokenization_spaces=True)  # fmt: skip
-    for tok in (smollm2_tokenizer, bpe_cleaned, wp_cleaned):
+    for tok in (hf, bpe_cleaned, wp_cleaned):
         ids = tok.encode("a , a . a", add_special_tokens=False)
         same = tok.decode(ids) == tok._tokenizer.decode(ids)
         assert same or rust_backend(tok) is None

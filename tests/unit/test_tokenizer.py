@@ -13,6 +13,7 @@ import pytest
 from octavo.model import embedded
 from octavo.model import tokenizer as tokenizer_module
 from octavo.model.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
+from octavo.model.fast_tokenizer import FastTokenizer
 from octavo.model.tokenizer import (
     apply_chat_template,
     encode_text,
@@ -67,51 +68,41 @@ def test_gguf_chat_template_is_read_from_metadata_when_transformers_drops_it(
     smollm2_path, smollm2_tokenizer, monkeypatch
 ):
     monkeypatch.setenv("OCTAVO_CACHE_DIR", "")  # no cache: convert
-    bare = SimpleNamespace(chat_template=None)
-    monkeypatch.setattr(tokenizer_module, "_convert_gguf_tokenizer", lambda path: bare)
+    real_convert = tokenizer_module._convert_gguf_tokenizer
+
+    def convert(path):
+        converted = real_convert(path)
+        converted.chat_template = None
+        return converted
+
+    monkeypatch.setattr(tokenizer_module, "_convert_gguf_tokenizer", convert)
     loaded = tokenizer_module._load_cached.__wrapped__(smollm2_path)
-    assert loaded is bare
+    assert isinstance(loaded, FastTokenizer)
     assert loaded.chat_template == smollm2_tokenizer.chat_template
 
 
 def test_a_converted_gguf_tokenizer_is_cached_on_disk(smollm2_path, monkeypatch, tmp_path):
-    """The first load converts and saves; the second reads the saved one, which tokenizes,
-    decodes and renders chats as the converted one does."""
+    """The first load converts and saves; the second reads the saved files without
+    converting. Both are FastTokenizers and tokenize, decode and render chats alike (that
+    class against transformers': test_fast_tokenizer.py)."""
     monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))
     real_convert = tokenizer_module._convert_gguf_tokenizer
-    real_load = tokenizer_module.AutoTokenizer.from_pretrained
     calls = []
-
-    def convert(path):
-        calls.append("gguf")
-        return real_convert(path)
-
-    def from_pretrained(*args, **kwargs):
-        calls.append("gguf" if "gguf_file" in kwargs else "cache")
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(tokenizer_module, "_convert_gguf_tokenizer", convert)
-    monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(
+        tokenizer_module, "_convert_gguf_tokenizer", lambda p: calls.append(p) or real_convert(p)
+    )
     path = os.path.realpath(smollm2_path)
     converted = tokenizer_module._load_cached.__wrapped__(path)
     cached = tokenizer_module._load_cached.__wrapped__(path)
-    assert calls == ["gguf", "cache"]
+    assert calls == [path]
+    assert isinstance(converted, FastTokenizer) and isinstance(cached, FastTokenizer)
     assert os.listdir(tmp_path / "tokenizers") == [
         os.path.basename(tokenizer_module.gguf_tokenizer_cache_dir(path))
     ]  # and no staging directory left behind
     text = "def f(x):\n\treturn x  # 你好 🌍 <|im_end|>"
     ids = converted.encode(text, add_special_tokens=False)
     assert cached.encode(text, add_special_tokens=False) == ids
-    for skip in (True, False):
-        assert cached.decode(ids, skip_special_tokens=skip) == converted.decode(
-            ids, skip_special_tokens=skip
-        )
-    assert [cached.decode([i]) for i in range(len(converted))] == [
-        converted.decode([i]) for i in range(len(converted))
-    ]
-    assert (cached.eos_token_id, cached.all_special_ids) == (
-        converted.eos_token_id, converted.all_special_ids
-    )  # fmt: skip
+    assert cached.decode(ids) == converted.decode(ids) == text
     assert apply_chat_template(cached, USER) == apply_chat_template(converted, USER)
 
 
