@@ -31,6 +31,9 @@ from octavo.model.fast_tokenizer import FastTokenizer
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    # What load_tokenizer gives; the engine calls only what both have.
+    AnyTokenizer = FastTokenizer | PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -47,9 +50,7 @@ TOKENIZER_FILES = (
 )
 
 
-def load_tokenizer(
-    model: str, load_format: str = "auto"
-) -> FastTokenizer | PreTrainedTokenizerBase | None:
+def load_tokenizer(model: str, load_format: str = "auto") -> AnyTokenizer | None:
     """Loads the tokenizer of a model, cached per path for the life of the process.
 
     Args:
@@ -77,7 +78,7 @@ def load_tokenizer(
 
 
 @functools.lru_cache(maxsize=8)
-def _load_cached(path: str) -> FastTokenizer | PreTrainedTokenizerBase | None:
+def _load_cached(path: str) -> AnyTokenizer | None:
     # NOTE: the cache hands the same object to every caller; nobody may mutate it.
     if os.path.isdir(path):
         if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
@@ -104,7 +105,7 @@ def _load_cached(path: str) -> FastTokenizer | PreTrainedTokenizerBase | None:
         return FastTokenizer.from_directory(staging) or tokenizer
 
 
-def _load_saved(directory: str) -> FastTokenizer | PreTrainedTokenizerBase:
+def _load_saved(directory: str) -> AnyTokenizer:
     """A tokenizer saved by transformers: as a FastTokenizer where that class reads it."""
     fast = FastTokenizer.from_directory(directory)
     if fast is not None:
@@ -183,7 +184,7 @@ def read_gguf_chat_template(path: str) -> str | None:
 
 
 def eos_token_ids(
-    tokenizer: PreTrainedTokenizerBase | None, hf_config_eos: int | Sequence[int] | None
+    tokenizer: AnyTokenizer | None, hf_config_eos: int | Sequence[int] | None
 ) -> list[int]:
     """The ids that end generation: the tokenizer's EOS, then the model config's
     `eos_token_id` (an int or a list of ints; None when absent), without duplicates."""
@@ -202,7 +203,7 @@ def eos_token_ids(
 
 
 def encode_text(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: AnyTokenizer,
     text: str,
     what: str = "the prompt",
     add_special_tokens: bool = False,
@@ -244,7 +245,7 @@ def _unicode_problem(text: str) -> str | None:
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase | None,
+    tokenizer: AnyTokenizer | None,
     messages: list[dict],
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
