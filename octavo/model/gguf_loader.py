@@ -1,6 +1,7 @@
 """GGUF files: read once through one memory map, then the HF config, the tokenizer's chat
 template and the weights (dequantized to float32, renamed to HF checkpoint names) all come
-from the same `GGUFFile`.
+from the same `GGUFFile`. Q4 tensors also come as they are stored, codes and groups apart
+(iter_gguf_q4), for quantization="gguf" to keep without building their float values.
 
 GGUF stores shapes fastest-dimension first, so a GGUF [hidden, vocab] tensor is HF's
 [vocab, hidden]. llama.cpp's converter permutes the rows of llama-arch q/k projections
@@ -19,11 +20,13 @@ import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
-from transformers import PretrainedConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # GGUF tensor name (after `blk.N.`) -> HF name (after `model.layers.N.`).
 _LAYER_NAMES = {
@@ -295,48 +298,122 @@ def q8_0_blocks(tensor: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(codes), torch.from_numpy(_halves(blocks, 1).reshape(n, -1))
 
 
-def _q4_scale_min(tensor: GGUFTensor) -> np.ndarray:
-    """A Q4_0/Q4_1/Q4_K tensor in its shape with each group of 32's scale d in the group's
-    first element and its minimum m in the second (Q4_1 stores both; Q4_0 d, with m = -8 d;
-    Q4_K a 6-bit scale and minimum per 32, times its super-block's d and dmin)."""
+# Where a Q4 block's quants start: after d (Q4_0); d and m (Q4_1); d, dmin and 12 bytes of
+# 6-bit scales and minimums (Q4_K's super-block of 256).
+_Q4_QUANTS_AT = {Q4_0: 2, Q4_1: 4, Q4_K: 16}
+
+
+def _q4_codes(tensor: GGUFTensor) -> np.ndarray:
+    """A Q4_0/Q4_1/Q4_K tensor's codes 0..15 (uint8) in its shape, read from its bytes.
+
+    Q4_0/Q4_1: byte j of a block's 16 holds element j in its low nibble and j + 16 in its
+    high. Q4_K: each of a super-block's four runs of 32 bytes holds two groups of 32, the
+    first in the low nibbles, the second in the high ones.
+    """
+    kind = tensor.ggml_type
+    block_bytes = 144 if kind == Q4_K else _BLOCK_SIZES[kind][1]
+    quants = tensor.data.reshape(-1, block_bytes)[:, _Q4_QUANTS_AT[kind] :]
+    width = 32 if kind == Q4_K else 16
+    # NOTE: torch, not numpy (as _nibbles): its loops take these short rows ~3x faster.
+    runs = torch.from_numpy(quants).unflatten(1, (-1, width))  # [B, runs, width]
+    codes = torch.empty((*runs.shape[:2], 2, width), dtype=torch.uint8)
+    torch.bitwise_and(runs, 0x0F, out=codes[:, :, 0])
+    torch.bitwise_right_shift(runs, 4, out=codes[:, :, 1])
+    return codes.numpy().reshape(tensor.shape)
+
+
+def _q4_groups(tensor: GGUFTensor) -> np.ndarray:
+    """A Q4_0/Q4_1/Q4_K tensor [N, K]'s groups of 32 as float32 [N, K / 16]: group g's scale
+    in column 2 g, its minimum in column 2 g + 1 (value = code * scale + min). Q4_1 stores
+    both; Q4_0 its scale d, with min -8 d; Q4_K a 6-bit scale and minimum per group, times
+    its super-block's d and dmin."""
     if tensor.ggml_type == Q4_K:
-        return _q4_k_scale_min(tensor)
+        return _q4_k_groups(tensor).reshape(tensor.shape[0], -1)
     blocks = tensor.data.reshape(-1, _BLOCK_SIZES[tensor.ggml_type][1])
-    d_m = _halves(blocks, 2 if tensor.ggml_type == Q4_1 else 1)
-    out = np.zeros((blocks.shape[0], 32), np.float32)
-    out[:, 0] = d_m[:, 0]
-    out[:, 1] = d_m[:, 1] if tensor.ggml_type == Q4_1 else -8 * d_m[:, 0]
-    return out.reshape(tensor.shape)
+    d_m = _halves(blocks, 2 if tensor.ggml_type == Q4_1 else 1)  # [B, 2] or [B, 1]
+    if tensor.ggml_type == Q4_0:
+        d_m = np.concatenate([d_m, -8 * d_m], axis=1)
+    return d_m.reshape(tensor.shape[0], -1)
 
 
-def _q4_k_scale_min(tensor: GGUFTensor) -> np.ndarray:
-    """_q4_scale_min of a Q4_K tensor. A super-block of 256 is d and dmin (float16), twelve
-    bytes of 6-bit scales and minimums for its eight groups, then the 4-bit codes; a value is
-    (d * scale) * q - dmin * min, computed as the `gguf` package dequantizes it."""
+def _q4_k_groups(tensor: GGUFTensor) -> np.ndarray:
+    """_q4_groups of a Q4_K tensor as [B, 8, 2]: per super-block of 256, d and dmin (float16),
+    twelve bytes of 6-bit scales and minimums for its eight groups, then the codes; a value
+    is (d * scale) * q - dmin * min, computed as the `gguf` package dequantizes it."""
     from gguf.quants import Q4_K as Q4KFormat
 
     blocks = tensor.data.reshape(-1, Q4KFormat.type_size)
     d_dmin = _halves(blocks, 2)
     scales, mins = Q4KFormat.get_scale_min(blocks[:, 4:16])  # [B, 8] each
-    out = np.zeros((blocks.shape[0], 8, 32), np.float32)
+    out = np.empty((blocks.shape[0], 8, 2), np.float32)
     out[:, :, 0] = d_dmin[:, :1] * scales.astype(np.float32)
     out[:, :, 1] = -(d_dmin[:, 1:] * mins.astype(np.float32))
-    return out.reshape(tensor.shape)
+    return out
+
+
+class GGUFWeight:
+    """A GGUF tensor in HF layout, not dequantized yet: what a weight loader narrows (as
+    loader.LazyTensor for safetensors), so that a weight no loader reads is never
+    dequantized. `num_heads`: un-permute its rows as a llama q/k projection's (None: not)."""
+
+    def __init__(self, tensor: GGUFTensor, num_heads: int | None) -> None:
+        self.tensor = tensor
+        self.num_heads = num_heads
+        self.shape = tensor.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole tensor as float32 (a view of the file's memory map if it is F32)."""
+        return torch.from_numpy(self._hf_rows(_dequantize(self.tensor)))
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.dequantize().narrow(dim, start, length)
+
+    def q4_codes(self) -> torch.Tensor:
+        """A Q4_0/Q4_1/Q4_K matrix's codes 0..15, uint8 [N, K] (_q4_codes)."""
+        return torch.from_numpy(self._hf_rows(_q4_codes(self.tensor)))
+
+    def q4_groups(self) -> torch.Tensor:
+        """A Q4_0/Q4_1/Q4_K matrix's scales and minimums, float32 [N, K / 16] (_q4_groups)."""
+        return torch.from_numpy(self._hf_rows(_q4_groups(self.tensor)))
+
+    def _hf_rows(self, rows: np.ndarray) -> np.ndarray:
+        return rows if self.num_heads is None else unpermute_qk(rows, self.num_heads)
 
 
 def iter_gguf_weights(
-    path: str, hf_config: PretrainedConfig, blocks: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, float32 tensor) for every weight of the GGUF file.
-
-    blocks=True: for the Q4_0, Q4_1 and Q4_K tensors only, each group of 32's scale and
-    minimum (value = q * scale + min, q in 0..15) in the group's first two elements instead
-    of its values, in the same layout, so that a model's own weight loaders place them as
-    they place weights.
+    path: str, hf_config: PretrainedConfig, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """Yields (HF name, float32 tensor) for every weight of the GGUF file; lazy=True: a
+    GGUFWeight instead, dequantized when a loader narrows it.
 
     Raises:
         ValueError: a tensor name that maps to no HF weight and is not known to be ignorable.
     """
+    for name, weight in _iter_gguf(path, hf_config):
+        yield name, weight if lazy else weight.dequantize()
+
+
+def iter_gguf_q4(
+    path: str, hf_config: PretrainedConfig, part: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF name, tensor) for the file's Q4_0, Q4_1 and Q4_K matrices only, read from
+    their bytes (no float values): part "codes", their codes 0..15 as uint8 [N, K]; part
+    "groups", each group of 32's scale and minimum as float32 [N, K / 16] (value = code *
+    scale + min). Both are in HF layout, so a model's own weight loaders place them as they
+    place the weights: rows alike, and a slice of input features on whole groups alike.
+
+    Raises:
+        ValueError: an unknown part, or as iter_gguf_weights.
+    """
+    if part not in ("codes", "groups"):
+        raise ValueError(f"part must be 'codes' or 'groups', got {part!r}")
+    for name, weight in _iter_gguf(path, hf_config):
+        if weight.tensor.ggml_type in Q4_TYPES and len(weight.shape) == 2:
+            yield name, weight.q4_codes() if part == "codes" else weight.q4_groups()
+
+
+def _iter_gguf(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, GGUFWeight]]:
+    """(HF name, GGUFWeight) for every weight of the GGUF file."""
     gguf_file = open_gguf(path)
     arch = gguf_file.metadata.get("general.architecture")
     num_heads = hf_config.num_attention_heads
@@ -351,16 +428,11 @@ def iter_gguf_weights(
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no HF counterpart")
-        if blocks:
-            if tensor.ggml_type not in Q4_TYPES:
-                continue
-            weight = _q4_scale_min(tensor)
-        else:
-            weight = _dequantize(tensor)
+        heads = None
         if arch == "llama" and ".self_attn.q_proj." in hf_name:
-            weight = unpermute_qk(weight, num_heads)
+            heads = num_heads
         elif arch == "llama" and ".self_attn.k_proj." in hf_name:
-            weight = unpermute_qk(weight, num_kv_heads)
-        yield hf_name, torch.from_numpy(weight)
+            heads = num_kv_heads
+        yield hf_name, GGUFWeight(tensor, heads)
         if tensor.name == "token_embd.weight" and head_from_embedding:
-            yield "lm_head.weight", torch.from_numpy(weight.copy())
+            yield "lm_head.weight", GGUFWeight(tensor, None)

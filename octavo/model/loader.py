@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from octavo.model.int4_checkpoint import CHECKPOINT_METHODS, int4_format, iter_int4_weights
 from octavo.model.layers import Linear, RMSNorm, default_weight_loader
@@ -18,10 +19,32 @@ from octavo.model.quant_method import check_quantization, checkpoint_method
 from octavo.model.quantization import Int4Weight
 from octavo.model.registry import get_model_class
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_STD = 0.02
 
 
+@contextmanager
+def _gc_paused():
+    """Runs the block with Python's cyclic garbage collector off (as it was, on exit).
+
+    NOTE: a load makes thousands of tracked objects (tensors, arrays, generators), enough to
+    set off a full collection, which walks every object of the process (after the libraries
+    and a GGUF's vocabulary, ~200,000): ~0.1 s, a fifth of a small model's load. Cycles it
+    leaves, if any, go at a later collection.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@_gc_paused()
 def load_model(
     model: str,
     hf_config: PretrainedConfig,
@@ -68,6 +91,8 @@ def load_model(
     with torch.no_grad(), _cpu_threads(1 if device.type == "cpu" else None):
         if load_format == "dummy":
             init_dummy_weights(net, seed)
+        elif quantization == "gguf":  # its Q4 tensors never dequantized
+            _load_gguf_keeping_blocks(net, model, hf_config)
         else:
             weights = iter_weights(model, hf_config)
             if fp8_blocks is not None:
@@ -75,19 +100,14 @@ def load_model(
             loaded = net.load_weights(weights)
             _check_all_loaded(net, loaded, model)
     with torch.no_grad():
-        if quantization == "gguf":  # Q4 tensors as groups of 32, their scale and min first
-            from octavo.model.gguf_loader import iter_gguf_weights
-
-            _keep_int4_groups(net, iter_gguf_weights(model, hf_config, blocks=True), 32)
-            _keep_gguf_q8_0_head(net, model)
-        elif quantization in CHECKPOINT_METHODS:
+        if quantization in CHECKPOINT_METHODS:
             fmt = int4_format(hf_config)
             groups, ids = (iter_int4_weights(_iter_files(model), fmt, p) for p in _INT4_PARTS)
             ids = ids if fmt.act_order else None
             _keep_int4_groups(net, groups, fmt.kernel_group_size, ids, quantization)
         elif fp8_blocks is not None:
             fp8_blocks.keep_blocks(net)
-        elif quantization is not None:
+        elif quantization not in (None, "gguf"):
             for module in list(net.modules()):
                 if isinstance(module, Linear):
                     module.quantize(quantization)
@@ -97,34 +117,81 @@ def load_model(
 _INT4_PARTS = ("groups", "group_ids")
 
 
+def _load_gguf_keeping_blocks(net: nn.Module, path: str, hf_config: PretrainedConfig) -> None:
+    """Loads a GGUF file into `net`, each Linear whose tensors are all Q4_0, Q4_1 or Q4_K
+    (and, on this rank, whole groups of 32 input features) as an Int4Weight on the file's
+    own codes, scales and minimums, read from its bytes: the Linear's float weight is never
+    filled, and is None from then on. Every other weight loads as float (iter_weights); a
+    Q8_0 LM head also keeps its blocks (_keep_gguf_q8_0_head).
+
+    The model's own weight loaders place the codes and groups, fusing and sharding them as
+    they do weights, into scratch weights: the codes uint8 [N, K], the groups float32
+    [N, K / 16] (each group's scale and minimum, iter_gguf_q4). The groups' scratch is NaN
+    where no Q4 tensor landed: a Linear with such rows stays float (its codes go unread).
+    """
+    from octavo.model.gguf_loader import iter_gguf_q4
+
+    linears = [m for m in net.modules() if isinstance(m, Linear)]
+    groups = {m: _scratch(m, m.weight.shape[1] // 16, torch.float32) for m in linears}
+    _place(net, groups, iter_gguf_q4(path, hf_config, "groups"))
+    codes = {m: _scratch(m, m.weight.shape[1], torch.uint8) for m in linears}
+    _place(net, codes, iter_gguf_q4(path, hf_config, "codes"))
+    kept = [m for m in linears if m.weight.shape[1] % 32 == 0 and not groups[m].isnan().any()]
+    for m in kept:
+        m.weight.weight_loader = _load_nothing
+    loaded = net.load_weights(iter_weights(path, hf_config))
+    _check_all_loaded(net, loaded, path)
+    for m in kept:
+        grid = (groups[m][:, 0::2], groups[m][:, 1::2])
+        m.quant = Int4Weight(m.weight.detach(), 32, grid=grid, codes=codes[m])
+        m.weight = None
+    _keep_gguf_q8_0_head(net, path)
+
+
+def _scratch(linear: Linear, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """[the Linear's rows, columns] in `dtype` on its device: NaN if floating, else empty."""
+    shape, device = (linear.weight.shape[0], columns), linear.weight.device
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _load_nothing(param: nn.Parameter, loaded_weight, *shard_id) -> None:
+    """The weight loader of a weight kept in another form: the checkpoint tensor is not read."""
+
+
 def _keep_int4_groups(
     net: nn.Module,
     groups: Iterable[tuple[str, torch.Tensor]],
     group_size: int,
-    group_ids: Iterable[tuple[str, torch.Tensor]] | None = None,
-    method: str | None = None,
+    group_ids: Iterable[tuple[str, torch.Tensor]] | None,
+    method: str,
 ) -> None:
-    """Gives each Linear whose checkpoint tensors are all 4-bit an Int4Weight on their groups.
+    """Gives each Linear whose checkpoint tensors are all 4-bit an Int4Weight on their groups
+    (an AWQ or GPTQ checkpoint's, `method`).
 
     `groups` holds, per such tensor [N, K], each group's scale and minimum in the group's
     first two columns: the model's own weight loaders place them where they placed its
     values, fusing and sharding alike, into a scratch weight; the codes follow from the
     float weight (quantize_int4_on_grid). `group_ids` (GPTQ's act order) holds each column's
     group in every row: the Linear's columns are sorted by group first, so groups are runs.
-    method: named in the ValueError for a tensor-parallel shard that starts inside a group;
-    None: such a shard stays float, as does a Linear with a part that is not 4-bit.
+
+    Raises:
+        ValueError: a tensor-parallel shard that starts inside a group (naming `method`).
     """
     linears = {name: m for name, m in net.named_modules() if isinstance(m, Linear)}
-    placed = _place(net, linears.values(), groups, None)
-    ids = _place(net, linears.values(), group_ids, torch.float32) if group_ids is not None else {}
+    placed = {m: torch.full_like(m.weight.data, float("nan")) for m in linears.values()}
+    _place(net, placed, groups)
+    ids = {}
+    if group_ids is not None:
+        ids = {m: torch.full_like(m.weight.data, float("nan"), dtype=torch.float32) for m in placed}
+        _place(net, ids, group_ids)
     for name, module in linears.items():
         grid = placed[module]
         if grid.isnan().all():
             continue  # no 4-bit tensor landed here
         columns = _group_order(ids[module], group_size, name) if module in ids else None
         if grid.shape[1] % group_size:
-            if method is None:
-                continue
             raise ValueError(
                 f"quantization={method!r}: {name} holds {grid.shape[1]} input features on "
                 f"this rank, not whole groups of {group_size}; use a tensor_parallel_size "
@@ -140,19 +207,17 @@ def _keep_int4_groups(
         module.weight = None
 
 
-def _place(
-    net: nn.Module, linears: Iterable[Linear], stream, dtype: torch.dtype | None
-) -> dict[Linear, torch.Tensor]:
-    """What the model's weight loaders put from `stream` into NaN scratch weights (in
-    `dtype`, None: the weight's) of `linears`, whose weights are back in place on return."""
-    weights = {m: m.weight.data for m in linears}
-    for m, w in weights.items():
-        m.weight.data = torch.full_like(w, float("nan"), dtype=dtype)
-    net.load_weights((name, t) for name, t in stream if not name.endswith(_NOT_LINEAR))
-    placed = {}
-    for m, w in weights.items():
-        placed[m], m.weight.data = m.weight.data, w
-    return placed
+def _place(net: nn.Module, scratch: dict[Linear, torch.Tensor], stream) -> None:
+    """Fills `scratch[m]` with what the model's weight loaders put from `stream` into each
+    Linear m's weight (the weights are back in place on return)."""
+    weights = {m: m.weight.data for m in scratch}
+    for m, tensor in scratch.items():
+        m.weight.data = tensor
+    try:
+        net.load_weights((name, t) for name, t in stream if not name.endswith(_NOT_LINEAR))
+    finally:
+        for m, w in weights.items():
+            m.weight.data = w
 
 
 def _group_order(ids: torch.Tensor, size: int, name: str) -> torch.Tensor | None:
@@ -255,7 +320,7 @@ def iter_weights(model: str, hf_config: PretrainedConfig) -> Iterator[tuple[str,
     if model.endswith(".gguf"):
         from octavo.model.gguf_loader import iter_gguf_weights
 
-        yield from iter_gguf_weights(model, hf_config)
+        yield from iter_gguf_weights(model, hf_config, lazy=True)
     elif checkpoint_method(hf_config) in CHECKPOINT_METHODS:
         yield from iter_int4_weights(_iter_files(model), int4_format(hf_config), "float")
     else:

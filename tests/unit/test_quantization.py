@@ -155,6 +155,27 @@ def test_q8_0_head_matches_its_dequantized_blocks(kernels, rows):
     assert rel_err(layer(x), x @ weight.t()) < _tolerance(kernels)
 
 
+@pytest.mark.parametrize("n,k", [(128, 96), (960, 576), (48, 64), (4096 * 2 + 96, 64)])
+def test_int4_packing_gives_torchs_bytes(n, k):
+    """The CPU kernel's weights (and a Q8 head's two planes, packed in runs of rows) come
+    from uint8 codes in octavo's copy of torch's packed layout, found at first use (blocks of
+    64 rows with AVX-512, 32 with AVX2): the bytes of torch's own op on int32 codes, a
+    partial last block included."""
+    if not q.CPU_KERNELS:
+        pytest.skip("this torch has no CPU int4 kernel")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX512", "AVX2"):
+        assert q._int4pack_block_rows() == {"AVX512": 64, "AVX2": 32}[capability]
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    want = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    assert torch.equal(q._int4pack(codes), want)
+    c8 = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    u = c8.to(torch.int32) + 128
+    high, low = q._q8_planes(c8)
+    assert torch.equal(high, torch._convert_weight_to_int4pack_for_cpu(u >> 4, 1))
+    assert torch.equal(low, torch._convert_weight_to_int4pack_for_cpu(u & 15, 1))
+
+
 def test_fp8_round_trip_relative_error():
     w = torch.randn(32, 128)
     w[3] = 0  # an all-zero row stays zero, with no NaN

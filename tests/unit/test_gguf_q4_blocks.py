@@ -1,0 +1,130 @@
+"""quantization="gguf": Q4_0/Q4_1/Q4_K tensors kept as their own codes, scales and minimums,
+read from the file's bytes and placed by the model's weight loaders, never through float
+weights; whatever cannot be kept loads as float."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+from test_gguf_loader import TINY, hf_to_gguf_tensors, tiny_hf, write_gguf
+from transformers import LlamaConfig
+
+from octavo.model import quantization
+from octavo.model.gguf_loader import GGUFTensor, _q4_codes, _q4_groups
+from octavo.model.hf_config import load_hf_config
+from octavo.model.layers import Linear
+from octavo.model.loader import load_model
+from octavo.model.parallel import set_tp
+
+Q = gguf.GGMLQuantizationType
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+def test_codes_and_groups_give_the_gguf_packages_values(qtype):
+    """Random blocks: codes in ggml's element order (Q4_0/Q4_1: byte j holds element j low and
+    j + 16 high; Q4_K: each 32 bytes a group low and the next high) times their group's scale
+    plus its minimum are exactly the `gguf` package's dequantization. A wrong nibble order
+    misplaces ~15 of 16 values."""
+    rng = np.random.default_rng(0)
+    rows, cols = 6, 512
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // block_elems, block_bytes), dtype=np.uint8)
+    halves = 1 if qtype == Q.Q4_0 else 2  # d; d and m (Q4_1) or dmin (Q4_K)
+    scales = rng.uniform(0.001, 0.01, (blocks.shape[0], halves)) * rng.choice([-1, 1], halves)
+    blocks[:, : 2 * halves] = scales.astype(np.float16).view(np.uint8)
+    raw = blocks.reshape(rows, -1)
+    tensor = GGUFTensor("blk.0.ffn_up.weight", (rows, cols), qtype, raw.reshape(-1))
+    codes, groups = _q4_codes(tensor), _q4_groups(tensor)
+    assert codes.dtype == np.uint8 and codes.shape == (rows, cols) and codes.max() <= 15
+    assert groups.dtype == np.float32 and groups.shape == (rows, cols // 16)
+    got = codes.reshape(rows, -1, 32) * groups[:, 0::2, None] + groups[:, 1::2, None]
+    np.testing.assert_array_equal(got.reshape(rows, cols), dequantize(raw, qtype))
+
+
+def _mixed_q4_gguf(tmp_path) -> str:
+    """A tiny llama whose projections are Q4_0 and Q4_1 (q and k rows permuted as llama.cpp
+    writes them), but for layer 1's v_proj, Q8_0: its qkv_proj cannot keep 4-bit groups."""
+    cfg = LlamaConfig(**TINY, tie_word_embeddings=True)
+    qtypes = {}
+    for layer in range(cfg.num_hidden_layers):
+        for i, name in enumerate(("q", "k", "v", "output")):
+            qtypes[f"blk.{layer}.attn_{name}.weight"] = (Q.Q4_0, Q.Q4_1)[(i + layer) % 2]
+        for i, name in enumerate(("gate", "up", "down")):
+            qtypes[f"blk.{layer}.ffn_{name}.weight"] = (Q.Q4_1, Q.Q4_0)[(i + layer) % 2]
+    qtypes["blk.1.attn_v.weight"] = Q.Q8_0
+    path = str(tmp_path / "q4.gguf")
+    write_gguf(path, "llama", cfg, hf_to_gguf_tensors(tiny_hf(cfg), "llama", cfg, qtypes))
+    return path
+
+
+FLOAT_LINEAR = "model.layers.1.self_attn.qkv_proj"
+
+
+def _linears(model) -> dict[str, Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def _dequantized(quant: quantization.Int4Weight) -> torch.Tensor:
+    """An Int4Weight off the CPU kernels (two codes a byte, float32 scales) as float32."""
+    packed = quant.qweight
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
+    return quantization.dequantize_int4(
+        codes, quant.scale, quant.min, quant.in_features, torch.float32
+    )
+
+
+def test_q4_0_and_q4_1_projections_keep_the_files_codes(tmp_path, monkeypatch):
+    """Each projection whose parts are all Q4_0/Q4_1 dequantizes exactly to the float load's
+    weight; with the CPU kernels it packs exactly as quantizing that float weight on the
+    file's grid does (the float-then-quantize path). The qkv_proj with a Q8_0 part stays
+    float, exactly the float load's."""
+    path = _mixed_q4_gguf(tmp_path)
+    cfg = load_hf_config(path)
+    plain = _linears(load_model(path, cfg, torch.float32, CPU))
+    with_kernels = _linears(load_model(path, cfg, torch.float32, CPU, quantization="gguf"))
+    monkeypatch.setattr(quantization, "CPU_KERNELS", False)
+    kept = _linears(load_model(path, cfg, torch.float32, CPU, quantization="gguf"))
+    assert set(kept) == set(plain) and len(kept) == 4 * cfg.num_hidden_layers
+    assert kept[FLOAT_LINEAR].quant is None
+    assert torch.equal(kept[FLOAT_LINEAR].weight, plain[FLOAT_LINEAR].weight)
+    monkeypatch.undo()
+    for name, module in kept.items():
+        if name == FLOAT_LINEAR:
+            continue
+        assert module.weight is None, name
+        assert torch.equal(_dequantized(module.quant), plain[name].weight), name
+        if not quantization.CPU_KERNELS:
+            continue
+        grid = (module.quant.scale, module.quant.min)
+        want = quantization.Int4Weight(plain[name].weight, 32, grid=grid)
+        got = with_kernels[name].quant
+        assert got.cpu_kernel and torch.equal(got.qweight, want.qweight), name
+        assert torch.equal(got.qscale_zero, want.qscale_zero), name
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_keeps_its_shard_of_the_codes(tmp_path, monkeypatch, size):
+    """Tensor parallelism: each rank's kept projection dequantizes to its shard of the float
+    load (fused parts split by rows, o and down by input features). With 4 ranks, o_proj
+    holds 16 input features a rank, half a group of 32: it stays float, as that shard."""
+    path = _mixed_q4_gguf(tmp_path)
+    cfg = load_hf_config(path)
+    monkeypatch.setattr(quantization, "CPU_KERNELS", False)
+    try:
+        for rank in range(size):
+            set_tp(rank, size, None)
+            plain = _linears(load_model(path, cfg, torch.float32, CPU))
+            kept = _linears(load_model(path, cfg, torch.float32, CPU, quantization="gguf"))
+            for name, module in kept.items():
+                if name == FLOAT_LINEAR or (size == 4 and name.endswith("o_proj")):
+                    assert module.quant is None, name
+                    assert torch.equal(module.weight, plain[name].weight), name
+                else:
+                    assert module.weight is None, name
+                    assert torch.equal(_dequantized(module.quant), plain[name].weight), name
+    finally:
+        set_tp(0, 1, None)
