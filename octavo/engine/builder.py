@@ -10,6 +10,7 @@ import torch
 
 from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig
 from octavo.engine.engine import Engine
+from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.model.embedded import embedded_model_path
 from octavo.model.hf_config import get_num_kv_heads, load_hf_config
 from octavo.model.parallel import check_tp_size
@@ -70,6 +71,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+# The heap from before (the libraries: hundreds of thousands of objects) is hidden from the
+# garbage collector while the engine is built, so that collections the build sets off are short.
+@frozen_gc_heap()
 def build_engine(
     model: str | None = None,
     tokenizer: str | None = None,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import glob
 import os
 import zlib
@@ -26,25 +25,6 @@ LOAD_FORMATS = ("auto", "dummy")
 DUMMY_STD = 0.02
 
 
-@contextmanager
-def _gc_paused():
-    """Runs the block with Python's cyclic garbage collector off (as it was, on exit).
-
-    NOTE: a load makes thousands of tracked objects (tensors, arrays, generators), enough to
-    set off a full collection, which walks every object of the process (after the libraries
-    and a GGUF's vocabulary, ~200,000): ~0.1 s, a fifth of a small model's load. Cycles it
-    leaves, if any, go at a later collection.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@_gc_paused()
 def load_model(
     model: str,
     hf_config: PretrainedConfig,
