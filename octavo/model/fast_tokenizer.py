@@ -90,7 +90,12 @@ class FastTokenizer:
     # --- tokens and ids -----------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: a batch of one, as transformers encodes: the batch call releases the GIL (and
+        # skips the offsets), so a long prompt does not stall a server's event loop meanwhile.
+        batch = self.backend_tokenizer.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens
+        )
+        return batch[0].ids
 
     def decode(self, token_ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
