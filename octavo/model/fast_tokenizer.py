@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -27,9 +28,11 @@ SPECIAL_TOKEN_NAMES = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"
 )  # fmt: skip
 # Config keys that change encoding or decoding beyond tokenizer.json.
-_UNSUPPORTED_KEYS = ("add_bos_token", "add_eos_token", "clean_up_tokenization_spaces")
-# Names a message's reasoning may come under; templates read the middle one.
-_REASONING_KEYS = ("thinking", "reasoning_content", "reasoning")
+_UNSUPPORTED_KEYS = (
+    "add_bos_token", "add_eos_token", "clean_up_tokenization_spaces", "split_special_tokens"
+)  # fmt: skip
+# Names a message's reasoning may come under, the first taken; templates read the first.
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "OCTAVO_CONTINUE_FINAL_MESSAGE "
 
 
@@ -42,16 +45,23 @@ class FastTokenizer:
         special_tokens: dict[str, str],
         chat_template: str | None = None,
         additional_special_tokens: Sequence[str] = (),
+        name_or_path: str = "",
+        model_max_length: int = int(1e30),
     ) -> None:
+        backend.no_truncation()  # as transformers: only when asked for
+        backend.no_padding()
         self.backend_tokenizer = backend
         self.special_tokens_map = dict(special_tokens)
         self.additional_special_tokens = list(additional_special_tokens)
         self.chat_template = chat_template
+        self.name_or_path = name_or_path
+        self.model_max_length = model_max_length
 
     @classmethod
     def from_directory(cls, path: str) -> FastTokenizer | None:
         """The tokenizer saved in `path`; None where its tokenizer_config.json names another
-        class or asks for behaviour beyond tokenizer.json (see the module docstring)."""
+        class, asks for behaviour beyond tokenizer.json, or names a token tokenizer.json
+        lacks (transformers would add it): see the module docstring."""
         config_path = os.path.join(path, "tokenizer_config.json")
         json_path = os.path.join(path, "tokenizer.json")
         if not (os.path.isfile(config_path) and os.path.isfile(json_path)):
@@ -62,17 +72,22 @@ class FastTokenizer:
             return None
         if any(config.get(key) for key in _UNSUPPORTED_KEYS):
             return None
-        special = {name: _content(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name)}
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
         template = config.get("chat_template")
         template_path = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(template_path):
             with open(template_path, encoding="utf-8") as f:
                 template = f.read()
-        if not isinstance(template, str | None):  # a list of named templates
-            return None
+        if not isinstance(extra, list) or not isinstance(template, str | None):
+            return None  # named extra tokens, or named templates
+        special = {name: _content(config[name]) for name in SPECIAL_TOKEN_NAMES if config.get(name)}
+        extra = [_content(t) for t in extra]
+        added = [_content(t) for t in (config.get("added_tokens_decoder") or {}).values()]
         backend = RustTokenizer.from_file(json_path)
-        return cls(backend, special, template, [_content(t) for t in extra])
+        if any(backend.token_to_id(t) is None for t in [*special.values(), *extra, *added]):
+            return None
+        max_length = config.get("model_max_length", int(1e30))
+        return cls(backend, special, template, extra, path, max_length)
 
     def save_pretrained(self, directory: str) -> None:
         """Writes the files `from_directory` (and transformers) read back."""
@@ -90,6 +105,8 @@ class FastTokenizer:
     # --- tokens and ids -----------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids, with the special tokens the post-processor adds (a BOS, say)
+        when `add_special_tokens`."""
         # NOTE: a batch of one, as transformers encodes: the batch call releases the GIL (and
         # skips the offsets), so a long prompt does not stall a server's event loop meanwhile.
         batch = self.backend_tokenizer.encode_batch_fast(
@@ -97,13 +114,22 @@ class FastTokenizer:
         )
         return batch[0].ids
 
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        """transformers' `tokenizer(text)` for one text: its input_ids and attention_mask."""
+        ids = self.encode(text, add_special_tokens)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+
     def decode(self, token_ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
-        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        """The text of one id or a sequence of ids."""
+        if not isinstance(token_ids, Iterable):  # an int, a numpy integer, a 0-d tensor
+            token_ids = [token_ids]
+        ids = [operator.index(i) for i in token_ids]
         return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def batch_decode(
         self, sequences: Iterable[Iterable[int]], skip_special_tokens: bool = False
     ) -> list[str]:
+        """decode of each sequence."""
         return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
     def convert_ids_to_tokens(self, ids: int | Iterable[int]) -> str | None | list[str | None]:
@@ -181,14 +207,16 @@ class FastTokenizer:
             raise ValueError("this tokenizer has no chat template")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
-        messages = [_template_message(m) for m in conversation]
+        if not conversation:
+            raise ValueError("cannot render an empty conversation")
+        messages = [_template_message(m) for m in _plain(list(conversation))]
         final = None
         if continue_final_message:
             final = messages[-1].get("content") if messages else None
             if not isinstance(final, str):
                 raise ValueError("continue_final_message needs a last message with str content")
             messages[-1]["content"] = final + _CONTINUE_TAG
-        variables = self.special_tokens_map | kwargs
+        variables = {"tools": None, "documents": None} | self.special_tokens_map | _plain(kwargs)
         text = _compile(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
@@ -202,7 +230,25 @@ def _content(token: str | dict) -> str:
     return token["content"] if isinstance(token, dict) else token
 
 
+def _plain(value: Any) -> Any:
+    """What a template sees of `value`: JSON's types rebuilt (str, int, float, bool, None,
+    dicts, lists, tuples), anything else as the placeholder "<TypeName>", so that no object
+    with methods of its own reaches the sandbox."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for kind in (bool, str, int, float):
+        if isinstance(value, kind):  # a subclass (an enum, say): its plain value
+            return kind(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value)
+    return f"<{type(value).__name__}>"
+
+
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise ValueError(f"a chat message must be a dict, got {type(message).__name__}")
     message = {k: v for k, v in message.items() if v is not None}
     reasoning = next((message[k] for k in _REASONING_KEYS if k in message), None)
     if reasoning is not None:
@@ -254,7 +300,33 @@ def _compile(template: str):
         lstrip_blocks=True,
         extensions=[GenerationTag, jinja2.ext.loopcontrols],
     )
+
+    class Namespace(jinja2.utils.Namespace):
+        """jinja2's namespace without underscore-named attributes, which could reach
+        Python's internals."""
+
+        def __init__(*args, **kwargs):  # jinja2's signature, so that namespace(self=1) works
+            self, attributes = args[0], dict(*args[1:], **kwargs)
+            for name in attributes:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attributes)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} refused")
+
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    # dict() and dict.fromkeys() only: the class itself would hand out dict.update.
+    env.globals["dict"] = type("TemplateDict", (), {
+        "__call__": lambda self, *a, **k: dict(*a, **k),
+        "fromkeys": lambda self, *a, **k: dict.fromkeys(*a, **k),
+    })()  # fmt: skip
+    env.globals["namespace"] = Namespace
     return env.from_string(template)

@@ -99,7 +99,7 @@ def _load_cached(path: str) -> AnyTokenizer | None:
         if template is not None:
             tokenizer.chat_template = template
     if cache is not None and _save(tokenizer, cache):
-        return _load_saved(cache)
+        return FastTokenizer.from_directory(cache) or tokenizer
     with tempfile.TemporaryDirectory(prefix="octavo-tokenizer-") as staging:
         tokenizer.save_pretrained(staging)
         return FastTokenizer.from_directory(staging) or tokenizer

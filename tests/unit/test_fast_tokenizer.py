@@ -3,11 +3,13 @@ text, special tokens and rendered chats."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
 
 import jinja2
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -96,6 +98,7 @@ TEMPLATES = {
         "{% endif %}{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}"
         "</think>{% endif %}{% endfor %}{{ ns.n }}"
         "{% if add_generation_prompt %}assistant:{% endif %}{{ eos_token }}"
+        "{% if tools is none and documents is none %}.{% endif %}"
     ),
     "blocks": (
         "{% for m in messages %}\n"
@@ -128,9 +131,12 @@ def test_chats_render_as_transformers_renders_them(pair, name):
             chat, tokenize=False, chat_template=template, continue_final_message=True
         )
         assert got == hf.encode(want, add_special_tokens=False), (name, chat)
-    thinking = [{"role": "assistant", "content": "4", "reasoning": "2 + 2"}]
-    got = fast.apply_chat_template(thinking, tokenize=False, chat_template=template)
-    assert got == hf.apply_chat_template(thinking, tokenize=False, chat_template=template)
+    for thinking in (
+        [{"role": "assistant", "content": "4", "reasoning": "2 + 2"}],
+        [{"role": "assistant", "content": "4", "thinking": "a", "reasoning_content": "b"}],
+    ):
+        got = fast.apply_chat_template(thinking, tokenize=False, chat_template=template)
+        assert got == hf.apply_chat_template(thinking, tokenize=False, chat_template=template)
 
 
 def test_the_models_own_chat_template_renders_as_transformers(pair):
@@ -149,6 +155,19 @@ def test_template_errors_and_bad_requests(pair):
         fast.apply_chat_template(CHATS[0], chat_template="{{ raise_exception('no system') }}")
     with pytest.raises(jinja2.exceptions.SecurityError):
         fast.apply_chat_template(CHATS[0], chat_template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        fast.apply_chat_template(CHATS[0], chat_template="{% set ns = namespace(_x=1) %}")
+    meta = {"k": 1}
+    chat = [{"role": "user", "content": "hi", "meta": meta, "when": datetime.date(2000, 1, 2)}]
+    with pytest.raises(jinja2.TemplateError):  # dict() is callable, dict.update is not there
+        fast.apply_chat_template(
+            chat, chat_template="{{ dict.update(messages[0].meta, {'k': 2}) }}"
+        )
+    assert meta == {"k": 1}
+    shown = "{{ dict(a=1) }} {{ messages[0].when }}"
+    assert fast.apply_chat_template(chat, tokenize=False, chat_template=shown) == "{'a': 1} <date>"
+    with pytest.raises(ValueError, match="empty"):
+        fast.apply_chat_template([])
     with pytest.raises(ValueError, match="cannot both"):
         fast.apply_chat_template(CHATS[0], add_generation_prompt=True, continue_final_message=True)
     with pytest.raises(ValueError, match="nothing to continue"):
@@ -172,13 +191,41 @@ def test_from_directory_declines_what_it_does_not_read(saved, tmp_path):
         {"tokenizer_class": "LlamaTokenizer"},
         {"add_bos_token": True},
         {"clean_up_tokenization_spaces": True},
+        {"split_special_tokens": True},
         {"chat_template": [{"name": "default", "template": "x"}]},
+        {"extra_special_tokens": {"image_token": "<|im_start|>"}},
+        {"pad_token": "<pad>"},  # not in tokenizer.json: transformers would add it
+        {"added_tokens_decoder": {"49152": {"content": "<new>", "special": True}}},
     ):
         shutil.copyfile(os.path.join(saved, "tokenizer.json"), tmp_path / "tokenizer.json")
         (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | change))
         assert FastTokenizer.from_directory(str(tmp_path)) is None, change
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert FastTokenizer.from_directory(str(tmp_path)) is not None
+
+
+def test_truncation_set_in_tokenizer_json_is_not_applied(saved, tmp_path):
+    """transformers truncates only when asked to, whatever tokenizer.json says."""
+    with open(os.path.join(saved, "tokenizer.json")) as f:
+        data = json.load(f)
+    data["truncation"] = {"direction": "Right", "max_length": 3, "strategy": "LongestFirst",
+                          "stride": 0}  # fmt: skip
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    shutil.copyfile(
+        os.path.join(saved, "tokenizer_config.json"), tmp_path / "tokenizer_config.json"
+    )
+    fast, hf = FastTokenizer.from_directory(str(tmp_path)), AutoTokenizer.from_pretrained(tmp_path)
+    assert fast.encode(TEXTS[1]) == hf.encode(TEXTS[1])
+    assert len(fast.encode(TEXTS[1])) > 3
+
+
+def test_calls_as_transformers_takes_them(pair):
+    fast, hf = pair
+    assert fast("hi there") == dict(hf("hi there"))
+    ids = hf.encode(TEXTS[0])
+    assert fast.decode(np.array(ids)) == fast.decode(ids) == hf.decode(ids)
+    assert fast.decode(np.int64(ids[0])) == hf.decode(ids[0])
+    assert fast.model_max_length == hf.model_max_length
 
 
 def test_a_saved_fast_tokenizer_reads_back_in_transformers(pair, tmp_path):

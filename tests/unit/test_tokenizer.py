@@ -89,21 +89,25 @@ def test_a_converted_gguf_tokenizer_is_cached_on_disk(smollm2_path, monkeypatch,
     real_convert = tokenizer_module._convert_gguf_tokenizer
     calls = []
     monkeypatch.setattr(
-        tokenizer_module, "_convert_gguf_tokenizer", lambda p: calls.append(p) or real_convert(p)
+        tokenizer_module, "_convert_gguf_tokenizer", lambda p: calls.append(real_convert(p)) or calls[-1]
     )
     path = os.path.realpath(smollm2_path)
     converted = tokenizer_module._load_cached.__wrapped__(path)
     cached = tokenizer_module._load_cached.__wrapped__(path)
-    assert calls == [path]
+    assert len(calls) == 1
+    hf = calls[0]  # transformers' tokenizer as converted, before it was saved
     assert isinstance(converted, FastTokenizer) and isinstance(cached, FastTokenizer)
     assert os.listdir(tmp_path / "tokenizers") == [
         os.path.basename(tokenizer_module.gguf_tokenizer_cache_dir(path))
     ]  # and no staging directory left behind
     text = "def f(x):\n\treturn x  # 你好 🌍 <|im_end|>"
-    ids = converted.encode(text, add_special_tokens=False)
+    ids = hf.encode(text, add_special_tokens=False)
     assert cached.encode(text, add_special_tokens=False) == ids
-    assert cached.decode(ids) == converted.decode(ids) == text
-    assert apply_chat_template(cached, USER) == apply_chat_template(converted, USER)
+    assert converted.encode(text, add_special_tokens=False) == ids
+    every = range(len(hf))
+    assert [cached.decode([i]) for i in every] == [hf.decode([i]) for i in every]
+    assert (cached.eos_token_id, cached.all_special_ids) == (hf.eos_token_id, hf.all_special_ids)
+    assert apply_chat_template(cached, USER) == apply_chat_template(hf, USER)
 
 
 def write_byte_level_gguf(path, add_bos_token: bool | None) -> None:
