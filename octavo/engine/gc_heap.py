@@ -1,4 +1,5 @@
-"""Keeps Python's garbage collector off the startup heap while an engine loop runs.
+"""Keeps Python's garbage collector off the startup heap while an engine is built and while
+its loop runs.
 
 A full collection walks every tracked object, and after torch, transformers and a model are
 loaded there are hundreds of thousands: the device idles behind the pause (see

@@ -72,22 +72,26 @@ def load_model(
         if load_format == "dummy":
             init_dummy_weights(net, seed)
         elif quantization == "gguf":  # its Q4 tensors never dequantized
-            _load_gguf_keeping_blocks(net, model, hf_config)
+            kept = _load_gguf_placing_blocks(net, model, hf_config)
         else:
             weights = iter_weights(model, hf_config)
             if fp8_blocks is not None:
                 weights = fp8_blocks.weights(weights)
             loaded = net.load_weights(weights)
             _check_all_loaded(net, loaded, model)
+    # Packing for the kernels runs on all of torch's threads: on a large model it is work
+    # enough to gain from them, unlike the loaders' copies above.
     with torch.no_grad():
-        if quantization in CHECKPOINT_METHODS:
+        if quantization == "gguf":
+            _keep_gguf_blocks(net, model, kept)
+        elif quantization in CHECKPOINT_METHODS:
             fmt = int4_format(hf_config)
             groups, ids = (iter_int4_weights(_iter_files(model), fmt, p) for p in _INT4_PARTS)
             ids = ids if fmt.act_order else None
             _keep_int4_groups(net, groups, fmt.kernel_group_size, ids, quantization)
         elif fp8_blocks is not None:
             fp8_blocks.keep_blocks(net)
-        elif quantization not in (None, "gguf"):
+        elif quantization is not None:
             for module in list(net.modules()):
                 if isinstance(module, Linear):
                     module.quantize(quantization)
@@ -97,12 +101,13 @@ def load_model(
 _INT4_PARTS = ("groups", "group_ids")
 
 
-def _load_gguf_keeping_blocks(net: nn.Module, path: str, hf_config: PretrainedConfig) -> None:
-    """Loads a GGUF file into `net`, each Linear whose tensors are all Q4_0, Q4_1 or Q4_K
-    (and, on this rank, whole groups of 32 input features) as an Int4Weight on the file's
-    own codes, scales and minimums, read from its bytes: the Linear's float weight is never
-    filled, and is None from then on. Every other weight loads as float (iter_weights); a
-    Q8_0 LM head also keeps its blocks (_keep_gguf_q8_0_head).
+def _load_gguf_placing_blocks(
+    net: nn.Module, path: str, hf_config: PretrainedConfig
+) -> list[tuple[Linear, torch.Tensor, torch.Tensor]]:
+    """Loads a GGUF file into `net` but for each Linear whose tensors are all Q4_0, Q4_1 or
+    Q4_K (and, on this rank, whole groups of 32 input features): for those, returns (the
+    Linear, its groups, its codes) read from the file's bytes, for _keep_gguf_blocks; their
+    float weights are never filled. Every other weight loads as float (iter_weights).
 
     The model's own weight loaders place the codes and groups, fusing and sharding them as
     they do weights, into scratch weights: the codes uint8 [N, K], the groups float32
@@ -121,9 +126,18 @@ def _load_gguf_keeping_blocks(net: nn.Module, path: str, hf_config: PretrainedCo
         m.weight.weight_loader = _load_nothing
     loaded = net.load_weights(iter_weights(path, hf_config))
     _check_all_loaded(net, loaded, path)
-    for m in kept:
-        grid = (groups[m][:, 0::2], groups[m][:, 1::2])
-        m.quant = Int4Weight(m.weight.detach(), 32, grid=grid, codes=codes[m])
+    return [(m, groups[m], codes[m]) for m in kept]
+
+
+def _keep_gguf_blocks(
+    net: nn.Module, path: str, kept: list[tuple[Linear, torch.Tensor, torch.Tensor]]
+) -> None:
+    """Gives each Linear of `kept` an Int4Weight on the file's own codes, scales and minimums
+    (its float weight is None from then on), and a Q8_0 LM head its int8 blocks
+    (_keep_gguf_q8_0_head)."""
+    for m, groups, codes in kept:
+        grid = (groups[:, 0::2], groups[:, 1::2])
+        m.quant = Int4Weight(m.weight.detach(), 32, grid=grid, codes=codes)
         m.weight = None
     _keep_gguf_q8_0_head(net, path)
 
@@ -296,7 +310,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 def iter_weights(model: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs from a `.gguf` file or an HF directory's weight files (an AWQ
-    or GPTQ checkpoint's packed 4-bit layers as their float weights)."""
+    or GPTQ checkpoint's packed 4-bit layers as their float weights). A tensor may be lazy
+    (LazyTensor, gguf_loader.GGUFWeight): read when a weight loader narrows it."""
     if model.endswith(".gguf"):
         from octavo.model.gguf_loader import iter_gguf_weights
 
