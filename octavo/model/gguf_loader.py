@@ -1,7 +1,8 @@
 """GGUF files: read once through one memory map, then the HF config, the tokenizer's chat
 template and the weights (dequantized to float32, renamed to HF checkpoint names) all come
-from the same `GGUFFile`. Q4 tensors also come as they are stored, codes and groups apart
-(iter_gguf_q4), for quantization="gguf" to keep without building their float values.
+from the same `GGUFFile`. Q4 and Q8_0 tensors also come as they are stored, codes and
+groups apart (iter_gguf_blocks), for quantization="gguf" to keep without building their
+float values.
 
 GGUF stores shapes fastest-dimension first, so a GGUF [hidden, vocab] tensor is HF's
 [vocab, hidden]. llama.cpp's converter permutes the rows of llama-arch q/k projections
@@ -63,7 +64,7 @@ _STRING, _ARRAY = 8, 9
 # `gguf` package's slower code.
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 Q4_K = 12  # dequantized by the `gguf` package; with quantization="gguf" kept as 4-bit groups
-Q4_TYPES = (Q4_0, Q4_1, Q4_K)
+BLOCK_TYPES = (Q4_0, Q4_1, Q4_K, Q8_0)  # kept in their blocks with quantization="gguf"
 # ggml type -> (elements per block, bytes per block).
 _BLOCK_SIZES = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20)}
 _BLOCK_SIZES[Q8_0] = (32, 34)
@@ -303,14 +304,18 @@ def q8_0_blocks(tensor: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:
 _Q4_QUANTS_AT = {Q4_0: 2, Q4_1: 4, Q4_K: 16}
 
 
-def _q4_codes(tensor: GGUFTensor) -> np.ndarray:
-    """A Q4_0/Q4_1/Q4_K tensor's codes 0..15 (uint8) in its shape, read from its bytes.
+def _block_codes(tensor: GGUFTensor) -> np.ndarray:
+    """A Q4_0/Q4_1/Q4_K/Q8_0 tensor's codes (uint8) in its shape, read from its bytes: 0..15
+    for the Q4 types, the int8 code + 128 for Q8_0.
 
     Q4_0/Q4_1: byte j of a block's 16 holds element j in its low nibble and j + 16 in its
     high. Q4_K: each of a super-block's four runs of 32 bytes holds two groups of 32, the
     first in the low nibbles, the second in the high ones.
     """
     kind = tensor.ggml_type
+    if kind == Q8_0:
+        codes = tensor.data.reshape(-1, _BLOCK_SIZES[Q8_0][1])[:, 2:] ^ np.uint8(0x80)
+        return codes.reshape(tensor.shape)
     block_bytes = 144 if kind == Q4_K else _BLOCK_SIZES[kind][1]
     quants = tensor.data.reshape(-1, block_bytes)[:, _Q4_QUANTS_AT[kind] :]
     width = 32 if kind == Q4_K else 16
@@ -322,17 +327,18 @@ def _q4_codes(tensor: GGUFTensor) -> np.ndarray:
     return codes.numpy().reshape(tensor.shape)
 
 
-def _q4_groups(tensor: GGUFTensor) -> np.ndarray:
-    """A Q4_0/Q4_1/Q4_K tensor [N, K]'s groups of 32 as float32 [N, K / 16]: group g's scale
-    in column 2 g, its minimum in column 2 g + 1 (value = code * scale + min). Q4_1 stores
-    both; Q4_0 its scale d, with min -8 d; Q4_K a 6-bit scale and minimum per group, times
-    its super-block's d and dmin."""
+def _block_groups(tensor: GGUFTensor) -> np.ndarray:
+    """A Q4_0/Q4_1/Q4_K/Q8_0 tensor [N, K]'s groups of 32 as float32 [N, K / 16]: group g's
+    scale in column 2 g, its minimum in column 2 g + 1 (value = code * scale + min, codes as
+    _block_codes gives them). Q4_1 stores both; Q4_0 its scale d, with min -8 d; Q8_0 d,
+    with min -128 d; Q4_K a 6-bit scale and minimum per group, times its super-block's d
+    and dmin."""
     if tensor.ggml_type == Q4_K:
         return _q4_k_groups(tensor).reshape(tensor.shape[0], -1)
     blocks = tensor.data.reshape(-1, _BLOCK_SIZES[tensor.ggml_type][1])
     d_m = _halves(blocks, 2 if tensor.ggml_type == Q4_1 else 1)  # [B, 2] or [B, 1]
-    if tensor.ggml_type == Q4_0:
-        d_m = np.concatenate([d_m, -8 * d_m], axis=1)
+    if tensor.ggml_type != Q4_1:
+        d_m = np.concatenate([d_m, (-8 if tensor.ggml_type == Q4_0 else -128) * d_m], axis=1)
     return d_m.reshape(tensor.shape[0], -1)
 
 
@@ -368,13 +374,13 @@ class GGUFWeight:
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         return self.dequantize().narrow(dim, start, length)
 
-    def q4_codes(self) -> torch.Tensor:
-        """A Q4_0/Q4_1/Q4_K matrix's codes 0..15, uint8 [N, K] (_q4_codes)."""
-        return torch.from_numpy(self._hf_rows(_q4_codes(self.tensor)))
+    def codes(self) -> torch.Tensor:
+        """A Q4_0/Q4_1/Q4_K/Q8_0 matrix's codes, uint8 [N, K] (_block_codes)."""
+        return torch.from_numpy(self._hf_rows(_block_codes(self.tensor)))
 
-    def q4_groups(self) -> torch.Tensor:
-        """A Q4_0/Q4_1/Q4_K matrix's scales and minimums, float32 [N, K / 16] (_q4_groups)."""
-        return torch.from_numpy(self._hf_rows(_q4_groups(self.tensor)))
+    def groups(self) -> torch.Tensor:
+        """Its scales and minimums, float32 [N, K / 16] (_block_groups)."""
+        return torch.from_numpy(self._hf_rows(_block_groups(self.tensor)))
 
     def _hf_rows(self, rows: np.ndarray) -> np.ndarray:
         return rows if self.num_heads is None else unpermute_qk(rows, self.num_heads)
@@ -393,14 +399,15 @@ def iter_gguf_weights(
         yield name, weight if lazy else weight.dequantize()
 
 
-def iter_gguf_q4(
+def iter_gguf_blocks(
     path: str, hf_config: PretrainedConfig, part: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, tensor) for the file's Q4_0, Q4_1 and Q4_K matrices only, read from
-    their bytes (no float values): part "codes", their codes 0..15 as uint8 [N, K]; part
-    "groups", each group of 32's scale and minimum as float32 [N, K / 16] (value = code *
-    scale + min). Both are in HF layout, so a model's own weight loaders place them as they
-    place the weights: rows alike, and a slice of input features on whole groups alike.
+    """Yields (HF name, tensor) for the file's Q4_0, Q4_1, Q4_K and Q8_0 matrices only, read
+    from their bytes (no float values): part "codes", their codes as uint8 [N, K] (0..15 for
+    the Q4 types); part "groups", each group of 32's scale and minimum as float32 [N, K / 16]
+    (value = code * scale + min). Both are in HF layout, so a model's own weight loaders
+    place them as they place the weights: rows alike, and a slice of input features on whole
+    groups alike.
 
     Raises:
         ValueError: an unknown part, or as iter_gguf_weights.
@@ -408,8 +415,8 @@ def iter_gguf_q4(
     if part not in ("codes", "groups"):
         raise ValueError(f"part must be 'codes' or 'groups', got {part!r}")
     for name, weight in _iter_gguf(path, hf_config):
-        if weight.tensor.ggml_type in Q4_TYPES and len(weight.shape) == 2:
-            yield name, weight.q4_codes() if part == "codes" else weight.q4_groups()
+        if weight.tensor.ggml_type in BLOCK_TYPES and len(weight.shape) == 2:
+            yield name, weight.codes() if part == "codes" else weight.groups()
 
 
 def _iter_gguf(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, GGUFWeight]]:

@@ -15,7 +15,7 @@ from torch import nn
 from octavo.model.int4_checkpoint import CHECKPOINT_METHODS, int4_format, iter_int4_weights
 from octavo.model.layers import Linear, RMSNorm, default_weight_loader
 from octavo.model.quant_method import check_quantization, checkpoint_method
-from octavo.model.quantization import Int4Weight
+from octavo.model.quantization import Int4Weight, Q8Weight
 from octavo.model.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -104,24 +104,25 @@ _INT4_PARTS = ("groups", "group_ids")
 def _load_gguf_placing_blocks(
     net: nn.Module, path: str, hf_config: PretrainedConfig
 ) -> list[tuple[Linear, torch.Tensor, torch.Tensor]]:
-    """Loads a GGUF file into `net` but for each Linear whose tensors are all Q4_0, Q4_1 or
-    Q4_K (and, on this rank, whole groups of 32 input features): for those, returns (the
-    Linear, its groups, its codes) read from the file's bytes, for _keep_gguf_blocks; their
-    float weights are never filled. Every other weight loads as float (iter_weights).
+    """Loads a GGUF file into `net` but for each Linear whose tensors are all Q4_0, Q4_1,
+    Q4_K or Q8_0 (and, on this rank, whole groups of 32 input features): for those, returns
+    (the Linear, its groups, its codes) read from the file's bytes, for _keep_gguf_blocks;
+    their float weights are never filled. Every other weight loads as float (iter_weights).
 
     The model's own weight loaders place the codes and groups, fusing and sharding them as
     they do weights, into scratch weights: the codes uint8 [N, K], the groups float32
-    [N, K / 16] (each group's scale and minimum, iter_gguf_q4). The groups' scratch is NaN
-    where no Q4 tensor landed: a Linear with such rows stays float (its codes go unread).
+    [N, K / 16] (each group's scale and minimum, iter_gguf_blocks). The groups' scratch is
+    NaN where no such tensor landed: a Linear with such rows stays float (its codes go
+    unread).
     """
-    from octavo.model.gguf_loader import iter_gguf_q4
+    from octavo.model.gguf_loader import iter_gguf_blocks
 
     linears = [m for m in net.modules() if isinstance(m, Linear)]
     groups = {m: _scratch(m, m.weight.shape[1] // 16, torch.float32) for m in linears}
-    _place(net, groups, iter_gguf_q4(path, hf_config, "groups"))
+    _place(net, groups, iter_gguf_blocks(path, hf_config, "groups"))
     codes = {m: _scratch(m, m.weight.shape[1], torch.uint8) for m in linears}
-    _place(net, codes, iter_gguf_q4(path, hf_config, "codes"))
-    kept = [m for m in linears if m.weight.shape[1] % 32 == 0 and not groups[m].isnan().any()]
+    _place(net, codes, iter_gguf_blocks(path, hf_config, "codes"))
+    kept = [m for m in linears if _keepable(m, groups[m], codes[m])]
     for m in kept:
         m.weight.weight_loader = _load_nothing
     loaded = net.load_weights(iter_weights(path, hf_config))
@@ -129,15 +130,28 @@ def _load_gguf_placing_blocks(
     return [(m, groups[m], codes[m]) for m in kept]
 
 
+def _keepable(linear: Linear, groups: torch.Tensor, codes: torch.Tensor) -> bool:
+    """Whether a Linear keeps the codes and groups placed in it: every row landed, its input
+    features are whole groups, and 8-bit codes (a Q8_0 part) run a kernel here."""
+    if linear.weight.shape[1] % 32 or groups.isnan().any():
+        return False
+    return bool(codes.max() < 16) or Q8Weight.runs_kernel(codes)
+
+
 def _keep_gguf_blocks(
     net: nn.Module, path: str, kept: list[tuple[Linear, torch.Tensor, torch.Tensor]]
 ) -> None:
-    """Gives each Linear of `kept` an Int4Weight on the file's own codes, scales and minimums
-    (its float weight is None from then on), and a Q8_0 LM head its int8 blocks
-    (_keep_gguf_q8_0_head)."""
+    """Gives each Linear of `kept` the file's own codes, scales and minimums (its float weight
+    is None from then on): an Int4Weight where every code is below 16 (all parts 4-bit),
+    else a Q8Weight (a Q8_0 part); and a Q8_0 LM head its int8 blocks (_keep_gguf_q8_0_head).
+    """
     for m, groups, codes in kept:
-        grid = (groups[:, 0::2], groups[:, 1::2])
-        m.quant = Int4Weight(m.weight.detach(), 32, grid=grid, codes=codes)
+        scale, lo = groups[:, 0::2], groups[:, 1::2]
+        weight = m.weight.detach()
+        if codes.max() < 16:
+            m.quant = Int4Weight(weight, 32, grid=(scale, lo), codes=codes)
+        else:
+            m.quant = Q8Weight(codes, scale, lo, weight.dtype)
         m.weight = None
     _keep_gguf_q8_0_head(net, path)
 
@@ -237,7 +251,6 @@ def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
     from octavo.model.gguf_loader import Q8_0, open_gguf, q8_0_blocks
     from octavo.model.layers import LMHead
     from octavo.model.parallel import get_tp
-    from octavo.model.quantization import Q8Weight
 
     tensors = open_gguf(path).tensors
     tensor = tensors.get("output.weight") or tensors.get("token_embd.weight")
@@ -249,8 +262,10 @@ def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
     codes, scale = q8_0_blocks(tensor)
     if tuple(codes.shape) != tuple(head.weight.shape):
         return
+    device = head.weight.device
+    u = codes.view(torch.uint8) ^ 0x80  # c + 128, with min -128 d
     head.quant = Q8Weight(
-        codes.to(head.weight.device), scale.to(head.weight.device), head.weight.dtype
+        u.to(device), scale.to(device), -128 * scale.to(device), head.weight.dtype
     )
 
 

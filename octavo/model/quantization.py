@@ -342,24 +342,39 @@ class Int4Weight(QuantizedWeight):
 
 
 class Q8Weight(QuantizedWeight):
-    """GGUF's Q8_0 as it is: int8 codes [N, K] with a scale per block of 32 columns [N, G].
+    """8-bit codes u [N, K] (uint8) with a scale and a minimum per group of 32 columns
+    [N, G]: w = u * scale + min. GGUF's Q8_0 (int8 c with a scale d) is u = c + 128 with
+    min -128 d; a 4-bit group (Q4_0, Q4_1, Q4_K) is one whose codes stay below 16.
 
-    On the CPU it runs torch's int4 kernel twice: a code c is 16 h + l - 128 with h, l in
-    0..15, so the product is that of h (scale 16 d) plus that of l (scale d, zero 8 d): two
-    4-bit planes that read as many bytes as the int8 codes. Elsewhere it dequantizes."""
+    On the CPU it runs torch's int4 kernel twice: u is 16 h + l with h, l in 0..15, so the
+    product is that of h (scale 16 s, min m) plus that of l (scale s): two 4-bit planes
+    that read as many bytes as the 8-bit codes. Elsewhere it dequantizes."""
 
     method = "gguf"
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype
+    ) -> None:
         super().__init__(torch.empty(codes.shape, dtype=dtype, device="meta"))
-        self.cpu_kernel = _uses_cpu_kernels(codes) and codes.shape[0] % 16 == 0  # N in 16s
+        self.cpu_kernel = Q8Weight.runs_kernel(codes)
         if self.cpu_kernel:
-            d = scale.to(torch.bfloat16)
+            s, m = scale.to(torch.bfloat16), lo.to(torch.bfloat16)
+            # The minimum joins the plane where the kernel's bfloat16 zero stays exact: the
+            # high one for Q8_0's -128 s (its zero is then 0), else the low one (a 4-bit
+            # group's zero is then Int4Weight's).
+            m_high = torch.where(m == -128 * s, m, torch.zeros_like(m))
             self.high, self.low = map(_frozen, _q8_planes(codes))
-            self.high_scale_zero = _frozen(_scale_zero(16 * d, -128 * d))  # 16 d h - 128 d
-            self.low_scale_zero = _frozen(_scale_zero(d, torch.zeros_like(d)))  # d l
+            self.high_scale_zero = _frozen(_scale_zero(16 * s, m_high))  # 16 s h (+ m)
+            self.low_scale_zero = _frozen(_scale_zero(s, m - m_high))  # s l (+ m)
         else:
-            self.codes, self.scale = _frozen(codes), _frozen(scale.to(dtype))
+            self.codes = _frozen(codes)
+            self.scale, self.min = _frozen(scale.to(dtype)), _frozen(lo.to(dtype))
+
+    @staticmethod
+    def runs_kernel(codes: torch.Tensor) -> bool:
+        """Whether these codes [N, K] run torch's CPU kernel (else each product dequantizes):
+        on the CPU, with N in 16s."""
+        return _uses_cpu_kernels(codes) and codes.shape[0] % 16 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel:
@@ -371,6 +386,7 @@ class Q8Weight(QuantizedWeight):
             return y.to(x.dtype)
         n, groups = self.scale.shape
         w = self.codes.view(n, groups, -1).to(x.dtype) * self.scale.to(x.dtype)[..., None]
+        w = w + self.min.to(x.dtype)[..., None]
         return F.linear(x, w.view(n, -1))
 
 
@@ -380,13 +396,13 @@ _Q8_PLANE_ROWS = 4096
 
 
 def _q8_planes(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 codes c [N, K] -> h and l (c + 128 = 16 h + l, both 0..15) packed for torch's
-    CPU int4 kernel; in runs of rows where its packing keeps runs apart (a known layout)."""
+    """uint8 codes u [N, K] -> h and l (u = 16 h + l, both 0..15) packed for torch's CPU
+    int4 kernel; in runs of rows where its packing keeps runs apart (a known layout)."""
     n, k = codes.shape
     step = n if _int4pack_block_rows() is None else _Q8_PLANE_ROWS
     high, low = (torch.empty(n, k // 2, dtype=torch.uint8) for _ in range(2))
     for start in range(0, n, step):
-        u = codes[start : start + step].view(torch.uint8) ^ 0x80  # c + 128
+        u = codes[start : start + step]
         high[start : start + step] = _int4pack(u >> 4)
         low[start : start + step] = _int4pack(u & 15)
     return high, low

@@ -144,7 +144,8 @@ def test_gguf_keeps_the_files_q4_blocks(llm_factory, monkeypatch):
             codes, quant.scale, quant.min, quant.in_features, torch.float32
         )
         assert torch.equal(back, plain[name].weight), name
-    head = kept.lm_head.quant  # the tied Q8_0 embedding: its int8 codes and block scales
+    head = kept.lm_head.quant  # the tied Q8_0 embedding: its codes (+ 128) and block scales
     assert isinstance(head, quantization.Q8Weight)
-    back = head.codes.float() * head.scale.repeat_interleave(32, dim=1)
+    expand = lambda t: t.repeat_interleave(32, dim=1)  # noqa: E731
+    back = head.codes.float() * expand(head.scale) + expand(head.min)
     assert torch.equal(back, plain["lm_head"].weight)

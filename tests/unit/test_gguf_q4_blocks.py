@@ -1,6 +1,6 @@
-"""quantization="gguf": Q4_0/Q4_1/Q4_K tensors kept as their own codes, scales and minimums,
-read from the file's bytes and placed by the model's weight loaders, never through float
-weights; whatever cannot be kept loads as float."""
+"""quantization="gguf": Q4_0/Q4_1/Q4_K/Q8_0 tensors kept as their own codes, scales and
+minimums, read from the file's bytes and placed by the model's weight loaders, never through
+float weights; whatever cannot be kept loads as float."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from test_gguf_loader import TINY, hf_to_gguf_tensors, tiny_hf, write_gguf
 from transformers import LlamaConfig
 
 from octavo.model import quantization
-from octavo.model.gguf_loader import GGUFTensor, _q4_codes, _q4_groups
+from octavo.model.gguf_loader import GGUFTensor, _block_codes, _block_groups
 from octavo.model.hf_config import load_hf_config
 from octavo.model.layers import Linear
 from octavo.model.loader import load_model
@@ -23,23 +23,24 @@ Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0], ids=lambda q: q.name)
 def test_codes_and_groups_give_the_gguf_packages_values(qtype):
     """Random blocks: codes in ggml's element order (Q4_0/Q4_1: byte j holds element j low and
-    j + 16 high; Q4_K: each 32 bytes a group low and the next high) times their group's scale
-    plus its minimum are exactly the `gguf` package's dequantization. A wrong nibble order
-    misplaces ~15 of 16 values."""
+    j + 16 high; Q4_K: each 32 bytes a group low and the next high; Q8_0: int8 + 128) times
+    their group's scale plus its minimum are exactly the `gguf` package's dequantization. A
+    wrong nibble order misplaces ~15 of 16 values."""
     rng = np.random.default_rng(0)
     rows, cols = 6, 512
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (rows * cols // block_elems, block_bytes), dtype=np.uint8)
-    halves = 1 if qtype == Q.Q4_0 else 2  # d; d and m (Q4_1) or dmin (Q4_K)
+    halves = 1 if qtype in (Q.Q4_0, Q.Q8_0) else 2  # d; d and m (Q4_1) or dmin (Q4_K)
     scales = rng.uniform(0.001, 0.01, (blocks.shape[0], halves)) * rng.choice([-1, 1], halves)
     blocks[:, : 2 * halves] = scales.astype(np.float16).view(np.uint8)
     raw = blocks.reshape(rows, -1)
     tensor = GGUFTensor("blk.0.ffn_up.weight", (rows, cols), qtype, raw.reshape(-1))
-    codes, groups = _q4_codes(tensor), _q4_groups(tensor)
-    assert codes.dtype == np.uint8 and codes.shape == (rows, cols) and codes.max() <= 15
+    codes, groups = _block_codes(tensor), _block_groups(tensor)
+    assert codes.dtype == np.uint8 and codes.shape == (rows, cols)
+    assert (codes.max() <= 15) == (qtype != Q.Q8_0)
     assert groups.dtype == np.float32 and groups.shape == (rows, cols // 16)
     got = codes.reshape(rows, -1, 32) * groups[:, 0::2, None] + groups[:, 1::2, None]
     np.testing.assert_array_equal(got.reshape(rows, cols), dequantize(raw, qtype))
@@ -47,7 +48,8 @@ def test_codes_and_groups_give_the_gguf_packages_values(qtype):
 
 def _mixed_q4_gguf(tmp_path) -> str:
     """A tiny llama whose projections are Q4_0 and Q4_1 (q and k rows permuted as llama.cpp
-    writes them), but for layer 1's v_proj, Q8_0: its qkv_proj cannot keep 4-bit groups."""
+    writes them), but for layer 1's v_proj, Q8_0: its qkv_proj cannot keep 4-bit groups
+    (8-bit ones on the CPU kernels)."""
     cfg = LlamaConfig(**TINY, tie_word_embeddings=True)
     qtypes = {}
     for layer in range(cfg.num_hidden_layers):
@@ -80,8 +82,9 @@ def _dequantized(quant: quantization.Int4Weight) -> torch.Tensor:
 def test_q4_0_and_q4_1_projections_keep_the_files_codes(tmp_path, monkeypatch):
     """Each projection whose parts are all Q4_0/Q4_1 dequantizes exactly to the float load's
     weight; with the CPU kernels it packs exactly as quantizing that float weight on the
-    file's grid does (the float-then-quantize path). The qkv_proj with a Q8_0 part stays
-    float, exactly the float load's."""
+    file's grid does (the float-then-quantize path). Off the CPU kernels the qkv_proj with a
+    Q8_0 part stays float, exactly the float load's; on them it keeps 8-bit codes
+    (test_q8_0_projections_keep_their_blocks)."""
     path = _mixed_q4_gguf(tmp_path)
     cfg = load_hf_config(path)
     plain = _linears(load_model(path, cfg, torch.float32, CPU))
@@ -128,3 +131,42 @@ def test_each_rank_keeps_its_shard_of_the_codes(tmp_path, monkeypatch, size):
                     assert torch.equal(_dequantized(module.quant), plain[name].weight), name
     finally:
         set_tp(0, 1, None)
+
+
+def test_q8_0_projections_keep_their_blocks(tmp_path, monkeypatch):
+    """Q8_0 projections (and the Q4 + Q8_0 qkv_proj of the mixed model) keep 8-bit codes on
+    the CPU kernels: their products match the float load's weights within bfloat16's
+    rounding of the activations. Off the kernels they load as float, exactly."""
+    if not quantization.CPU_KERNELS:
+        pytest.skip("this torch has no CPU int4 kernel")
+    cfg = LlamaConfig(**TINY, tie_word_embeddings=True)
+    qtypes = {name: Q.Q8_0 for name in _projection_names(cfg)}
+    all_q8 = str(tmp_path / "q8.gguf")
+    write_gguf(all_q8, "llama", cfg, hf_to_gguf_tensors(tiny_hf(cfg), "llama", cfg, qtypes))
+    x = torch.randn(3, cfg.intermediate_size, generator=torch.Generator().manual_seed(0))
+    for path, names in ((all_q8, None), (_mixed_q4_gguf(tmp_path), {FLOAT_LINEAR})):
+        hf_config = load_hf_config(path)
+        plain = _linears(load_model(path, hf_config, torch.float32, CPU))
+        kept = _linears(load_model(path, hf_config, torch.float32, CPU, quantization="gguf"))
+        for name in names or kept:
+            module, w = kept[name], plain[name].weight
+            assert isinstance(module.quant, quantization.Q8Weight), name
+            assert module.quant.cpu_kernel and module.weight is None, name
+            xi = x[:, : w.shape[1]]
+            want = xi @ w.t()
+            assert (module(xi) - want).norm() <= 1e-2 * want.norm(), name
+    monkeypatch.setattr(quantization, "CPU_KERNELS", False)
+    plain = _linears(load_model(all_q8, load_hf_config(all_q8), torch.float32, CPU))
+    kept = _linears(
+        load_model(all_q8, load_hf_config(all_q8), torch.float32, CPU, quantization="gguf")
+    )
+    for name, module in kept.items():
+        assert module.quant is None and torch.equal(module.weight, plain[name].weight), name
+
+
+def _projection_names(cfg) -> list[str]:
+    names = []
+    for layer in range(cfg.num_hidden_layers):
+        names += [f"blk.{layer}.attn_{n}.weight" for n in ("q", "k", "v", "output")]
+        names += [f"blk.{layer}.ffn_{n}.weight" for n in ("gate", "up", "down")]
+    return names

@@ -143,16 +143,35 @@ def test_int4_on_a_known_grid_recovers_its_values(kernels):
 
 
 @pytest.mark.parametrize("rows", [1, 9])
-def test_q8_0_head_matches_its_dequantized_blocks(kernels, rows):
-    """GGUF Q8_0 (int8 codes, a scale per 32 columns) against codes x scales, then a matmul;
-    the extreme codes -128 and 127 included."""
+def test_q8_weight_matches_its_dequantized_blocks(kernels, rows):
+    """8-bit codes with a scale and minimum per 32 columns against codes x scales + minimums,
+    then a matmul: GGUF Q8_0 groups (int8 + 128, minimum -128 d; the extreme codes included)
+    beside 4-bit groups (Q4_1's: codes below 16, any minimum) in the same rows."""
     codes = torch.randint(-128, 128, (208, 96), dtype=torch.int8)
     codes[0, :2] = torch.tensor([-128, 127], dtype=torch.int8)
+    u = codes.view(torch.uint8) ^ 0x80
     scale = torch.rand(208, 3) * 0.01 + 1e-4
-    weight = codes.float() * scale.repeat_interleave(32, dim=1)
-    layer = q.Q8Weight(codes, scale, torch.float32)
+    lo = -128 * scale
+    u[:, 64:] &= 15  # the last group of each row: 4-bit codes with a minimum of its own
+    lo[:, 2] = torch.randn(208) * 0.05
+    weight = u.float() * scale.repeat_interleave(32, dim=1) + lo.repeat_interleave(32, dim=1)
+    layer = q.Q8Weight(u, scale, lo, torch.float32)
     x = torch.randn(rows, 96)
     assert rel_err(layer(x), x @ weight.t()) < _tolerance(kernels)
+    if kernels:  # the planes' weights, as the kernel forms them: (h - 8) 16 s + zero, ...
+        planes = [layer.high_scale_zero.float(), layer.low_scale_zero.float()]
+        parts = [(u >> 4).float(), (u & 15).float()]
+        w = sum(
+            (p.view(208, 3, 32) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+            for p, sz in zip(parts, planes, strict=True)
+        ).view(208, 96)
+        s16, m16 = scale.bfloat16().float(), lo.bfloat16().float()
+        want = u.float().view(208, 3, 32) * s16[..., None] + m16[..., None]
+        # Q8_0 groups exactly; a 4-bit group off only by its zero's bfloat16 rounding, as
+        # Int4Weight's (a minimum in the high plane would be off by 128 s's rounding).
+        assert torch.equal(w.view(208, 3, 32)[:, :2], want[:, :2])
+        zero = (m16[:, 2] + 8 * s16[:, 2]).bfloat16().float() - 8 * s16[:, 2]
+        assert torch.equal(w.view(208, 3, 32)[:, 2], want[:, 2] - m16[:, 2, None] + zero[:, None])
 
 
 @pytest.mark.parametrize("n,k", [(128, 96), (960, 576), (48, 64), (4096 * 2 + 96, 64)])
@@ -169,9 +188,9 @@ def test_int4_packing_gives_torchs_bytes(n, k):
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     want = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
     assert torch.equal(q._int4pack(codes), want)
-    c8 = torch.randint(-128, 128, (n, k), dtype=torch.int8)
-    u = c8.to(torch.int32) + 128
-    high, low = q._q8_planes(c8)
+    u = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    high, low = q._q8_planes(u)
+    u = u.to(torch.int32)
     assert torch.equal(high, torch._convert_weight_to_int4pack_for_cpu(u >> 4, 1))
     assert torch.equal(low, torch._convert_weight_to_int4pack_for_cpu(u & 15, 1))
 
