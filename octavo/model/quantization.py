@@ -8,9 +8,9 @@
           An HF fp8 checkpoint keeps its own e4m3 weights and its scale per 128 x 128 block
           (Fp8BlockWeight); its activations take a scale per token and 128 columns.
     gguf  a GGUF file's Q4_0, Q4_1 and Q4_K tensors kept in their own groups of 32 (int4 as
-          above, with the file's codes, scales and minimums, not new ones), and a Q8_0 LM
-          head kept as its int8 blocks (Q8Weight); its other tensors load as without
-          quantization.
+          above, with the file's codes, scales and minimums, not new ones), and its Q8_0
+          ones (projections on the CPU kernels, and the LM head) as 8-bit codes with the
+          file's scales (Q8Weight); its other tensors load as without quantization.
     awq, gptq  an AWQ or GPTQ checkpoint's 4-bit weights kept on their own groups (int4 as
           above, see model/int4_checkpoint.py); read from a config's quantization_config.
 
