@@ -72,7 +72,7 @@ def load_model(
     with torch.no_grad(), _cpu_threads(1 if device.type == "cpu" else None):
         if load_format == "dummy":
             init_dummy_weights(net, seed)
-        elif quantization == "gguf":  # its Q4 tensors never dequantized
+        elif quantization == "gguf":  # its Q4 and Q8_0 tensors never dequantized
             kept = _load_gguf_placing_blocks(net, model, hf_config)
         else:
             weights = iter_weights(model, hf_config)
