@@ -6,7 +6,8 @@
   busy foreign process slows every parallel op several-fold, so such a run is reported as
   such rather than silently averaged in.
 - `startup [TREE ...]`: `LLM()` on the embedded model, each run in a fresh process, phase by
-  phase (`--serve`: `octavo serve` until its /health answers). Warm runs keep the converted GGUF tokenizer in a cache directory shared by a tree's
+  phase (`--serve`: `octavo serve` until its /health answers; `--peer hf`: transformers'
+  tokenizer and float32 model from the same GGUF file, in the same rounds). Warm runs keep the converted GGUF tokenizer in a cache directory shared by a tree's
   runs; cold runs start with an empty one (the page cache stays warm either way). Trees
   alternate, so that a busy machine slows all alike.
 
@@ -129,10 +130,26 @@ def startup_child() -> None:
     print(json.dumps(seconds))
 
 
-def run_startup(tree: str, cache_dir: str) -> dict[str, float]:
+def hf_startup_child() -> None:
+    """The HF peer's start-up: transformers' tokenizer and float32 model from the embedded
+    model's GGUF file, as `octavo bench throughput --peer hf` loads them; prints the seconds
+    as JSON."""
+    start = time.perf_counter()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from octavo.model.embedded import embedded_model_path
+
+    directory, name = os.path.split(embedded_model_path())
+    AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    print(json.dumps({"total": time.perf_counter() - start}))
+
+
+def run_startup(tree: str, cache_dir: str, child: str = "startup-child") -> dict[str, float]:
     env = os.environ | {"PYTHONPATH": os.path.abspath(tree), "OCTAVO_CACHE_DIR": cache_dir}
     out = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "startup-child"],
+        [sys.executable, os.path.abspath(__file__), child],
         env=env,
         cwd=tempfile.gettempdir(),  # import octavo from `tree`, never from the current directory
         capture_output=True,
@@ -198,7 +215,7 @@ def run_serve(tree: str, cache_dir: str) -> dict[str, float]:
 def startup(args: argparse.Namespace) -> None:
     run, phases = (run_serve, ("octavo serve",)) if args.serve else (run_startup, PHASES)
     runs: dict[str, dict[str, list[dict[str, float]]]] = {
-        t: {"warm": [], "cold": []} for t in args.trees
+        t: {"warm": [], "cold": []} for t in [*args.trees, *(["hf"] if args.peer else [])]
     }
     warm_dirs = {t: tempfile.mkdtemp(prefix="octavo-startup-") for t in args.trees}
     for tree in args.trees:  # fills each tree's warm cache
@@ -211,6 +228,10 @@ def startup(args: argparse.Namespace) -> None:
             if i < cold:
                 with tempfile.TemporaryDirectory(prefix="octavo-startup-") as empty:
                     runs[tree]["cold"].append(run(tree, empty))
+    # The peer's runs come last: each takes ~20 s of both cores, after which the next start,
+    # interleaved, measured ~0.3 s slower.
+    for _ in range(args.runs if args.peer else 0):
+        runs["hf"]["warm"].append(run_startup(args.trees[0], "", "startup-hf-child"))
     print(f"{'tree':<20} {'cache':<5} " + " ".join(f"{p:>19}" for p in phases))
     for tree, by_state in runs.items():
         for state, rows in by_state.items():
@@ -228,6 +249,8 @@ def startup(args: argparse.Namespace) -> None:
 def main() -> None:
     if sys.argv[1:] == ["startup-child"]:  # one timed start-up, in the process run_startup made
         return startup_child()
+    if sys.argv[1:] == ["startup-hf-child"]:
+        return hf_startup_child()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     p = sub.add_parser("throughput", help="octavo bench throughput --peer hf, alternated")
@@ -244,6 +267,7 @@ def main() -> None:
     p.add_argument("--cold", type=int, default=None, help="cold runs (default: --runs)")
     p.add_argument("--json", help="write every run's phases here")
     p.add_argument("--serve", action="store_true", help="time `octavo serve` until /health")
+    p.add_argument("--peer", choices=["hf"], help="also time transformers' start-up (total)")
     args = parser.parse_args()
     (throughput if args.mode == "throughput" else startup)(args)
 
