@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import subprocess
 import sys
@@ -38,9 +39,31 @@ class WorkerDied(RuntimeError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free on this host now, outside the kernel's ephemeral range where it can:
+    a client that retries connecting to an ephemeral port before its server listens may be
+    given that very port as its own source and connect to itself, and the server then fails
+    with EADDRINUSE."""
+    low, high = _ephemeral_ports()
+    outside = [p for p in range(20000, 32768) if not low <= p <= high]
+    for port in random.sample(outside, min(32, len(outside))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all taken: any port the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+    except (OSError, ValueError):  # not Linux: the IANA range
+        return 49152, 65535
+    return low, high
 
 
 def launch_workers(

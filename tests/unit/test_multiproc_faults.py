@@ -50,3 +50,20 @@ def test_an_error_with_every_worker_alive_is_the_senders():
     with pytest.raises(WorkerDied, match="rank 0 failed: RuntimeError: boom"):
         _runner(procs, conns)._receive(0)
     assert all(proc.poll() is not None for proc in procs)
+
+
+def test_free_port_is_outside_the_ephemeral_range(monkeypatch):
+    """A port the kernel could hand a retrying client as its own source port is not chosen:
+    that client would connect to itself and take the port from the server (EADDRINUSE)."""
+    import socket
+
+    from octavo.runner import multiproc
+
+    low, high = multiproc._ephemeral_ports()
+    for _ in range(5):
+        port = multiproc.free_port()
+        assert not low <= port <= high
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # free
+    monkeypatch.setattr(multiproc, "_ephemeral_ports", lambda: (1, 65535))  # nothing outside
+    assert 0 < multiproc.free_port() < 65536
