@@ -291,20 +291,12 @@ def _dequantize_q8_0(blocks: np.ndarray) -> np.ndarray:
 _BLOCK_DEQUANTIZERS = {Q4_0: _dequantize_q4_0, Q4_1: _dequantize_q4_1, Q8_0: _dequantize_q8_0}
 
 
-def q8_0_blocks(tensor: GGUFTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 tensor's int8 codes [N, K] and block scales [N, K / 32] (float32), as stored."""
-    blocks = tensor.data.reshape(-1, _BLOCK_SIZES[Q8_0][1])
-    n = int(np.prod(tensor.shape[:-1]))
-    codes = blocks[:, 2:].copy().view(np.int8).reshape(n, -1)
-    return torch.from_numpy(codes), torch.from_numpy(_halves(blocks, 1).reshape(n, -1))
-
-
 # Where a Q4 block's quants start: after d (Q4_0); d and m (Q4_1); d, dmin and 12 bytes of
 # 6-bit scales and minimums (Q4_K's super-block of 256).
 _Q4_QUANTS_AT = {Q4_0: 2, Q4_1: 4, Q4_K: 16}
 
 
-def _block_codes(tensor: GGUFTensor) -> np.ndarray:
+def block_codes(tensor: GGUFTensor) -> np.ndarray:
     """A Q4_0/Q4_1/Q4_K/Q8_0 tensor's codes (uint8) in its shape, read from its bytes: 0..15
     for the Q4 types, the int8 code + 128 for Q8_0.
 
@@ -327,10 +319,10 @@ def _block_codes(tensor: GGUFTensor) -> np.ndarray:
     return codes.numpy().reshape(tensor.shape)
 
 
-def _block_groups(tensor: GGUFTensor) -> np.ndarray:
+def block_groups(tensor: GGUFTensor) -> np.ndarray:
     """A Q4_0/Q4_1/Q4_K/Q8_0 tensor [N, K]'s groups of 32 as float32 [N, K / 16]: group g's
     scale in column 2 g, its minimum in column 2 g + 1 (value = code * scale + min, codes as
-    _block_codes gives them). Q4_1 stores both; Q4_0 its scale d, with min -8 d; Q8_0 d,
+    block_codes gives them). Q4_1 stores both; Q4_0 its scale d, with min -8 d; Q8_0 d,
     with min -128 d; Q4_K a 6-bit scale and minimum per group, times its super-block's d
     and dmin."""
     if tensor.ggml_type == Q4_K:
@@ -375,12 +367,12 @@ class GGUFWeight:
         return self.dequantize().narrow(dim, start, length)
 
     def codes(self) -> torch.Tensor:
-        """A Q4_0/Q4_1/Q4_K/Q8_0 matrix's codes, uint8 [N, K] (_block_codes)."""
-        return torch.from_numpy(self._hf_rows(_block_codes(self.tensor)))
+        """A Q4_0/Q4_1/Q4_K/Q8_0 matrix's codes, uint8 [N, K] (block_codes)."""
+        return torch.from_numpy(self._hf_rows(block_codes(self.tensor)))
 
     def groups(self) -> torch.Tensor:
-        """Its scales and minimums, float32 [N, K / 16] (_block_groups)."""
-        return torch.from_numpy(self._hf_rows(_block_groups(self.tensor)))
+        """Its scales and minimums, float32 [N, K / 16] (block_groups)."""
+        return torch.from_numpy(self._hf_rows(block_groups(self.tensor)))
 
     def _hf_rows(self, rows: np.ndarray) -> np.ndarray:
         return rows if self.num_heads is None else unpermute_qk(rows, self.num_heads)

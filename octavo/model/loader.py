@@ -102,13 +102,17 @@ def load_model(
 _INT4_PARTS = ("groups", "group_ids")
 
 
+_Kept = tuple[Linear, torch.Tensor, torch.Tensor, type]  # Linear, groups, codes, weight class
+
+
 def _load_gguf_placing_blocks(
     net: nn.Module, path: str, hf_config: PretrainedConfig
-) -> list[tuple[Linear, torch.Tensor, torch.Tensor]]:
+) -> list[_Kept]:
     """Loads a GGUF file into `net` but for each Linear whose tensors are all Q4_0, Q4_1,
     Q4_K or Q8_0 (and, on this rank, whole groups of 32 input features): for those, returns
-    (the Linear, its groups, its codes) read from the file's bytes, for _keep_gguf_blocks;
-    their float weights are never filled. Every other weight loads as float (iter_weights).
+    (the Linear, its groups, its codes, the QuantizedWeight class to keep them in) read from
+    the file's bytes, for _keep_gguf_blocks; their float weights are never filled. Every
+    other weight loads as float (iter_weights).
 
     The model's own weight loaders place the codes and groups, fusing and sharding them as
     they do weights, into scratch weights: the codes uint8 [N, K], the groups float32
@@ -123,33 +127,33 @@ def _load_gguf_placing_blocks(
     _place(net, groups, iter_gguf_blocks(path, hf_config, "groups"))
     codes = {m: _scratch(m, m.weight.shape[1], torch.uint8) for m in linears}
     _place(net, codes, iter_gguf_blocks(path, hf_config, "codes"))
-    kept = [m for m in linears if _keepable(m, groups[m], codes[m])]
-    for m in kept:
+    kept = [(m, groups[m], codes[m], _kept_class(m, groups[m], codes[m])) for m in linears]
+    kept = [entry for entry in kept if entry[3] is not None]
+    for m, *_ in kept:
         m.weight.weight_loader = _load_nothing
     loaded = net.load_weights(iter_weights(path, hf_config))
     _check_all_loaded(net, loaded, path)
-    return [(m, groups[m], codes[m]) for m in kept]
+    return kept
 
 
-def _keepable(linear: Linear, groups: torch.Tensor, codes: torch.Tensor) -> bool:
-    """Whether a Linear keeps the codes and groups placed in it: every row landed, its input
-    features are whole groups, and 8-bit codes (a Q8_0 part) run a kernel here."""
+def _kept_class(linear: Linear, groups: torch.Tensor, codes: torch.Tensor) -> type | None:
+    """Where a Linear keeps the codes and groups placed in it: an Int4Weight if every code is
+    below 16 (all parts 4-bit), else a Q8Weight (a Q8_0 part) where that runs a kernel; None
+    (float) if a row did not land or its input features are not whole groups."""
     if linear.weight.shape[1] % 32 or groups.isnan().any():
-        return False
-    return bool(codes.max() < 16) or Q8Weight.runs_kernel(codes)
+        return None
+    if codes.max() < 16:
+        return Int4Weight
+    return Q8Weight if Q8Weight.runs_kernel(codes) else None
 
 
-def _keep_gguf_blocks(
-    net: nn.Module, path: str, kept: list[tuple[Linear, torch.Tensor, torch.Tensor]]
-) -> None:
-    """Gives each Linear of `kept` the file's own codes, scales and minimums (its float weight
-    is None from then on): an Int4Weight where every code is below 16 (all parts 4-bit),
-    else a Q8Weight (a Q8_0 part); and a Q8_0 LM head its int8 blocks (_keep_gguf_q8_0_head).
-    """
-    for m, groups, codes in kept:
+def _keep_gguf_blocks(net: nn.Module, path: str, kept: list[_Kept]) -> None:
+    """Gives each Linear of `kept` the file's own codes, scales and minimums in its class (its
+    float weight is None from then on), and a Q8_0 LM head its blocks (_keep_gguf_q8_0_head)."""
+    for m, groups, codes, cls in kept:
         scale, lo = groups[:, 0::2], groups[:, 1::2]
         weight = m.weight.detach()
-        if codes.max() < 16:
+        if cls is Int4Weight:
             m.quant = Int4Weight(weight, 32, grid=(scale, lo), codes=codes)
         else:
             m.quant = Q8Weight(codes, scale, lo, weight.dtype)
@@ -249,7 +253,7 @@ _NOT_LINEAR = ("embed_tokens.weight", "lm_head.weight")
 def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
     """A Q8_0 LM head (or a Q8_0 embedding it shares) computes the logits from its int8
     blocks (Q8Weight); on one rank only, where the head holds the whole vocabulary."""
-    from octavo.model.gguf_loader import Q8_0, open_gguf, q8_0_blocks
+    from octavo.model.gguf_loader import Q8_0, block_codes, block_groups, open_gguf
     from octavo.model.layers import LMHead
     from octavo.model.parallel import get_tp
 
@@ -260,14 +264,12 @@ def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
         return
     if get_tp().size > 1:
         return
-    codes, scale = q8_0_blocks(tensor)
+    codes = torch.from_numpy(block_codes(tensor))  # the int8 codes + 128
     if tuple(codes.shape) != tuple(head.weight.shape):
         return
-    device = head.weight.device
-    u = codes.view(torch.uint8) ^ 0x80  # c + 128, with min -128 d
-    head.quant = Q8Weight(
-        u.to(device), scale.to(device), -128 * scale.to(device), head.weight.dtype
-    )
+    groups = torch.from_numpy(block_groups(tensor)).to(head.weight.device)  # d, -128 d
+    codes = codes.to(head.weight.device)
+    head.quant = Q8Weight(codes, groups[:, 0::2], groups[:, 1::2], head.weight.dtype)
 
 
 @contextmanager

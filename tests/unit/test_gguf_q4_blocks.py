@@ -13,7 +13,7 @@ from test_gguf_loader import TINY, hf_to_gguf_tensors, tiny_hf, write_gguf
 from transformers import LlamaConfig
 
 from octavo.model import quantization
-from octavo.model.gguf_loader import GGUFTensor, _block_codes, _block_groups
+from octavo.model.gguf_loader import GGUFTensor, block_codes, block_groups
 from octavo.model.hf_config import load_hf_config
 from octavo.model.layers import Linear
 from octavo.model.loader import load_model
@@ -38,7 +38,7 @@ def test_codes_and_groups_give_the_gguf_packages_values(qtype):
     blocks[:, : 2 * halves] = scales.astype(np.float16).view(np.uint8)
     raw = blocks.reshape(rows, -1)
     tensor = GGUFTensor("blk.0.ffn_up.weight", (rows, cols), qtype, raw.reshape(-1))
-    codes, groups = _block_codes(tensor), _block_groups(tensor)
+    codes, groups = block_codes(tensor), block_groups(tensor)
     assert codes.dtype == np.uint8 and codes.shape == (rows, cols)
     assert (codes.max() <= 15) == (qtype != Q.Q8_0)
     assert groups.dtype == np.float32 and groups.shape == (rows, cols // 16)
