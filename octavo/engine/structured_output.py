@@ -16,7 +16,6 @@ An n > 1 request's samples each get their own copy of the grammar when they fork
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import logging
@@ -81,12 +80,10 @@ class GrammarCompiler:
     def _build_ll_tokenizer(self, llguidance):
         # The model's config may name an EOS id the tokenizer does not have.
         eos = [t for t in self.eos_token_ids if t < len(self.tokenizer)] or None
-        if isinstance(self.tokenizer, FastTokenizer):
-            backend = copy.copy(self.tokenizer.backend_tokenizer)
-            backend.no_padding()
-            backend.no_truncation()
+        if isinstance(self.tokenizer, FastTokenizer):  # its backend pads and truncates nothing
             eos = eos or self.tokenizer.eos_token_id
-            return llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+            json_text = self.tokenizer.backend_tokenizer.to_str()
+            return llguidance.LLTokenizer(json_text, n_vocab=self.vocab_size, eos_token=eos)
         import llguidance.hf
 
         try:
