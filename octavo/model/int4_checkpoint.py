@@ -99,14 +99,15 @@ def iter_int4_weights(
     weights: Iterable[tuple[str, torch.Tensor]], fmt: Int4Format, part: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of a checkpoint's `weights`, each layer's packed tensors
-    (`prefix.qweight`, ...) yielded once as `prefix.weight` [N, K], made when a loader
-    narrows it (_Layer):
+    (`prefix.qweight`, ...) yielded once as `prefix.weight`, made when a loader narrows it
+    (_Layer):
 
-        part "float": its float weight (float32), and every other tensor as it is;
-        "groups": only those, each run of kernel_group_size input features of one group
-            (in group order) with the group's scale in its first column and its minimum
-            (-z * s) in its second, NaN elsewhere; qweight is not read;
-        "group_ids": only those, each input feature's group (g_idx) in every row.
+        part "float": its float weight [N, K] (float32), and every other tensor as it is;
+        "codes": only those, their codes [N, K] (uint8, 0..15);
+        "groups": only those, [N, 2 K / kernel_group_size]: for each run of
+            kernel_group_size input features of one group, in group order, the group's scale
+            and its minimum (-z * s); qweight is not read;
+        "group_ids": only those, each input feature's group (g_idx) in every row [N, K].
     """
     names = _TENSORS[fmt.method]
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -130,8 +131,8 @@ def _read(tensor) -> torch.Tensor:
 
 
 class _Layer:
-    """One packed layer as the [N, K] tensor `part` asks for, made only for the rows or
-    columns a weight loader narrows it to (`shape` and `narrow`, as model/loader.py's
+    """One packed layer as the tensor `part` asks for (iter_int4_weights), made only for the
+    rows or columns a weight loader narrows it to (`shape` and `narrow`, as model/loader.py's
     LazyTensor): a tensor-parallel rank reads only its words of qweight. The scales, zeros
     and g_idx (an eighth of qweight or less) are read whole."""
 
@@ -153,17 +154,23 @@ class _Layer:
                 f"{prefix}: g_idx numbers the groups out of order, but desc_act is off"
             )
         self.g_idx = g_idx
-        self.shape = (self.scale.shape[1], k)
+        # "groups" counts two columns a run of input features: its loaders narrow in those.
+        self.columns_per_unit = self.run // 2 if part == "groups" else 1
+        self.shape = (self.scale.shape[1], k // self.columns_per_unit)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         rows = slice(start, start + length) if dim == 0 else slice(None)
-        cols = slice(start, start + length) if dim == 1 else slice(None)
+        unit = self.columns_per_unit
+        cols = slice(start * unit, (start + length) * unit) if dim == 1 else slice(None)
         scale, lo, g_idx = self.scale[:, rows], self.lo[:, rows], self.g_idx[cols]
         if self.part == "group_ids":
             return g_idx.float().expand(scale.shape[1], len(g_idx))
-        if self.part == "groups":
-            return _placed(scale, lo, self.g_idx, self.run, cols)
+        if self.part == "groups":  # each run's group, in g_idx's stable order
+            groups = g_idx[torch.argsort(g_idx, stable=True)[0 :: self.run]]
+            return torch.stack([scale[groups].t(), lo[groups].t()], dim=-1).flatten(1)
         q = self._codes(1 - dim, start, length)  # [K, N] or the slice asked for
+        if self.part == "codes":
+            return q.t().to(torch.uint8)
         return (q * scale[g_idx] + lo[g_idx]).t()
 
     def _codes(self, dim: int, start: int, length: int) -> torch.Tensor:
@@ -182,19 +189,3 @@ def _unpack(packed: torch.Tensor, dim: int, order: Sequence[int]) -> torch.Tenso
     shifts = torch.tensor([4 * list(order).index(j) for j in range(8)], dtype=torch.int32)
     shifts = shifts.view(8, *[1] * (packed.dim() - 1 - dim))
     return ((packed.unsqueeze(dim + 1) >> shifts) & 0xF).flatten(dim, dim + 1)
-
-
-def _placed(
-    scale: torch.Tensor, lo: torch.Tensor, g_idx: torch.Tensor, size: int, cols: slice
-) -> torch.Tensor:
-    """[N, K] (or the input features `cols`): for each run of `size` input features of one
-    group, taken in g_idx's stable sort order, the group's scale in the run's first column and
-    its minimum in its second; NaN elsewhere."""
-    order = torch.argsort(g_idx, stable=True)
-    first, second = order[0::size], order[1::size]
-    start, stop, _ = cols.indices(len(g_idx))
-    placed = torch.full((scale.shape[1], stop - start), float("nan"))
-    for at, values in ((first, scale[g_idx[first]]), (second, lo[g_idx[first]])):
-        keep = (at >= start) & (at < stop)
-        placed[:, at[keep] - start] = values[keep].t()
-    return placed

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import ClassVar
 
 import torch
@@ -196,6 +197,12 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+# Where new Linear weights are made (None: torch's default device). The loader makes them on
+# "meta" where a checkpoint's own quantized tensors will stand in for them, so that a float
+# weight never takes memory; one that stays float is made on the device then (model/loader.py).
+LINEAR_WEIGHT_DEVICE: ContextVar[str | None] = ContextVar("linear_weight_device", default=None)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), with W [output_size, input_size] whole on every rank; the base of the
     sharded linears below."""
@@ -204,7 +211,8 @@ class Linear(nn.Module):
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        weight = torch.empty(output_size, input_size, device=LINEAR_WEIGHT_DEVICE.get())
+        self.weight = nn.Parameter(weight)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from octavo.model.int4_checkpoint import CHECKPOINT_METHODS, int4_format, iter_int4_weights
-from octavo.model.layers import Linear, RMSNorm, default_weight_loader
+from octavo.model.layers import LINEAR_WEIGHT_DEVICE, Linear, RMSNorm, default_weight_loader
 from octavo.model.quant_method import check_quantization, checkpoint_method
 from octavo.model.quantization import Int4Weight, Q8Weight
 from octavo.model.registry import get_model_class
@@ -66,14 +67,19 @@ def load_model(
             f"quantization='gguf' keeps a GGUF file's blocks: it needs a .gguf model file "
             f"loaded from disk, got {model!r} with load_format={load_format!r}"
         )
-    with _default_dtype(dtype), device:
+    # A checkpoint's own quantized tensors stand in for the Linear weights they cover, which
+    # are never made in float: Linear weights start on the meta device (LINEAR_WEIGHT_DEVICE).
+    keeps = quantization == "gguf" or quantization in CHECKPOINT_METHODS
+    with _default_dtype(dtype), device, _linear_weights_on("meta" if keeps else None):
         net = get_model_class(hf_config)(hf_config)
     net.eval().requires_grad_(False)
     with torch.no_grad(), _cpu_threads(1 if device.type == "cpu" else None):
         if load_format == "dummy":
             init_dummy_weights(net, seed)
         elif quantization == "gguf":  # its Q4 and Q8_0 tensors never dequantized
-            kept = _load_gguf_placing_blocks(net, model, hf_config)
+            kept = _load_gguf_placing_blocks(net, model, hf_config, device)
+        elif quantization in CHECKPOINT_METHODS:  # its 4-bit layers never dequantized
+            grids = _load_int4_placing_groups(net, model, hf_config, device)
         else:
             weights = iter_weights(model, hf_config)
             if fp8_blocks is not None:
@@ -86,10 +92,7 @@ def load_model(
         if quantization == "gguf":
             _keep_gguf_blocks(net, model, kept)
         elif quantization in CHECKPOINT_METHODS:
-            fmt = int4_format(hf_config)
-            groups, ids = (iter_int4_weights(_iter_files(model), fmt, p) for p in _INT4_PARTS)
-            ids = ids if fmt.act_order else None
-            _keep_int4_groups(net, groups, fmt.kernel_group_size, ids, quantization)
+            _keep_int4_codes(net, model, hf_config, grids, device)
         elif fp8_blocks is not None:
             fp8_blocks.keep_blocks(net)
         elif quantization is not None:
@@ -99,40 +102,41 @@ def load_model(
     return net
 
 
-_INT4_PARTS = ("groups", "group_ids")
-
-
 _Kept = tuple[Linear, torch.Tensor, torch.Tensor, type]  # Linear, groups, codes, weight class
 
 
 def _load_gguf_placing_blocks(
-    net: nn.Module, path: str, hf_config: PretrainedConfig
+    net: nn.Module, path: str, hf_config: PretrainedConfig, device: torch.device
 ) -> list[_Kept]:
     """Loads a GGUF file into `net` but for each Linear whose tensors are all Q4_0, Q4_1,
     Q4_K or Q8_0 (and, on this rank, whole groups of 32 input features): for those, returns
     (the Linear, its groups, its codes, the QuantizedWeight class to keep them in) read from
-    the file's bytes, for _keep_gguf_blocks; their float weights are never filled. Every
-    other weight loads as float (iter_weights).
+    the file's bytes, for _keep_gguf_blocks; their float weights are never made. Every other
+    weight loads as float (iter_weights).
 
-    The model's own weight loaders place the codes and groups, fusing and sharding them as
-    they do weights, into scratch weights: the codes uint8 [N, K], the groups float32
-    [N, K / 16] (each group's scale and minimum, iter_gguf_blocks). The groups' scratch is
-    NaN where no such tensor landed: a Linear with such rows stays float (its codes go
-    unread).
+    The model's own weight loaders place the codes and groups (_place) into scratch weights:
+    the codes uint8 [N, K], the groups float32 [N, K / 16] (each group's scale and minimum,
+    iter_gguf_blocks). The groups' scratch is NaN where no such tensor landed: a Linear with
+    such rows stays float (its codes go unread).
     """
     from octavo.model.gguf_loader import iter_gguf_blocks
 
     linears = [m for m in net.modules() if isinstance(m, Linear)]
-    groups = {m: _scratch(m, m.weight.shape[1] // 16, torch.float32) for m in linears}
-    _place(net, groups, iter_gguf_blocks(path, hf_config, "groups"))
-    codes = {m: _scratch(m, m.weight.shape[1], torch.uint8) for m in linears}
-    _place(net, codes, iter_gguf_blocks(path, hf_config, "codes"))
-    kept = [(m, groups[m], codes[m], _kept_class(m, groups[m], codes[m])) for m in linears]
+    groups = _place(
+        net,
+        {m: functools.partial(_scratch, m, m.weight.shape[1] // 16, torch.float32, device)
+         for m in linears},
+        iter_gguf_blocks(path, hf_config, "groups"),
+    )  # fmt: skip
+    codes = _place(
+        net,
+        {m: functools.partial(_scratch, m, m.weight.shape[1], torch.uint8, device)
+         for m in groups},
+        iter_gguf_blocks(path, hf_config, "codes"),
+    )  # fmt: skip
+    kept = [(m, groups[m], codes[m], _kept_class(m, groups[m], codes[m])) for m in groups]
     kept = [entry for entry in kept if entry[3] is not None]
-    for m, *_ in kept:
-        m.weight.weight_loader = _load_nothing
-    loaded = net.load_weights(iter_weights(path, hf_config))
-    _check_all_loaded(net, loaded, path)
+    _load_float_but(net, path, hf_config, {m for m, *_ in kept}, device)
     return kept
 
 
@@ -161,76 +165,152 @@ def _keep_gguf_blocks(net: nn.Module, path: str, kept: list[_Kept]) -> None:
     _keep_gguf_q8_0_head(net, path)
 
 
-def _scratch(linear: Linear, columns: int, dtype: torch.dtype) -> torch.Tensor:
-    """[the Linear's rows, columns] in `dtype` on its device: NaN if floating, else empty."""
-    shape, device = (linear.weight.shape[0], columns), linear.weight.device
+def _scratch(linear: Linear, columns: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[the Linear's rows, columns] in `dtype` on `device`: NaN if floating, else empty."""
+    shape = (linear.weight.shape[0], columns)
     if dtype.is_floating_point:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _load_float_but(
+    net: nn.Module, model: str, hf_config: PretrainedConfig, kept: set[Linear], device
+) -> None:
+    """Loads every weight but those of the `kept` Linears (their checkpoint tensors are not
+    read), making each other Linear's weight on `device` first."""
+    for m in net.modules():
+        if isinstance(m, Linear) and m not in kept and m.weight.is_meta:
+            old = m.weight
+            m.weight = nn.Parameter(torch.empty_like(old, device=device), requires_grad=False)
+            m.weight.__dict__.update(old.__dict__)  # its loader and shard ids
+    saved = {m: m.weight.weight_loader for m in kept}
+    for m in kept:
+        m.weight.weight_loader = _load_nothing
+    try:
+        loaded = net.load_weights(iter_weights(model, hf_config))
+    finally:
+        for m, loader in saved.items():
+            m.weight.weight_loader = loader
+    _check_all_loaded(net, loaded, model)
 
 
 def _load_nothing(param: nn.Parameter, loaded_weight, *shard_id) -> None:
     """The weight loader of a weight kept in another form: the checkpoint tensor is not read."""
 
 
-def _keep_int4_groups(
-    net: nn.Module,
-    groups: Iterable[tuple[str, torch.Tensor]],
-    group_size: int,
-    group_ids: Iterable[tuple[str, torch.Tensor]] | None,
-    method: str,
-) -> None:
-    """Gives each Linear whose checkpoint tensors are all 4-bit an Int4Weight on their groups
-    (an AWQ or GPTQ checkpoint's, `method`).
+def _load_int4_placing_groups(
+    net: nn.Module, model: str, hf_config: PretrainedConfig, device: torch.device
+) -> dict[Linear, torch.Tensor]:
+    """Loads an AWQ or GPTQ checkpoint into `net` but for each Linear whose tensors are all
+    4-bit: for those, returns their groups (_keep_int4_codes keeps them with their codes);
+    their float weights are never made. Every other weight loads as float.
 
-    `groups` holds, per such tensor [N, K], each group's scale and minimum in the group's
-    first two columns: the model's own weight loaders place them where they placed its
-    values, fusing and sharding alike, into a scratch weight; the codes follow from the
-    float weight (quantize_int4_on_grid). `group_ids` (GPTQ's act order) holds each column's
-    group in every row: the Linear's columns are sorted by group first, so groups are runs.
+    The groups [N, 2 K / kernel_group_size] (each run of input features' scale and minimum,
+    iter_int4_weights) are placed by the model's own weight loaders, as it places weights.
 
     Raises:
-        ValueError: a tensor-parallel shard that starts inside a group (naming `method`).
+        ValueError: a tensor-parallel shard that starts inside a group (naming the method).
     """
-    linears = {name: m for name, m in net.named_modules() if isinstance(m, Linear)}
-    placed = {m: torch.full_like(m.weight.data, float("nan")) for m in linears.values()}
-    _place(net, placed, groups)
-    ids = {}
-    if group_ids is not None:
-        ids = {m: torch.full_like(m.weight.data, float("nan"), dtype=torch.float32) for m in placed}
-        _place(net, ids, group_ids)
-    for name, module in linears.items():
-        grid = placed[module]
-        if grid.isnan().all():
-            continue  # no 4-bit tensor landed here
-        columns = _group_order(ids[module], group_size, name) if module in ids else None
-        if grid.shape[1] % group_size:
+    fmt = int4_format(hf_config)
+    names = {m: name for name, m in net.named_modules() if isinstance(m, Linear)}
+    run = fmt.kernel_group_size
+
+    def scratch(m: Linear) -> torch.Tensor:
+        rows, columns = m.weight.shape
+        if columns % run:
             raise ValueError(
-                f"quantization={method!r}: {name} holds {grid.shape[1]} input features on "
-                f"this rank, not whole groups of {group_size}; use a tensor_parallel_size "
-                "that splits them into whole groups"
+                f"quantization={fmt.method!r}: {names[m]} holds {columns} input features on "
+                f"this rank, not whole groups of {run}; use a tensor_parallel_size that "
+                "splits them into whole groups"
             )
-        if columns is not None:
-            grid = grid[:, columns]
-        scale, lo = grid[:, 0::group_size], grid[:, 1::group_size]
-        if scale.isnan().any() or lo.isnan().any():
-            continue  # a part is not 4-bit: it stays float
-        weight = module.weight.data if columns is None else module.weight.data[:, columns]
-        module.quant = Int4Weight(weight, group_size, grid=(scale, lo), columns=columns)
-        module.weight = None
+        return torch.full((rows, 2 * columns // run), float("nan"), device=device)
+
+    stream = iter_int4_weights(_iter_files(model), fmt, "groups")
+    placed = _place(net, {m: functools.partial(scratch, m) for m in names}, stream)
+    grids = {m: grid for m, grid in placed.items() if not grid.isnan().any()}
+    _load_float_but(net, model, hf_config, set(grids), device)  # a part not 4-bit: float
+    return grids
 
 
-def _place(net: nn.Module, scratch: dict[Linear, torch.Tensor], stream) -> None:
-    """Fills `scratch[m]` with what the model's weight loaders put from `stream` into each
-    Linear m's weight (the weights are back in place on return)."""
-    weights = {m: m.weight.data for m in scratch}
-    for m, tensor in scratch.items():
-        m.weight.data = tensor
+def _keep_int4_codes(
+    net: nn.Module,
+    model: str,
+    hf_config: PretrainedConfig,
+    grids: dict[Linear, torch.Tensor],
+    device: torch.device,
+) -> None:
+    """Gives each Linear of `grids` an Int4Weight on its checkpoint's codes and groups: the
+    codes uint8 [N, K] are placed one Linear at a time and packed as soon as all its parts
+    have landed, so the load never holds more than a Linear's codes beyond the packed model.
+    With GPTQ's act order (desc_act) each column's group is placed first: the Linear's
+    columns are sorted by group, so groups are runs.
+    """
+    fmt = int4_format(hf_config)
+    names = {m: name for name, m in net.named_modules() if isinstance(m, Linear)}
+    run, columns = fmt.kernel_group_size, {}
+
+    def scratch(dtype: torch.dtype, m: Linear) -> torch.Tensor:
+        return torch.empty(m.weight.shape, dtype=dtype, device=device)
+
+    def order(m: Linear, ids: torch.Tensor) -> None:
+        if m in grids:
+            columns[m] = _group_order(ids, run, names[m])
+
+    def keep(m: Linear, codes: torch.Tensor) -> None:
+        if m not in grids:
+            return  # a Linear with a part not 4-bit, loaded as float
+        grid, cols = grids[m], columns.get(m)
+        if cols is not None:
+            codes = codes[:, cols]
+        grid = (grid[:, 0::2], grid[:, 1::2])
+        m.quant = Int4Weight(m.weight, run, grid=grid, columns=cols, codes=codes)
+        m.weight = None
+
+    if fmt.act_order:
+        ids = iter_int4_weights(_iter_files(model), fmt, "group_ids")
+        cpu_ids = {m: functools.partial(_scratch, m, m.weight.shape[1], torch.float32, "cpu")
+                   for m in names}  # fmt: skip
+        _place(net, cpu_ids, ids, finish=order)
+    codes = iter_int4_weights(_iter_files(model), fmt, "codes")
+    _place(net, {m: functools.partial(scratch, torch.uint8, m) for m in names}, codes, keep)
+    left = [names[m] for m in grids if m.weight is not None]
+    if left:
+        raise RuntimeError(f"the checkpoint's codes did not reach {left}")
+
+
+def _place(
+    net: nn.Module,
+    make: dict[Linear, Callable[[], torch.Tensor]],
+    stream: Iterator[tuple[str, torch.Tensor]],
+    finish: Callable[[Linear, torch.Tensor], None] | None = None,
+) -> dict[Linear, torch.Tensor]:
+    """Feeds `stream` (checkpoint tensors that stand for Linear weights) through each Linear
+    m's own weight loader, which fuses and shards them as it does weights, into a scratch
+    made by make[m]() at m's first tensor instead of into its weight (not touched: it may be
+    on the meta device). Returns the scratches made. With `finish`, finish(m, scratch) runs as
+    soon as all of m's parts have landed, and the scratch is dropped then.
+    """
+    made: dict[Linear, torch.Tensor] = {}
+    seen: dict[Linear, set] = {}
+
+    def load(m: Linear, param: nn.Parameter, tensor, *shard_id) -> None:
+        if m not in made:
+            made[m] = make[m]()
+        m.weight_loader(made[m], tensor, *shard_id)
+        seen.setdefault(m, set()).update(shard_id or (None,))
+        if finish is not None and seen[m] >= set(getattr(param, "shard_ids", (None,))):
+            finish(m, made.pop(m))
+
+    saved = {m: m.weight.weight_loader for m in make}
+    for m in make:
+        m.weight.weight_loader = functools.partial(load, m)
     try:
         net.load_weights((name, t) for name, t in stream if not name.endswith(_NOT_LINEAR))
     finally:
-        for m, w in weights.items():
-            m.weight.data = w
+        for m, loader in saved.items():
+            if m.weight is not None:
+                m.weight.weight_loader = loader
+    return made
 
 
 def _group_order(ids: torch.Tensor, size: int, name: str) -> torch.Tensor | None:
@@ -270,6 +350,16 @@ def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
     groups = torch.from_numpy(block_groups(tensor)).to(head.weight.device)  # d, -128 d
     codes = codes.to(head.weight.device)
     head.quant = Q8Weight(codes, groups[:, 0::2], groups[:, 1::2], head.weight.dtype)
+
+
+@contextmanager
+def _linear_weights_on(device: str | None):
+    """Makes new Linear weights on `device` (None: the default) while open."""
+    token = LINEAR_WEIGHT_DEVICE.set(device)
+    try:
+        yield
+    finally:
+        LINEAR_WEIGHT_DEVICE.reset(token)
 
 
 @contextmanager

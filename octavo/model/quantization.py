@@ -162,19 +162,21 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def _uses_cpu_kernels(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and CPU_KERNELS
+def _uses_cpu_kernels(device: torch.device) -> bool:
+    return device.type == "cpu" and CPU_KERNELS
 
 
-def _uses_gpu_kernels(weight: torch.Tensor, group_size: int | None = None) -> bool:
+def _uses_gpu_kernels(
+    device: torch.device, dtype: torch.dtype, group_size: int | None = None
+) -> bool:
     """Whether the product runs kernels/quant_gemm.py's Triton GEMMs: on CUDA with 16-bit
     weights (and an int4 group size they take). Readies their split-K counters on that
     device, before any CUDA graph captures them."""
-    if not weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float16):
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return False
     from octavo.kernels import quant_gemm
 
-    quant_gemm.prepare(weight.device)
+    quant_gemm.prepare(device)
     sizes = quant_gemm.INT4_GROUP_SIZES
     return group_size is None or group_size in sizes or group_size % sizes[-1] == 0
 
@@ -247,8 +249,8 @@ class Int8Weight(QuantizedWeight):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight)
-        self.cpu_kernel = _uses_cpu_kernels(weight)
-        self.gpu_kernel = _uses_gpu_kernels(weight)
+        self.cpu_kernel = _uses_cpu_kernels(weight.device)
+        self.gpu_kernel = _uses_gpu_kernels(weight.device, weight.dtype)
         q, scale = quantize_int8(weight, torch.bfloat16 if self.cpu_kernel else weight.dtype)
         if self.gpu_kernel:
             from octavo.kernels.quant_gemm import pack_int8
@@ -288,12 +290,14 @@ class Int4Weight(QuantizedWeight):
         instead of new ones (quantize_int4_on_grid). columns [K]: the input column each of
         the weight's columns takes (forward permutes x so), or None for all in order.
         codes: with `grid`, the weight's codes on it, uint8 [N, K] in 0..15 (a GGUF file's),
-        kept as they are: `weight` is then not read, only its shape, dtype and device."""
+        kept as they are: `weight` is then not read, only its shape and dtype (it may be on
+        the meta device; the codes' device is the weight's)."""
         super().__init__(weight)
         self.register_buffer("columns", columns)
         self.group_size = group_size
-        self.cpu_kernel = _uses_cpu_kernels(weight)
-        self.gpu_kernel = _uses_gpu_kernels(weight, group_size)
+        device = weight.device if codes is None else codes.device
+        self.cpu_kernel = _uses_cpu_kernels(device)
+        self.gpu_kernel = _uses_gpu_kernels(device, weight.dtype, group_size)
         param_dtype = torch.bfloat16 if self.cpu_kernel else weight.dtype
         if grid is None:
             q, scale, lo = quantize_int4(weight, group_size, param_dtype)
@@ -374,7 +378,7 @@ class Q8Weight(QuantizedWeight):
     def runs_kernel(codes: torch.Tensor) -> bool:
         """Whether these codes [N, K] run torch's CPU kernel (else each product dequantizes):
         on the CPU, with N in 16s."""
-        return _uses_cpu_kernels(codes) and codes.shape[0] % 16 == 0
+        return _uses_cpu_kernels(codes.device) and codes.shape[0] % 16 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel:

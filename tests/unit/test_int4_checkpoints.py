@@ -1,8 +1,8 @@
-"""AWQ and GPTQ checkpoints (model/int4_checkpoint.py): tiny random models quantized here by a
-reference min-max quantizer and written in each format's own layout (AutoAWQ's GEMM packing
-order, GPTQ's row packing and v1 zeros, act order's g_idx), then loaded by octavo. Every
-projection must hold exactly the reference dequantization, and the model must give HF's
-greedy tokens on those dequantized weights; the options that do not fit raise ValueError."""
+"""AWQ and GPTQ checkpoints (model/int4_checkpoint.py): tiny random models written in each
+format's own layout by a reference quantizer (tests/int4_checkpoints.py), then loaded by
+octavo. Every projection must hold exactly the reference dequantization, and the model must
+give HF's greedy tokens on those dequantized weights; the options that do not fit raise
+ValueError."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import json
 
 import pytest
 import torch
+from int4_checkpoints import AWQ_ORDER, write_checkpoint
 from model_utils import PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
-from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from octavo import LLM, SamplingParams
 from octavo.model import quantization
@@ -23,108 +22,6 @@ from octavo.model.loader import load_model
 from octavo.model.parallel import set_tp
 
 CPU = torch.device("cpu")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order_map: nibble i holds column AWQ_ORDER[i]
-DIMS = {
-    "vocab_size": 256,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
-CONFIGS = {
-    "llama": lambda: LlamaConfig(**DIMS, tie_word_embeddings=False),
-    "qwen2": lambda: Qwen2Config(**DIMS, tie_word_embeddings=False),  # q, k, v biases
-    "qwen3": lambda: Qwen3Config(**DIMS, head_dim=32, tie_word_embeddings=True),
-}
-# Each projection, and the input it reads: act order's column order comes from the input's
-# statistics, so the projections of one input share it.
-PROJECTIONS = {
-    "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
-    "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down",
-}  # fmt: skip
-
-
-def _words(nibbles: torch.Tensor) -> torch.Tensor:
-    """[..., 8] values in 0..15 -> int32 words [...], value i in bits 4i..4i+3."""
-    words = sum(nibbles[..., i].long() << (4 * i) for i in range(8))
-    return (words - ((words >> 31) & 1) * 2**32).to(torch.int32).contiguous()  # two's complement
-
-
-def _pack_columns(values: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:
-    """[R, C] -> [R, C / 8]: each run of 8 columns a word, nibble i holding column order[i]."""
-    rows, cols = values.shape
-    return _words(values.view(rows, cols // 8, 8)[:, :, list(order)])
-
-
-def _quantize(w: torch.Tensor, g_idx: torch.Tensor, groups: int, sym: bool):
-    """Min-max 4-bit quantization of w [N, K] by the groups of g_idx, as AutoAWQ's and GPTQ's
-    quantizers round: (q [K, N], zeros [G, N], fp16 scales [G, N]), w ~ (q - z) * s."""
-    n = w.shape[0]
-    scales, zeros = torch.empty(groups, n, dtype=torch.float16), torch.empty(groups, n)
-    for g in range(groups):
-        block = w[:, g_idx == g]
-        if sym:
-            scales[g] = (2 * block.abs().amax(1) / 15).half()
-            zeros[g] = 8
-        else:
-            lo, hi = block.amin(1).clamp(max=0), block.amax(1).clamp(min=0)
-            scales[g] = ((hi - lo) / 15).half()
-            zeros[g] = torch.round(-lo / scales[g].float()).clamp(1, 15)  # v1 stores z - 1
-    s, z = scales.float()[g_idx], zeros[g_idx]  # [K, N]
-    q = torch.round(w.t() / s + z).clamp(0, 15)
-    return q.long().contiguous(), zeros.long(), scales
-
-
-def write_checkpoint(arch: str, tmp_path, method: str, **options):
-    """A random `arch` model quantized in `method`'s layout: (the quantized checkpoint's
-    directory, a float checkpoint of its exact dequantized weights, HF on those weights).
-    options: group_size, sym, desc_act, checkpoint_format (GPTQ)."""
-    group, act_order = options.get("group_size", 128), options.get("desc_act", False)
-    gen = torch.Generator().manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(CONFIGS[arch](), dtype=torch.float32).eval()
-    state, orders = {}, {}
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.2 * noise if "norm" in name else 0.15 * noise)
-        for name, p in hf.named_parameters():
-            layer, projection, _ = ("", "", *name.split("."))[-3:]
-            if projection not in PROJECTIONS or not name.endswith(".weight"):
-                state[name] = p.detach().clone()
-                continue
-            k = p.shape[1]
-            size = k if group == -1 else group
-            g_idx = torch.arange(k) // size
-            if act_order:
-                key = (layer.rsplit(".", 1)[0], PROJECTIONS[projection])
-                g_idx = g_idx[orders.setdefault(key, torch.randperm(k, generator=gen))]
-            q, z, s = _quantize(p, g_idx, k // size, options.get("sym", False))
-            p.copy_(((q - z[g_idx]) * s.float()[g_idx]).t())  # the reference dequantization
-            prefix = name.removesuffix(".weight")
-            if method == "awq":
-                state[f"{prefix}.qweight"] = _pack_columns(q, AWQ_ORDER)
-                state[f"{prefix}.qzeros"] = _pack_columns(z, AWQ_ORDER)
-            else:
-                offset = 0 if options.get("checkpoint_format") == "gptq_v2" else 1
-                state[f"{prefix}.qweight"] = _pack_columns(q.t()).t().contiguous()
-                state[f"{prefix}.qzeros"] = _pack_columns((z - offset) & 0xF)
-                state[f"{prefix}.g_idx"] = g_idx.to(torch.int32)
-            state[f"{prefix}.scales"] = s
-    if hf.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    float_dir, quant_dir = tmp_path / "float", tmp_path / method
-    hf.save_pretrained(float_dir)
-    quant_dir.mkdir()
-    save_file(state, quant_dir / "model.safetensors")
-    config = json.loads((float_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": group}
-    config["quantization_config"] |= (
-        {"zero_point": True, "version": "gemm"} if method == "awq" else {"sym": False} | options
-    )
-    (quant_dir / "config.json").write_text(json.dumps(config))
-    return str(quant_dir), str(float_dir), hf
 
 
 def _load(path: str, **kwargs):
@@ -232,6 +129,33 @@ def test_shards_that_split_groups_raise(tmp_path, method, options, match):
         _shards(path, quantization=method)
 
 
+@pytest.mark.parametrize("case", ["awq-g128-llama", "gptq-g64-act-order-qwen3"])
+def test_four_bit_layers_are_never_made_or_read_in_float(case, tmp_path, monkeypatch):
+    """The load keeps each 4-bit layer without a float detour: no packed layer is read as
+    float values, and each Int4Weight is built on codes with its Linear's weight still a
+    meta tensor (never made on the device)."""
+    from octavo.model.int4_checkpoint import _Layer
+
+    arch, method, options = CASES[case]
+    path, _, _ = write_checkpoint(arch, tmp_path, method, **options)
+    narrowed, built = [], []
+    narrow, init = _Layer.narrow, quantization.Int4Weight.__init__
+
+    def spy_narrow(self, *args):
+        narrowed.append(self.part)
+        return narrow(self, *args)
+
+    def spy_init(self, weight, *args, **kwargs):
+        built.append((weight.is_meta, kwargs.get("codes") is not None))
+        init(self, weight, *args, **kwargs)
+
+    monkeypatch.setattr(_Layer, "narrow", spy_narrow)
+    monkeypatch.setattr(quantization.Int4Weight, "__init__", spy_init)
+    model = _load(path, quantization=method)
+    assert "float" not in narrowed and "codes" in narrowed
+    assert built == [(True, True)] * len(_linears(model))
+
+
 ENGINE = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 64, "max_model_len": 256}
 
 
@@ -324,13 +248,14 @@ class _Recorded:
         return self.tensor.narrow(dim, start, length)
 
 
-@pytest.mark.parametrize("part", ["float", "groups", "group_ids"])
+@pytest.mark.parametrize("part", ["float", "codes", "groups", "group_ids"])
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_a_rank_reads_only_the_qweight_words_of_its_slice(method, part):
     """A packed layer narrowed to some output rows or input features (as a column- or
     row-parallel rank's loader narrows it) equals the whole layer's slice, unaligned to the
     eight-value words too, and reads only the words that hold the slice (no qweight at all
-    for the groups and group ids)."""
+    for the groups and group ids). The groups count two columns a run of 32 input features:
+    a slice of whole runs is narrowed in those units."""
     from octavo.model.int4_checkpoint import Int4Format, _Layer
 
     k, n, group = 256, 64, 64
@@ -344,16 +269,40 @@ def test_a_rank_reads_only_the_qweight_words_of_its_slice(method, part):
     if method == "gptq":  # act order: the groups numbered out of order
         tensors["g_idx"] = (torch.arange(k) // group).flip(0).int()
     fmt = Int4Format(method, group, 32, method == "gptq", 0)
+    unit = 16 if part == "groups" else 1
     whole = _Layer("layer", tensors, fmt, part).narrow(0, 0, n)
-    assert whole.shape == (n, k)
+    assert whole.shape == (n, k // unit)
     for dim, start, length in ((0, 16, 24), (0, 12, 20), (1, 64, 128), (1, 12, 100)):
+        if dim == 1 and part == "groups":
+            if start % 32 or length % 32:
+                continue  # not whole runs
+            start, length = start // unit, length // unit
         recorded = _Recorded(tensors["qweight"])
         layer = _Layer("layer", {**tensors, "qweight": recorded}, fmt, part)
         got = layer.narrow(dim, start, length)
-        assert torch.equal(got.isnan(), whole.narrow(dim, start, length).isnan())
-        assert torch.equal(got.nan_to_num(), whole.narrow(dim, start, length).nan_to_num())
-        if part != "float":
+        assert torch.equal(got, whole.narrow(dim, start, length))
+        if part in ("groups", "group_ids"):
             assert recorded.reads == []
             continue
         ((read_dim, read),) = recorded.reads  # one read, along the words' dimension
         assert read_dim == 1 - dim and read < words[read_dim]
+
+
+def test_groups_of_a_run_are_its_groups_scale_and_minimum():
+    """The groups part on a literal layer: runs of 32 input features in g_idx's order, each
+    with its group's scale and minimum (-zero * scale)."""
+    from octavo.model.int4_checkpoint import Int4Format, _Layer
+
+    k, n, group = 128, 8, 64
+    scales = torch.tensor([[1.0] * n, [2.0] * n]).half()  # [G, N]
+    zeros = torch.tensor([[0x33333333], [0x55555555]], dtype=torch.int32)  # zero 3, then 5
+    tensors = {
+        "qweight": torch.zeros(k // 8, n, dtype=torch.int32),
+        "qzeros": zeros,
+        "scales": scales,
+        "g_idx": (torch.arange(k) // group).flip(0).int(),  # group 1 first along K
+    }
+    fmt = Int4Format("gptq", group, 32, True, 0)
+    got = _Layer("layer", tensors, fmt, "groups").narrow(0, 0, n)
+    # sorted by group: runs 0, 1 are group 0 (scale 1, min -3), runs 2, 3 group 1 (2, -10)
+    assert got.tolist() == [[1.0, -3.0, 1.0, -3.0, 2.0, -10.0, 2.0, -10.0]] * n

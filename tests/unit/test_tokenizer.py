@@ -89,7 +89,9 @@ def test_a_converted_gguf_tokenizer_is_cached_on_disk(smollm2_path, monkeypatch,
     real_convert = tokenizer_module._convert_gguf_tokenizer
     calls = []
     monkeypatch.setattr(
-        tokenizer_module, "_convert_gguf_tokenizer", lambda p: calls.append(real_convert(p)) or calls[-1]
+        tokenizer_module,
+        "_convert_gguf_tokenizer",
+        lambda p: calls.append(real_convert(p)) or calls[-1],
     )
     path = os.path.realpath(smollm2_path)
     converted = tokenizer_module._load_cached.__wrapped__(path)

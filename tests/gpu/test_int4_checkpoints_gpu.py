@@ -1,0 +1,65 @@
+"""AWQ and GPTQ checkpoints loaded on CUDA in bfloat16: every projection keeps its 4-bit
+groups for the Triton W4A16 kernels and equals the reference dequantization within the
+grid's bfloat16 rounding, the logits stay as close to HF's as the float model's in bfloat16,
+and the load never holds the float projections: its peak allocation stays far below their
+bfloat16 size beyond what the loaded model holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from int4_checkpoints import write_checkpoint
+from model_utils import PagedRunner, hf_logits, rel_err
+
+from octavo.model.hf_config import load_hf_config
+from octavo.model.layers import Linear
+from octavo.model.loader import load_model
+
+CUDA = torch.device("cuda")
+# Heads of 128 and an MLP of 4096: projections of 2-8 M weights, so that a float copy of
+# them (~120 MB in bfloat16) would stand out against the packed model (~35 MB).
+DIMS = {
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+}
+CASES = {
+    "awq-g128-llama": ("llama", "awq", {"group_size": 128}),
+    "gptq-g64-act-order-qwen3": ("qwen3", "gptq", {"group_size": 64, "desc_act": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_int4_checkpoint_loads_on_the_gpu_without_float_weights(case, tmp_path):
+    arch, method, options = CASES[case]
+    path, float_path, hf = write_checkpoint(arch, tmp_path, method, dims=DIMS, **options)
+    cfg, float_cfg = load_hf_config(path), load_hf_config(float_path)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model = load_model(path, cfg, torch.bfloat16, CUDA, quantization=method)
+    peak = torch.cuda.max_memory_allocated() - base
+    held = torch.cuda.memory_allocated() - base
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    float_bytes = sum(2 * m.quant.out_features * m.quant.in_features for m in linears.values())
+    assert peak - held < 0.2 * float_bytes, (peak, held, float_bytes)
+
+    reference = dict(load_model(float_path, float_cfg, torch.float32, CUDA).named_modules())
+    for name, linear in linears.items():
+        assert linear.weight is None and linear.quant.gpu_kernel, name
+        eye = torch.eye(linear.quant.in_features, dtype=torch.bfloat16, device=CUDA)
+        assert rel_err(linear.quant(eye).t(), reference[name].weight) < 1e-2, name
+
+    ids = list(range(3, 40))
+    ref = hf_logits(hf, ids)
+    (logits,) = PagedRunner(model, cfg).step([(0, ids)])
+    bf16 = load_model(float_path, float_cfg, torch.bfloat16, CUDA)
+    (bf16_logits,) = PagedRunner(bf16, float_cfg).step([(0, ids)])
+    assert rel_err(logits.float().cpu(), ref) < 1.5 * rel_err(bf16_logits.float().cpu(), ref)
