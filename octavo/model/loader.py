@@ -253,8 +253,8 @@ def _keep_int4_codes(
         return torch.empty(m.weight.shape, dtype=dtype, device=device)
 
     def order(m: Linear, ids: torch.Tensor) -> None:
-        if m in grids:
-            columns[m] = _group_order(ids, run, names[m])
+        if m in grids and (cols := _group_order(ids, run, names[m])) is not None:
+            columns[m] = cols.to(device)
 
     def keep(m: Linear, codes: torch.Tensor) -> None:
         if m not in grids:

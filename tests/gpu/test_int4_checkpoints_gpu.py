@@ -6,6 +6,8 @@ bfloat16 size beyond what the loaded model holds."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -20,12 +22,13 @@ from octavo.model.layers import Linear
 from octavo.model.loader import load_model
 
 CUDA = torch.device("cuda")
-# Heads of 128 and an MLP of 4096: projections of 2-8 M weights, so that a float copy of
-# them (~120 MB in bfloat16) would stand out against the packed model (~35 MB).
+# Heads of 128 and an MLP of 4096: projections of 1-8 M weights, 8 layers of them, so that a
+# float copy (~240 MB in bfloat16) stands out against the packed model and against the
+# scratch of the one Linear in flight (its codes and their packing, ~40 MB at most).
 DIMS = {
     "hidden_size": 1024,
     "intermediate_size": 4096,
-    "num_hidden_layers": 4,
+    "num_hidden_layers": 8,
     "num_attention_heads": 8,
     "num_key_value_heads": 4,
     "head_dim": 128,
@@ -41,6 +44,7 @@ def test_int4_checkpoint_loads_on_the_gpu_without_float_weights(case, tmp_path):
     arch, method, options = CASES[case]
     path, float_path, hf = write_checkpoint(arch, tmp_path, method, dims=DIMS, **options)
     cfg, float_cfg = load_hf_config(path), load_hf_config(float_path)
+    gc.collect()  # an earlier test's tensors, freed now rather than during the load
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -49,7 +53,7 @@ def test_int4_checkpoint_loads_on_the_gpu_without_float_weights(case, tmp_path):
     held = torch.cuda.memory_allocated() - base
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
     float_bytes = sum(2 * m.quant.out_features * m.quant.in_features for m in linears.values())
-    assert peak - held < 0.2 * float_bytes, (peak, held, float_bytes)
+    assert peak - held < 0.25 * float_bytes, (peak, held, float_bytes)
 
     reference = dict(load_model(float_path, float_cfg, torch.float32, CUDA).named_modules())
     for name, linear in linears.items():
