@@ -165,7 +165,9 @@ def _keep_gguf_blocks(net: nn.Module, path: str, kept: list[_Kept]) -> None:
     _keep_gguf_q8_0_head(net, path)
 
 
-def _scratch(linear: Linear, columns: int, dtype: torch.dtype, device) -> torch.Tensor:
+def _scratch(
+    linear: Linear, columns: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
     """[the Linear's rows, columns] in `dtype` on `device`: NaN if floating, else empty."""
     shape = (linear.weight.shape[0], columns)
     if dtype.is_floating_point:
@@ -174,7 +176,11 @@ def _scratch(linear: Linear, columns: int, dtype: torch.dtype, device) -> torch.
 
 
 def _load_float_but(
-    net: nn.Module, model: str, hf_config: PretrainedConfig, kept: set[Linear], device
+    net: nn.Module,
+    model: str,
+    hf_config: PretrainedConfig,
+    kept: set[Linear],
+    device: torch.device,
 ) -> None:
     """Loads every weight but those of the `kept` Linears (their checkpoint tensors are not
     read), making each other Linear's weight on `device` first."""
@@ -183,15 +189,22 @@ def _load_float_but(
             old = m.weight
             m.weight = nn.Parameter(torch.empty_like(old, device=device), requires_grad=False)
             m.weight.__dict__.update(old.__dict__)  # its loader and shard ids
-    saved = {m: m.weight.weight_loader for m in kept}
-    for m in kept:
-        m.weight.weight_loader = _load_nothing
-    try:
+    with _weight_loaders({m.weight: _load_nothing for m in kept}):
         loaded = net.load_weights(iter_weights(model, hf_config))
-    finally:
-        for m, loader in saved.items():
-            m.weight.weight_loader = loader
     _check_all_loaded(net, loaded, model)
+
+
+@contextmanager
+def _weight_loaders(loaders: dict[nn.Parameter, Callable]):
+    """Gives each parameter its loader here while open; restores theirs on exit."""
+    saved = {param: param.weight_loader for param in loaders}
+    for param, loader in loaders.items():
+        param.weight_loader = loader
+    try:
+        yield
+    finally:
+        for param, loader in saved.items():
+            param.weight_loader = loader
 
 
 def _load_nothing(param: nn.Parameter, loaded_weight, *shard_id) -> None:
@@ -249,33 +262,29 @@ def _keep_int4_codes(
     names = {m: name for name, m in net.named_modules() if isinstance(m, Linear)}
     run, columns = fmt.kernel_group_size, {}
 
-    def scratch(dtype: torch.dtype, m: Linear) -> torch.Tensor:
-        return torch.empty(m.weight.shape, dtype=dtype, device=device)
-
     def order(m: Linear, ids: torch.Tensor) -> None:
-        if m in grids and (cols := _group_order(ids, run, names[m])) is not None:
+        if (cols := _group_order(ids, run, names[m])) is not None:
             columns[m] = cols.to(device)
 
     def keep(m: Linear, codes: torch.Tensor) -> None:
-        if m not in grids:
-            return  # a Linear with a part not 4-bit, loaded as float
-        grid, cols = grids[m], columns.get(m)
+        grid, cols = grids.pop(m), columns.pop(m, None)  # each dropped once packed
         if cols is not None:
             codes = codes[:, cols]
         grid = (grid[:, 0::2], grid[:, 1::2])
         m.quant = Int4Weight(m.weight, run, grid=grid, columns=cols, codes=codes)
         m.weight = None
 
-    if fmt.act_order:
+    if fmt.act_order:  # each column's group, on the CPU
         ids = iter_int4_weights(_iter_files(model), fmt, "group_ids")
-        cpu_ids = {m: functools.partial(_scratch, m, m.weight.shape[1], torch.float32, "cpu")
-                   for m in names}  # fmt: skip
-        _place(net, cpu_ids, ids, finish=order)
+        make = {m: functools.partial(_scratch, m, m.weight.shape[1], torch.float32, "cpu")
+                for m in grids}  # fmt: skip
+        _place(net, make, ids, finish=order)
     codes = iter_int4_weights(_iter_files(model), fmt, "codes")
-    _place(net, {m: functools.partial(scratch, torch.uint8, m) for m in names}, codes, keep)
-    left = [names[m] for m in grids if m.weight is not None]
-    if left:
-        raise RuntimeError(f"the checkpoint's codes did not reach {left}")
+    make = {m: functools.partial(_scratch, m, m.weight.shape[1], torch.uint8, device)
+            for m in grids}  # fmt: skip
+    _place(net, make, codes, finish=keep)
+    if grids:
+        raise RuntimeError(f"the checkpoint's codes did not reach {[names[m] for m in grids]}")
 
 
 def _place(
@@ -285,10 +294,11 @@ def _place(
     finish: Callable[[Linear, torch.Tensor], None] | None = None,
 ) -> dict[Linear, torch.Tensor]:
     """Feeds `stream` (checkpoint tensors that stand for Linear weights) through each Linear
-    m's own weight loader, which fuses and shards them as it does weights, into a scratch
-    made by make[m]() at m's first tensor instead of into its weight (not touched: it may be
-    on the meta device). Returns the scratches made. With `finish`, finish(m, scratch) runs as
-    soon as all of m's parts have landed, and the scratch is dropped then.
+    m of `make` to its own weight loader, which fuses and shards them as it does weights,
+    into a scratch made by make[m]() at m's first tensor instead of into its weight (not
+    touched: it may be on the meta device); a Linear not in `make` takes nothing. Returns
+    the scratches made. With `finish`, finish(m, scratch) runs as soon as all of m's parts
+    have landed, and the scratch is dropped then.
     """
     made: dict[Linear, torch.Tensor] = {}
     seen: dict[Linear, set] = {}
@@ -301,15 +311,11 @@ def _place(
         if finish is not None and seen[m] >= set(getattr(param, "shard_ids", (None,))):
             finish(m, made.pop(m))
 
-    saved = {m: m.weight.weight_loader for m in make}
-    for m in make:
-        m.weight.weight_loader = functools.partial(load, m)
-    try:
+    linears = [m for m in net.modules() if isinstance(m, Linear)]
+    loaders = {m.weight: functools.partial(load, m) if m in make else _load_nothing
+               for m in linears}  # fmt: skip
+    with _weight_loaders(loaders):
         net.load_weights((name, t) for name, t in stream if not name.endswith(_NOT_LINEAR))
-    finally:
-        for m, loader in saved.items():
-            if m.weight is not None:
-                m.weight.weight_loader = loader
     return made
 
 

@@ -95,17 +95,6 @@ def quantize_int4(
     return q.view(n, -1).to(torch.uint8), scale, lo
 
 
-def quantize_int4_on_grid(
-    w: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, param_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """quantize_int4 for a `w` [N, K] that lies on a known grid: per group, scale and min
-    [N, G] with w = q * scale + min (a GGUF Q4 tensor's blocks), recovering those q."""
-    n, groups = scale.shape
-    grouped = w.float().view(n, groups, -1)
-    q = torch.round((grouped - lo.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
-    return q.view(n, -1).to(torch.uint8), scale.to(param_dtype), lo.to(param_dtype)
-
-
 def dequantize_int4(
     q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, in_features: int, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -286,12 +275,12 @@ class Int4Weight(QuantizedWeight):
         columns: torch.Tensor | None = None,
         codes: torch.Tensor | None = None,
     ) -> None:
-        """grid: the (scale, min) [N, K / group_size] that `weight` already lies on, kept
-        instead of new ones (quantize_int4_on_grid). columns [K]: the input column each of
-        the weight's columns takes (forward permutes x so), or None for all in order.
-        codes: with `grid`, the weight's codes on it, uint8 [N, K] in 0..15 (a GGUF file's),
-        kept as they are: `weight` is then not read, only its shape and dtype (it may be on
-        the meta device; the codes' device is the weight's)."""
+        """Quantizes `weight` (round to nearest), or keeps a checkpoint's own 4-bit weight:
+        its `codes` uint8 [N, K] in 0..15 on `grid`, the (scale, min) [N, K / group_size]
+        with w = code * scale + min (a GGUF file's or an AWQ/GPTQ checkpoint's); `weight` is
+        then not read, only its shape and dtype (it may be on the meta device; the codes'
+        device is the weight's). columns [K]: the input column each of the weight's columns
+        takes (forward permutes x so), or None for all in order."""
         super().__init__(weight)
         self.register_buffer("columns", columns)
         self.group_size = group_size
@@ -299,13 +288,11 @@ class Int4Weight(QuantizedWeight):
         self.cpu_kernel = _uses_cpu_kernels(device)
         self.gpu_kernel = _uses_gpu_kernels(device, weight.dtype, group_size)
         param_dtype = torch.bfloat16 if self.cpu_kernel else weight.dtype
-        if grid is None:
+        if codes is None:
             q, scale, lo = quantize_int4(weight, group_size, param_dtype)
-        elif codes is not None:
-            assert codes.shape == weight.shape and codes.dtype == torch.uint8
-            q, scale, lo = codes, grid[0].to(param_dtype), grid[1].to(param_dtype)
         else:
-            q, scale, lo = quantize_int4_on_grid(weight, *grid, param_dtype)
+            assert grid is not None and codes.shape == weight.shape and codes.dtype == torch.uint8
+            q, scale, lo = codes, grid[0].to(param_dtype), grid[1].to(param_dtype)
         self.padded_in_features = q.shape[1]
         if self.gpu_kernel and group_size > 128:  # the kernels' largest: runs of 128
             runs = group_size // 128

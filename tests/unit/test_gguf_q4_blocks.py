@@ -102,8 +102,13 @@ def test_q4_0_and_q4_1_projections_keep_the_files_codes(tmp_path, monkeypatch):
         assert torch.equal(_dequantized(module.quant), plain[name].weight), name
         if not quantization.CPU_KERNELS:
             continue
-        grid = (module.quant.scale, module.quant.min)
-        want = quantization.Int4Weight(plain[name].weight, 32, grid=grid)
+        # The codes recovered from the float load's weight on the kept grid, packed again.
+        scale, lo = module.quant.scale, module.quant.min
+        w = plain[name].weight.view(scale.shape[0], scale.shape[1], 32)
+        codes = ((w - lo[..., None]) / scale[..., None]).round().view(w.shape[0], -1)
+        want = quantization.Int4Weight(
+            plain[name].weight, 32, grid=(scale, lo), codes=codes.to(torch.uint8)
+        )
         got = with_kernels[name].quant
         assert got.cpu_kernel and torch.equal(got.qweight, want.qweight), name
         assert torch.equal(got.qscale_zero, want.qscale_zero), name

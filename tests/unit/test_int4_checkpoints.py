@@ -12,6 +12,7 @@ import pytest
 import torch
 from int4_checkpoints import AWQ_ORDER, write_checkpoint
 from model_utils import PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
+from safetensors.torch import load_file, save_file
 
 from octavo import LLM, SamplingParams
 from octavo.model import quantization
@@ -154,6 +155,51 @@ def test_four_bit_layers_are_never_made_or_read_in_float(case, tmp_path, monkeyp
     model = _load(path, quantization=method)
     assert "float" not in narrowed and "codes" in narrowed
     assert built == [(True, True)] * len(_linears(model))
+
+
+# Projections stored in float beside 4-bit ones (as a checkpoint's modules_to_not_convert).
+FLOAT_PARTS = ("layers.0.self_attn.v_proj", "layers.1.self_attn.o_proj", "layers.1.mlp.up_proj")
+
+
+@pytest.mark.parametrize(
+    "method,options,ranks",
+    [("awq", {}, 1), ("awq", {}, 2), ("gptq", {"desc_act": True}, 1), ("gptq", {}, 2)],
+)
+def test_a_layer_with_a_float_part_loads_as_float(tmp_path, monkeypatch, method, options, ranks):
+    """A fused Linear with one float part (v of qkv, up of gate_up) and a plain one in float
+    (o) load as float, their 4-bit parts dequantized, on each tensor-parallel rank; the
+    others keep their groups; q/k/v biases (Qwen2) load alike."""
+    path, float_path, _ = write_checkpoint("qwen2", tmp_path, method, group_size=32, **options)
+    tensors, floats = (
+        load_file(f"{path}/model.safetensors"),
+        load_file(f"{float_path}/model.safetensors"),
+    )
+    for part in FLOAT_PARTS:
+        prefix = f"model.{part}"
+        for suffix in ("qweight", "qzeros", "scales", "g_idx"):
+            tensors.pop(f"{prefix}.{suffix}", None)
+        tensors[f"{prefix}.weight"] = floats[f"{prefix}.weight"]
+    save_file(tensors, f"{path}/model.safetensors")
+    monkeypatch.setattr(quantization, "CPU_KERNELS", False)
+    if ranks == 1:
+        shards, references = [_load(path, quantization=method)], [_load(float_path)]
+    else:
+        shards, references = _shards(path, quantization=method), _shards(float_path)
+    float_linears = (
+        "layers.0.self_attn.qkv_proj",
+        "layers.1.self_attn.o_proj",
+        "layers.1.mlp.gate_up_proj",
+    )
+    for model, reference in zip(shards, references, strict=True):
+        plain = dict(reference.named_parameters())
+        for name, p in model.named_parameters():  # float weights, biases, norms, embeddings
+            assert ".quant." in name or torch.equal(p, plain[name]), name
+        for name, module in _linears(model).items():
+            if name.endswith(float_linears):
+                assert module.quant is None and module.weight.device == CPU, name
+                continue
+            eye = torch.eye(module.quant.in_features)
+            assert torch.equal(module.quant(eye).t(), plain[f"{name}.weight"]), name
 
 
 ENGINE = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 64, "max_model_len": 256}

@@ -127,17 +127,17 @@ def test_int4_round_trip_within_half_a_step_per_group():
     assert (scale[:, 1] < 1 / 15 + 1e-6).all()  # the partial group's range is its own
 
 
-def test_int4_on_a_known_grid_recovers_its_values(kernels):
-    """A weight on a GGUF-style grid (w = q * d + m in blocks of 32) keeps that grid: its
-    codes and scales, so the product equals the grid's own float product."""
+def test_int4_keeps_a_checkpoints_codes_on_its_grid(kernels):
+    """A checkpoint's own codes on its grid (w = q * d + m in blocks of 32, as GGUF's Q4_1 or
+    AWQ's) are kept as they are: the product equals the grid's own float product, and the
+    weight passed beside them is not read (a meta tensor)."""
     n, k = 48, 96
-    codes = torch.randint(0, 16, (n, k))
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     d, m = torch.rand(n, k // 32) * 0.05 + 1e-3, torch.randn(n, k // 32) * 0.1
     w = codes * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
-    found, scale, lo = q.quantize_int4_on_grid(w, d, m, torch.float32)
-    assert torch.equal(found.long(), codes)
-    assert torch.equal(scale, d) and torch.equal(lo, m)
-    layer = q.Int4Weight(w, 32, grid=(d, m))
+    meta = torch.empty(n, k, device="meta")
+    layer = q.Int4Weight(meta, 32, grid=(d, m), codes=codes)
+    assert layer.cpu_kernel == q.CPU_KERNELS
     x = torch.randn(5, k)
     assert rel_err(layer(x), x @ w.t()) < _tolerance(kernels)
 
