@@ -1,12 +1,12 @@
 """An HF fp8 checkpoint read as it is: e4m3 weights, each with a float32 scale per 128 x 128
 block (`<name>.weight_scale_inv`, w = q * scale), as Qwen3's and DeepSeek's FP8 releases.
 
-The codes load through the model's weight loaders as any weight does (every e4m3 value is
-exact in bfloat16, float16 and float32). The scales are set aside meanwhile, then placed by
-the same loaders: each Linear's loader gets a `BlockGrid` in place of its weight and one in
-place of the checkpoint tensor, matrices in element units that hold one value per block.
-The loaders only narrow and copy, so fusing and tensor-parallel slicing put each block's
-scale where they put the block's values:
+The scales are read first and placed by the model's weight loaders: each Linear's loader
+gets a `BlockGrid` in place of its weight and one in place of the checkpoint tensor,
+matrices in element units that hold one value per block. The loaders only narrow and copy,
+so fusing and tensor-parallel slicing put each block's scale where they put the block's
+values. The e4m3 codes of the Linears that got scales then go through the same loaders into
+e4m3 scratch (model/loader.py), never into float weights:
 
     qkv_proj.weight  [(H + 2 * KVH) * D, hidden]   rows: | q: H * D | k: KVH * D | v: KVH * D |
     its scales       [(H + 2 * KVH) * D / 128, hidden / 128]   the same row ranges, / 128
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from octavo.model.layers import Linear
-from octavo.model.quantization import FP8_BLOCK, Fp8BlockWeight
+from octavo.model.quantization import FP8_BLOCK
 
 SCALE_SUFFIX = ".weight_scale_inv"
 
@@ -85,31 +85,25 @@ def _blocks_of(shape: tuple[int, int]) -> tuple[int, int]:
 
 
 class Fp8Checkpoint:
-    """Sets an fp8 checkpoint's scales aside while its weights load (`weights`), then gives
-    each Linear whose weight has them an Fp8BlockWeight (`keep_blocks`)."""
+    """An fp8 checkpoint's scales (read whole: they are small) and its weights' shapes, read
+    from `weights` (its tensors, lazy ones not read); `place_scales` finds the Linears they
+    cover, whose e4m3 codes the loader then keeps in Fp8BlockWeights."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.scales: dict[str, torch.Tensor] = {}  # weight name -> [N / 128, K / 128]
         self.shapes: dict[str, tuple[int, int]] = {}  # weight name -> [N, K]
-
-    def weights(
-        self, stream: Iterator[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """`stream` without its scales, which it keeps (read whole: they are small)."""
-        for name, tensor in stream:
+        for name, tensor in weights:
             if name.endswith(SCALE_SUFFIX):
                 if not isinstance(tensor, torch.Tensor):  # a lazy tensor
                     tensor = tensor.narrow(0, 0, tensor.shape[0])
                 self.scales[name.removesuffix("_scale_inv")] = tensor.float()
-                continue
-            if name.endswith(".weight"):
+            elif name.endswith(".weight"):
                 self.shapes[name] = tuple(tensor.shape)
-            yield name, tensor
 
-    def keep_blocks(self, net: nn.Module) -> None:
-        """Places the scales through the model's weight loaders; each Linear that got scales
-        for all its weight holds an Fp8BlockWeight on its codes from then on, and one that
-        got none (a module the checkpoint keeps in float) stays as it is.
+    def place_scales(self, net: nn.Module, device: torch.device) -> dict[Linear, BlockGrid]:
+        """Places the scales through the model's weight loaders; returns the grid of each
+        Linear that got scales for all its weight (one that got none, a module the
+        checkpoint keeps in float, is left out).
 
         Raises:
             ValueError: a scale tensor of the wrong shape or for no Linear's weight, a Linear
@@ -119,13 +113,14 @@ class Fp8Checkpoint:
         names = {m: n for n, m in net.named_modules() if isinstance(m, Linear)}
         grids = {
             m: BlockGrid(
-                torch.full(_blocks_of(m.weight.shape), float("nan"), device=m.weight.device),
+                torch.full(_blocks_of(m.weight.shape), float("nan"), device=device),
                 tuple(m.weight.shape),
             )
             for m in names
         }
         with _loaders_onto(net, grids, names):
             net.load_weights((name, self._grid(name, s)) for name, s in self.scales.items())
+        kept = {}
         for module, grid in grids.items():
             missing = grid.blocks.isnan()
             if missing.all():
@@ -134,9 +129,8 @@ class Fp8Checkpoint:
                 raise ValueError(
                     f"the checkpoint's fp8 scales cover only part of {names[module]}.weight"
                 )
-            codes = module.weight.detach().to(torch.float8_e4m3fn)
-            module.quant = Fp8BlockWeight(codes, grid.blocks, module.weight.dtype)
-            module.weight = None
+            kept[module] = grid
+        return kept
 
     def _grid(self, name: str, scale: torch.Tensor) -> BlockGrid:
         shape = self.shapes.get(name)

@@ -16,11 +16,13 @@ from torch import nn
 from octavo.model.int4_checkpoint import CHECKPOINT_METHODS, int4_format, iter_int4_weights
 from octavo.model.layers import LINEAR_WEIGHT_DEVICE, Linear, RMSNorm, default_weight_loader
 from octavo.model.quant_method import check_quantization, checkpoint_method
-from octavo.model.quantization import Int4Weight, Q8Weight
+from octavo.model.quantization import Fp8BlockWeight, Int4Weight, Q8Weight
 from octavo.model.registry import get_model_class
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from octavo.model.fp8_checkpoint import BlockGrid
 
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_STD = 0.02
@@ -57,11 +59,7 @@ def load_model(
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     device = torch.device(device)
     check_quantization(quantization, device, hf_config, load_format)
-    fp8_blocks = None  # an fp8 checkpoint read as it is
-    if load_format != "dummy" and checkpoint_method(hf_config) == "fp8":
-        from octavo.model.fp8_checkpoint import Fp8Checkpoint
-
-        fp8_blocks = Fp8Checkpoint()
+    fp8_blocks = load_format != "dummy" and checkpoint_method(hf_config) == "fp8"  # as it is
     if quantization == "gguf" and (load_format == "dummy" or not model.endswith(".gguf")):
         raise ValueError(
             f"quantization='gguf' keeps a GGUF file's blocks: it needs a .gguf model file "
@@ -69,7 +67,7 @@ def load_model(
         )
     # A checkpoint's own quantized tensors stand in for the Linear weights they cover, which
     # are never made in float: Linear weights start on the meta device (LINEAR_WEIGHT_DEVICE).
-    keeps = quantization == "gguf" or quantization in CHECKPOINT_METHODS
+    keeps = quantization == "gguf" or quantization in CHECKPOINT_METHODS or fp8_blocks
     with _default_dtype(dtype), device, _linear_weights_on("meta" if keeps else None):
         net = get_model_class(hf_config)(hf_config)
     net.eval().requires_grad_(False)
@@ -80,11 +78,10 @@ def load_model(
             kept = _load_gguf_placing_blocks(net, model, hf_config, device)
         elif quantization in CHECKPOINT_METHODS:  # its 4-bit layers never dequantized
             grids = _load_int4_placing_groups(net, model, hf_config, device)
+        elif fp8_blocks:  # its e4m3 layers never made in float
+            grids = _load_fp8_placing_scales(net, model, hf_config, device)
         else:
-            weights = iter_weights(model, hf_config)
-            if fp8_blocks is not None:
-                weights = fp8_blocks.weights(weights)
-            loaded = net.load_weights(weights)
+            loaded = net.load_weights(iter_weights(model, hf_config))
             _check_all_loaded(net, loaded, model)
     # Packing for the kernels runs on all of torch's threads: on a large model it is work
     # enough to gain from them, unlike the loaders' copies above.
@@ -93,8 +90,8 @@ def load_model(
             _keep_gguf_blocks(net, model, kept)
         elif quantization in CHECKPOINT_METHODS:
             _keep_int4_codes(net, model, hf_config, grids, device)
-        elif fp8_blocks is not None:
-            fp8_blocks.keep_blocks(net)
+        elif fp8_blocks:
+            _keep_fp8_codes(net, model, hf_config, grids, device)
         elif quantization is not None:
             for module in list(net.modules()):
                 if isinstance(module, Linear):
@@ -196,15 +193,19 @@ def _load_float_but(
 
 @contextmanager
 def _weight_loaders(loaders: dict[nn.Parameter, Callable]):
-    """Gives each parameter its loader here while open; restores theirs on exit."""
-    saved = {param: param.weight_loader for param in loaders}
+    """Gives each parameter its loader here while open; restores theirs on exit (a
+    parameter without one, such as a QuantizedWeight's, is left without)."""
+    saved = {param: param.__dict__.get("weight_loader") for param in loaders}
     for param, loader in loaders.items():
         param.weight_loader = loader
     try:
         yield
     finally:
         for param, loader in saved.items():
-            param.weight_loader = loader
+            if loader is None:
+                del param.weight_loader
+            else:
+                param.weight_loader = loader
 
 
 def _load_nothing(param: nn.Parameter, loaded_weight, *shard_id) -> None:
@@ -287,18 +288,53 @@ def _keep_int4_codes(
         raise RuntimeError(f"the checkpoint's codes did not reach {[names[m] for m in grids]}")
 
 
+def _load_fp8_placing_scales(
+    net: nn.Module, model: str, hf_config: PretrainedConfig, device: torch.device
+) -> dict[Linear, BlockGrid]:
+    """Loads an HF fp8 checkpoint into `net` but for each Linear its scales cover: for those,
+    returns their grids of scales (model/fp8_checkpoint.py); their float weights are never
+    made. Every other weight loads as float (a module the checkpoint keeps in float)."""
+    from octavo.model.fp8_checkpoint import Fp8Checkpoint
+
+    grids = Fp8Checkpoint(_iter_files(model)).place_scales(net, device)
+    _load_float_but(net, model, hf_config, set(grids), device)
+    return grids
+
+
+def _keep_fp8_codes(
+    net: nn.Module,
+    model: str,
+    hf_config: PretrainedConfig,
+    grids: dict[Linear, BlockGrid],
+    device: torch.device,
+) -> None:
+    """Gives each Linear of `grids` an Fp8BlockWeight on its checkpoint's e4m3 codes, placed
+    into scratch one Linear at a time (as _keep_int4_codes)."""
+
+    def keep(m: Linear, codes: torch.Tensor) -> None:
+        m.quant = Fp8BlockWeight(codes, grids.pop(m).blocks, m.weight.dtype)
+        m.weight = None
+
+    fp8 = torch.float8_e4m3fn
+    make = {m: functools.partial(torch.empty, tuple(m.weight.shape), dtype=fp8, device=device)
+            for m in grids}  # fmt: skip
+    _place(net, make, iter_weights(model, hf_config), finish=keep)
+    if grids:
+        raise RuntimeError(f"the checkpoint's codes did not reach {len(grids)} Linears")
+
+
 def _place(
     net: nn.Module,
     make: dict[Linear, Callable[[], torch.Tensor]],
     stream: Iterator[tuple[str, torch.Tensor]],
     finish: Callable[[Linear, torch.Tensor], None] | None = None,
 ) -> dict[Linear, torch.Tensor]:
-    """Feeds `stream` (checkpoint tensors that stand for Linear weights) through each Linear
-    m of `make` to its own weight loader, which fuses and shards them as it does weights,
-    into a scratch made by make[m]() at m's first tensor instead of into its weight (not
-    touched: it may be on the meta device); a Linear not in `make` takes nothing. Returns
-    the scratches made. With `finish`, finish(m, scratch) runs as soon as all of m's parts
-    have landed, and the scratch is dropped then.
+    """Feeds `stream` (checkpoint tensors, some standing for Linear weights) through each
+    Linear m of `make` to its own weight loader, which fuses and shards them as it does
+    weights, into a scratch made by make[m]() at m's first tensor instead of into its weight
+    (not touched: it may be on the meta device); every other parameter takes nothing.
+    Returns the scratches made. With `finish`, finish(m, scratch) runs as soon as all of m's
+    parts have landed, and the scratch is dropped then.
     """
     made: dict[Linear, torch.Tensor] = {}
     seen: dict[Linear, set] = {}
@@ -311,11 +347,10 @@ def _place(
         if finish is not None and seen[m] >= set(getattr(param, "shard_ids", (None,))):
             finish(m, made.pop(m))
 
-    linears = [m for m in net.modules() if isinstance(m, Linear)]
-    loaders = {m.weight: functools.partial(load, m) if m in make else _load_nothing
-               for m in linears}  # fmt: skip
+    loaders = {p: _load_nothing for p in net.parameters()}
+    loaders |= {m.weight: functools.partial(load, m) for m in make}
     with _weight_loaders(loaders):
-        net.load_weights((name, t) for name, t in stream if not name.endswith(_NOT_LINEAR))
+        net.load_weights(stream)
     return made
 
 
@@ -331,9 +366,6 @@ def _group_order(ids: torch.Tensor, size: int, name: str) -> torch.Tensor | None
             "tensor_parallel_size=1"
         )
     return None if torch.equal(order, torch.arange(len(order))) else order
-
-
-_NOT_LINEAR = ("embed_tokens.weight", "lm_head.weight")
 
 
 def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
@@ -424,7 +456,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 def iter_weights(model: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs from a `.gguf` file or an HF directory's weight files (an AWQ
-    or GPTQ checkpoint's packed 4-bit layers as their float weights). A tensor may be lazy
+    or GPTQ checkpoint's packed 4-bit layers as their float weights; an fp8 checkpoint's
+    without its scales). A tensor may be lazy
     (LazyTensor, gguf_loader.GGUFWeight): read when a weight loader narrows it."""
     if model.endswith(".gguf"):
         from octavo.model.gguf_loader import iter_gguf_weights
@@ -432,6 +465,10 @@ def iter_weights(model: str, hf_config: PretrainedConfig) -> Iterator[tuple[str,
         yield from iter_gguf_weights(model, hf_config, lazy=True)
     elif checkpoint_method(hf_config) in CHECKPOINT_METHODS:
         yield from iter_int4_weights(_iter_files(model), int4_format(hf_config), "float")
+    elif checkpoint_method(hf_config) == "fp8":  # its scales are read apart (Fp8Checkpoint)
+        from octavo.model.fp8_checkpoint import SCALE_SUFFIX
+
+        yield from ((n, t) for n, t in _iter_files(model) if not n.endswith(SCALE_SUFFIX))
     else:
         yield from _iter_files(model)
 

@@ -65,6 +65,38 @@ def test_loaded_weights_dequantize_exactly_to_the_reference(checkpoints):
     _assert_dequantizes_to(_load(fp8_path, "fp8")[0], _load(twin_path)[0])
 
 
+class _Reads:
+    """A lazy checkpoint tensor that records, for each e4m3 slice read of it, the dtype of
+    the tensor the weight loader was asked to place it in."""
+
+    def __init__(self, lazy, param, seen: list) -> None:
+        self.lazy, self.param, self.seen, self.shape = lazy, param, seen, lazy.shape
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        read = self.lazy.narrow(dim, start, length)
+        if read.dtype == torch.float8_e4m3fn:
+            self.seen.append(self.param.dtype)
+        return read
+
+
+def test_codes_are_never_made_in_float(checkpoints, monkeypatch):
+    """The e4m3 codes reach the weight loaders only to be placed into e4m3 scratch: no
+    projection's float weight is made and filled with them (the float model never exists)."""
+    from octavo.model import layers
+
+    seen = []
+    for cls in (layers.Linear, layers.RowParallelLinear, layers._FusedLinear):
+
+        def spy(self, param, loaded, *shard_id, loader=cls.weight_loader):
+            if isinstance(param, torch.Tensor) and hasattr(loaded, "_slice"):  # a LazyTensor
+                loaded = _Reads(loaded, param, seen)
+            loader(self, param, loaded, *shard_id)
+
+        monkeypatch.setattr(cls, "weight_loader", spy)
+    _load(checkpoints[0], "fp8")
+    assert seen and set(seen) == {torch.float8_e4m3fn}
+
+
 def test_each_rank_dequantizes_exactly_to_its_slices(checkpoints):
     """Tensor parallelism: q heads, gate/up rows and o/down columns split on whole blocks,
     k/v (one KV head) replicated; each rank's scales are those of its own slices."""
