@@ -2,10 +2,13 @@
 inputs: on Hopper torch's block-scaled GEMM (F.scaled_mm, BlockWise1x128 activations against
 BlockWise128x128 weights) and, at one row, the Triton GEMV (tests/gpu/test_quant_gemm.py
 checks it exactly); elsewhere and for shapes off whole blocks the emulated path; and an HF fp8
-checkpoint loaded on the GPU against its dequantized twin on the CPU.
+checkpoint loaded on the GPU against its dequantized twin on the CPU, without ever holding
+its projections in bfloat16.
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -86,7 +89,16 @@ def test_fp8_checkpoint_loads_on_the_gpu(tmp_path):
     activations' e4m3 rounding of the float twin's (a wrong block would be off by O(1))."""
     fp8_path, twin_path = write_checkpoints(tmp_path, "qwen3", hidden_size=256)
     cfg, twin_cfg = load_hf_config(fp8_path), load_hf_config(twin_path)
+    gc.collect()  # an earlier test's tensors, freed now rather than during the load
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
     model = load_model(fp8_path, cfg, torch.bfloat16, torch.device("cuda"), quantization="fp8")
+    # The codes are placed as they are: the load never holds the projections in bfloat16.
+    peak, held = (torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base)
+    kept = [m.quant for m in model.modules() if isinstance(m, Linear) and m.quant is not None]
+    bf16_bytes = sum(2 * quant.qweight.numel() for quant in kept)
+    assert peak - held < 0.25 * bf16_bytes, (peak, held, bf16_bytes)
     twin = load_model(twin_path, twin_cfg, torch.float32, torch.device("cpu"))
     twin_linears = dict(twin.named_modules())
     quantized = 0
