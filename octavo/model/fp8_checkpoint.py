@@ -17,12 +17,13 @@ A fused part or a rank's slice that starts or ends inside a block is a ValueErro
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
 
 from octavo.model.layers import Linear
+from octavo.model.placement import weight_loaders
 from octavo.model.quantization import FP8_BLOCK
 
 SCALE_SUFFIX = ".weight_scale_inv"
@@ -144,14 +145,14 @@ class Fp8Checkpoint:
         return BlockGrid(scale, shape)
 
 
-@contextmanager
-def _loaders_onto(net: nn.Module, grids: dict[Linear, BlockGrid], names: dict[Linear, str]):
+def _loaders_onto(
+    net: nn.Module, grids: dict[Linear, BlockGrid], names: dict[Linear, str]
+) -> AbstractContextManager:
     """While open, each Linear weight's loader places a checkpoint BlockGrid into the Linear's
     own grid through the Linear's weight_loader; every other parameter's refuses one."""
-    saved = {}
+    loaders = {}
     weights = {id(m.weight): m for m in grids}
     for name, param in net.named_parameters():
-        saved[param] = getattr(param, "weight_loader", None)
         module = weights.get(id(param))
         if module is None:
 
@@ -169,12 +170,5 @@ def _loaders_onto(net: nn.Module, grids: dict[Linear, BlockGrid], names: dict[Li
                         "tensor-parallel slices must start and end on whole blocks"
                     ) from None
 
-        param.weight_loader = load
-    try:
-        yield
-    finally:
-        for param, loader in saved.items():
-            if loader is None:
-                del param.weight_loader
-            else:
-                param.weight_loader = loader
+        loaders[param] = load
+    return weight_loaders(loaders)

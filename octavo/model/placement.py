@@ -1,0 +1,278 @@
+"""A checkpoint's quantized tensors kept as they are: GGUF blocks, AWQ/GPTQ 4-bit groups and
+codes, an fp8 checkpoint's e4m3 codes. They go through the model's own weight loaders
+(`place`), which fuse q/k/v and gate/up and shard for tensor parallelism as they do for
+weights, into scratch tensors; a Linear whose parts all arrive keeps them in a
+QuantizedWeight (model/quantization.py), and its float weight, made on the meta device
+(layers.LINEAR_WEIGHT_DEVICE), is never made. model/loader.py loads everything else.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from octavo.model.int4_checkpoint import int4_format, iter_int4_weights
+from octavo.model.layers import Linear
+from octavo.model.quantization import Fp8BlockWeight, Int4Weight, Q8Weight
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from octavo.model.fp8_checkpoint import BlockGrid
+
+Files = Callable[[], Iterator[tuple[str, torch.Tensor]]]  # a checkpoint's tensors, read anew
+
+
+Kept = tuple[Linear, torch.Tensor, torch.Tensor, type]  # Linear, groups, codes, weight class
+
+
+def gguf_blocks(
+    net: nn.Module, path: str, hf_config: PretrainedConfig, device: torch.device
+) -> list[Kept]:
+    """For each Linear of `net` whose tensors in a GGUF file are all Q4_0, Q4_1, Q4_K or Q8_0
+    (and, on this rank, whole groups of 32 input features): (the Linear, its groups, its
+    codes, the QuantizedWeight class to keep them in) read from the file's bytes, for
+    keep_gguf_blocks. The other Linears load as float.
+
+    The model's own weight loaders place the codes and groups (`place`) into scratch weights:
+    the codes uint8 [N, K], the groups float32 [N, K / 16] (each group's scale and minimum,
+    iter_gguf_blocks). The groups' scratch is NaN where no such tensor landed: a Linear with
+    such rows stays float (its codes go unread).
+    """
+    from octavo.model.gguf_loader import iter_gguf_blocks
+
+    linears = [m for m in net.modules() if isinstance(m, Linear)]
+    groups = place(
+        net,
+        {m: functools.partial(_scratch, m, m.weight.shape[1] // 16, torch.float32, device)
+         for m in linears},
+        iter_gguf_blocks(path, hf_config, "groups"),
+    )  # fmt: skip
+    codes = place(
+        net,
+        {m: functools.partial(_scratch, m, m.weight.shape[1], torch.uint8, device)
+         for m in groups},
+        iter_gguf_blocks(path, hf_config, "codes"),
+    )  # fmt: skip
+    kept = [(m, groups[m], codes[m], _kept_class(m, groups[m], codes[m])) for m in groups]
+    return [entry for entry in kept if entry[3] is not None]
+
+
+def _kept_class(linear: Linear, groups: torch.Tensor, codes: torch.Tensor) -> type | None:
+    """Where a Linear keeps the codes and groups placed in it: an Int4Weight if every code is
+    below 16 (all parts 4-bit), else a Q8Weight (a Q8_0 part) where that runs a kernel; None
+    (float) if a row did not land or its input features are not whole groups."""
+    if linear.weight.shape[1] % 32 or groups.isnan().any():
+        return None
+    if codes.max() < 16:
+        return Int4Weight
+    return Q8Weight if Q8Weight.runs_kernel(codes) else None
+
+
+def keep_gguf_blocks(net: nn.Module, path: str, kept: list[Kept]) -> None:
+    """Gives each Linear of `kept` the file's own codes, scales and minimums in its class (its
+    float weight is None from then on), and a Q8_0 LM head its blocks (_keep_gguf_q8_0_head)."""
+    for m, groups, codes, cls in kept:
+        scale, lo = groups[:, 0::2], groups[:, 1::2]
+        weight = m.weight.detach()
+        if cls is Int4Weight:
+            m.quant = Int4Weight(weight, 32, grid=(scale, lo), codes=codes)
+        else:
+            m.quant = Q8Weight(codes, scale, lo, weight.dtype)
+        m.weight = None
+    _keep_gguf_q8_0_head(net, path)
+
+
+def _scratch(
+    linear: Linear, columns: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """[the Linear's rows, columns] in `dtype` on `device`: NaN if floating, else empty."""
+    shape = (linear.weight.shape[0], columns)
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+@contextmanager
+def weight_loaders(loaders: dict[nn.Parameter, Callable]):
+    """Gives each parameter its loader here while open; restores theirs on exit (a
+    parameter without one, such as a QuantizedWeight's, is left without)."""
+    saved = {param: param.__dict__.get("weight_loader") for param in loaders}
+    for param, loader in loaders.items():
+        param.weight_loader = loader
+    try:
+        yield
+    finally:
+        for param, loader in saved.items():
+            if loader is None:
+                del param.weight_loader
+            else:
+                param.weight_loader = loader
+
+
+def load_nothing(param: nn.Parameter, loaded_weight, *shard_id) -> None:
+    """The weight loader of a weight kept in another form: the checkpoint tensor is not read."""
+
+
+def int4_groups(
+    net: nn.Module, files: Files, hf_config: PretrainedConfig, device: torch.device
+) -> dict[Linear, torch.Tensor]:
+    """The groups of each Linear of `net` whose tensors in an AWQ or GPTQ checkpoint (`files`)
+    are all 4-bit, for keep_int4_codes. The other Linears load as float.
+
+    The groups [N, 2 K / kernel_group_size] (each run of input features' scale and minimum,
+    iter_int4_weights) are placed by the model's own weight loaders, as it places weights.
+
+    Raises:
+        ValueError: a tensor-parallel shard that starts inside a group (naming the method).
+    """
+    fmt = int4_format(hf_config)
+    names = {m: name for name, m in net.named_modules() if isinstance(m, Linear)}
+    run = fmt.kernel_group_size
+
+    def scratch(m: Linear) -> torch.Tensor:
+        rows, columns = m.weight.shape
+        if columns % run:
+            raise ValueError(
+                f"quantization={fmt.method!r}: {names[m]} holds {columns} input features on "
+                f"this rank, not whole groups of {run}; use a tensor_parallel_size that "
+                "splits them into whole groups"
+            )
+        return torch.full((rows, 2 * columns // run), float("nan"), device=device)
+
+    stream = iter_int4_weights(files(), fmt, "groups")
+    placed = place(net, {m: functools.partial(scratch, m) for m in names}, stream)
+    return {m: grid for m, grid in placed.items() if not grid.isnan().any()}  # else float
+
+
+def keep_int4_codes(
+    net: nn.Module,
+    files: Files,
+    hf_config: PretrainedConfig,
+    grids: dict[Linear, torch.Tensor],
+    device: torch.device,
+) -> None:
+    """Gives each Linear of `grids` an Int4Weight on its checkpoint's codes and groups: the
+    codes uint8 [N, K] are placed one Linear at a time and packed as soon as all its parts
+    have landed, so the load never holds more than a Linear's codes beyond the packed model.
+    With GPTQ's act order (desc_act) each column's group is placed first: the Linear's
+    columns are sorted by group, so groups are runs.
+    """
+    fmt = int4_format(hf_config)
+    names = {m: name for name, m in net.named_modules() if isinstance(m, Linear)}
+    run, columns = fmt.kernel_group_size, {}
+
+    def order(m: Linear, ids: torch.Tensor) -> None:
+        if (cols := _group_order(ids, run, names[m])) is not None:
+            columns[m] = cols.to(device)
+
+    def keep(m: Linear, codes: torch.Tensor) -> None:
+        grid, cols = grids.pop(m), columns.pop(m, None)  # each dropped once packed
+        if cols is not None:
+            codes = codes[:, cols]
+        grid = (grid[:, 0::2], grid[:, 1::2])
+        m.quant = Int4Weight(m.weight, run, grid=grid, columns=cols, codes=codes)
+        m.weight = None
+
+    if fmt.act_order:  # each column's group, on the CPU
+        ids = iter_int4_weights(files(), fmt, "group_ids")
+        make = {m: functools.partial(_scratch, m, m.weight.shape[1], torch.float32, "cpu")
+                for m in grids}  # fmt: skip
+        place(net, make, ids, finish=order)
+    codes = iter_int4_weights(files(), fmt, "codes")
+    make = {m: functools.partial(_scratch, m, m.weight.shape[1], torch.uint8, device)
+            for m in grids}  # fmt: skip
+    place(net, make, codes, finish=keep)
+    if grids:
+        raise RuntimeError(f"the checkpoint's codes did not reach {[names[m] for m in grids]}")
+
+
+def keep_fp8_codes(
+    net: nn.Module, weights: Files, grids: dict[Linear, BlockGrid], device: torch.device
+) -> None:
+    """Gives each Linear of `grids` (Fp8Checkpoint.place_scales) an Fp8BlockWeight on its
+    e4m3 codes from the checkpoint's `weights`, placed into scratch one Linear at a time (as
+    keep_int4_codes)."""
+
+    def keep(m: Linear, codes: torch.Tensor) -> None:
+        m.quant = Fp8BlockWeight(codes, grids.pop(m).blocks, m.weight.dtype)
+        m.weight = None
+
+    fp8 = torch.float8_e4m3fn
+    make = {m: functools.partial(torch.empty, tuple(m.weight.shape), dtype=fp8, device=device)
+            for m in grids}  # fmt: skip
+    place(net, make, weights(), finish=keep)
+    if grids:
+        raise RuntimeError(f"the checkpoint's codes did not reach {len(grids)} Linears")
+
+
+def place(
+    net: nn.Module,
+    make: dict[Linear, Callable[[], torch.Tensor]],
+    stream: Iterator[tuple[str, torch.Tensor]],
+    finish: Callable[[Linear, torch.Tensor], None] | None = None,
+) -> dict[Linear, torch.Tensor]:
+    """Feeds `stream` (checkpoint tensors, some standing for Linear weights) through each
+    Linear m of `make` to its own weight loader, which fuses and shards them as it does
+    weights, into a scratch made by make[m]() at m's first tensor instead of into its weight
+    (not touched: it may be on the meta device); every other parameter takes nothing.
+    Returns the scratches made. With `finish`, finish(m, scratch) runs as soon as all of m's
+    parts have landed, and the scratch is dropped then.
+    """
+    made: dict[Linear, torch.Tensor] = {}
+    seen: dict[Linear, set] = {}
+
+    def load(m: Linear, param: nn.Parameter, tensor, *shard_id) -> None:
+        if m not in made:
+            made[m] = make[m]()
+        m.weight_loader(made[m], tensor, *shard_id)
+        seen.setdefault(m, set()).update(shard_id or (None,))
+        if finish is not None and seen[m] >= set(getattr(param, "shard_ids", (None,))):
+            finish(m, made.pop(m))
+
+    loaders = {p: load_nothing for p in net.parameters()}
+    loaders |= {m.weight: functools.partial(load, m) for m in make}
+    with weight_loaders(loaders):
+        net.load_weights(stream)
+    return made
+
+
+def _group_order(ids: torch.Tensor, size: int, name: str) -> torch.Tensor | None:
+    """The column order that turns `ids` [N, K] (each column's group, in every row) into runs
+    of `size` columns of one group; None when they are in order already."""
+    order = torch.argsort(ids[0], stable=True)
+    runs = ids[0][order].view(-1, size) if ids.shape[1] % size == 0 else None
+    if (ids != ids[:1]).any() or runs is None or (runs != runs[:, :1]).any():
+        raise ValueError(
+            f"{name}: the checkpoint's act order (desc_act) does not give its input features "
+            f"on this rank in whole groups of {size} shared by its fused parts; use "
+            "tensor_parallel_size=1"
+        )
+    return None if torch.equal(order, torch.arange(len(order))) else order
+
+
+def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
+    """A Q8_0 LM head (or a Q8_0 embedding it shares) computes the logits from its int8
+    blocks (Q8Weight); on one rank only, where the head holds the whole vocabulary."""
+    from octavo.model.gguf_loader import Q8_0, block_codes, block_groups, open_gguf
+    from octavo.model.layers import LMHead
+    from octavo.model.parallel import get_tp
+
+    tensors = open_gguf(path).tensors
+    tensor = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    head = getattr(net, "lm_head", None)
+    if not isinstance(head, LMHead) or tensor is None or tensor.ggml_type != Q8_0:
+        return
+    if get_tp().size > 1:
+        return
+    codes = torch.from_numpy(block_codes(tensor))  # the int8 codes + 128
+    if tuple(codes.shape) != tuple(head.weight.shape):
+        return
+    groups = torch.from_numpy(block_groups(tensor)).to(head.weight.device)  # d, -128 d
+    codes = codes.to(head.weight.device)
+    head.quant = Q8Weight(codes, groups[:, 0::2], groups[:, 1::2], head.weight.dtype)
