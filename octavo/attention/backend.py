@@ -35,7 +35,6 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
     max_query_len: int
-    max_seq_len: int
     # Host copies, so CPU-side code never synchronizes with the device to read them.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
@@ -200,7 +199,6 @@ def build_metadata(
             len(block_tables), width
         ),
         max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=list(seq_lens),
     )

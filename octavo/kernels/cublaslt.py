@@ -28,7 +28,7 @@ _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _PREF_MAX_WORKSPACE_BYTES = 1
 _CONFIG_SPLITK_NUM, _CONFIG_REDUCTION_SCHEME = 2, 3
-_REDUCTION_NONE, _REDUCTION_COMPUTE_TYPE = 0, 2
+_REDUCTION_COMPUTE_TYPE = 2
 
 WORKSPACE_BYTES = 32 << 20
 SUPPORTED_DTYPES = tuple(_DATA_TYPES)
@@ -98,7 +98,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "cublasLtMatmulPreferenceDestroy": [p],
         "cublasLtMatmulAlgoGetHeuristic": [p, p, p, p, p, p, p, i, p, p],
         "cublasLtMatmulAlgoConfigSetAttribute": [p, i, p, size],
-        "cublasLtMatmulAlgoConfigGetAttribute": [p, i, p, size, p],
         "cublasLtMatmulAlgoCheck": [p, p, p, p, p, p, p, p],
         "cublasLtMatmul": [p, p, p, p, p, p, p, p, p, p, p, p, p, p, size, p],
     }
@@ -107,22 +106,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
     lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], ctypes.c_size_t
     return lib
-
-
-_CONFIG_NAMES = {"id": 0, "tile": 1, "splitk": 2, "reduction": 3, "swizzle": 4, "custom": 5,
-                 "stages": 6, "inner": 7, "cluster": 8}  # fmt: skip
-
-
-def describe(algo: Algo) -> dict[str, int]:
-    """An algorithm's configuration, by cublasLtMatmulAlgoConfigAttributes_t name (cuBLASLt's
-    own enum values: tile and stage ids, split-K count, ...); -1 where it has none."""
-    out = {}
-    for name, attr in _CONFIG_NAMES.items():
-        value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
-        status = library().cublasLtMatmulAlgoConfigGetAttribute(
-            ctypes.byref(algo), attr, ctypes.byref(value), 4, ctypes.byref(written))  # fmt: skip
-        out[name] = value.value if status == 0 else -1
-    return out
 
 
 def version() -> int:

@@ -330,7 +330,6 @@ class QKVLinear(_FusedLinear):
         q = (q_heads * head_dim, q_start * head_dim, num_heads * head_dim)
         kv = (kv_heads * head_dim, kv_start * head_dim, num_kv_heads * head_dim)
         super().__init__(hidden_size, {"q": q, "k": kv, "v": kv}, bias)
-        self.q_size, self.kv_size = q[0], kv[0]
 
 
 class MergedLinear(_FusedLinear):

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "dummy")
 GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 # GGUF `general.architecture` -> HF model type, for the architectures octavo runs.
 GGUF_TOKENIZER_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -50,13 +49,12 @@ TOKENIZER_FILES = (
 )
 
 
-def load_tokenizer(model: str, load_format: str = "auto") -> AnyTokenizer | None:
-    """Loads the tokenizer of a model, cached per path for the life of the process.
+def load_tokenizer(model: str) -> AnyTokenizer | None:
+    """Loads the tokenizer of a model, cached per path for the life of the process (found
+    the same way for real and dummy weights).
 
     Args:
         model: a path to a `.gguf` file or to an HF model directory.
-        load_format: LLM's `load_format` option, passed through; the tokenizer is found the
-            same way for real and dummy weights.
 
     Returns:
         The tokenizer, with `chat_template` set when the model has one (a FastTokenizer for
@@ -64,11 +62,8 @@ def load_tokenizer(model: str, load_format: str = "auto") -> AnyTokenizer | None
         for a directory without tokenizer files (prompts must then be given as token ids).
 
     Raises:
-        ValueError: an unknown load_format, or a path that is neither a `.gguf` file nor a
-            directory.
+        ValueError: a path that is neither a `.gguf` file nor a directory.
     """
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = os.path.realpath(os.path.expanduser(model))
     if os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".gguf")):
         return _load_cached(path)

@@ -110,7 +110,6 @@ class CudaGraphRunner:
             slot_mapping=buffers.slot_mapping[:tokens],
             block_tables=block_tables,
             max_query_len=1 if shape.decode else tokens,
-            max_seq_len=max_seq_len,
             query_start_loc_cpu=list(range(seqs + 1)) if shape.decode else [0] * (seqs + 1),
             seq_lens_cpu=[max_seq_len] * seqs,
             decode_order=buffers.decode_order[:seqs] if shape.decode else None,

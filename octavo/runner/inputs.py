@@ -171,7 +171,6 @@ class InputBuilder:
             slot_mapping=self._upload(self.slot_mapping, slots),
             block_tables=self._upload(self.block_tables, tables),
             max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens[:num_seqs].max()),
             query_start_loc_cpu=cu_cpu,
             seq_lens_cpu=seq_lens[:num_seqs].tolist(),
             decode_order=decode_order,

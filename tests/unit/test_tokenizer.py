@@ -61,7 +61,7 @@ def test_gguf_tokenizer_has_chat_template_and_eos(smollm2_tokenizer):
 def test_load_tokenizer_is_cached_per_path(smollm2_path, smollm2_tokenizer):
     assert load_tokenizer(smollm2_path) is smollm2_tokenizer
     relative = os.path.relpath(smollm2_path)
-    assert load_tokenizer(relative, load_format="dummy") is smollm2_tokenizer
+    assert load_tokenizer(relative) is smollm2_tokenizer
 
 
 def test_gguf_chat_template_is_read_from_metadata_when_transformers_drops_it(
@@ -206,18 +206,16 @@ def test_hf_directory_tokenizer(smollm2_tokenizer, tmp_path):
 
 def test_directory_without_tokenizer_files_has_no_tokenizer(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    assert load_tokenizer(str(tmp_path), load_format="dummy") is None
+    assert load_tokenizer(str(tmp_path)) is None
 
 
-def test_load_tokenizer_rejects_bad_paths_and_formats(tmp_path):
+def test_load_tokenizer_rejects_bad_paths(tmp_path):
     with pytest.raises(ValueError, match="expected a .gguf file or an HF model directory"):
         load_tokenizer(str(tmp_path / "missing"))
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"")
     with pytest.raises(ValueError, match="expected a .gguf file"):
         load_tokenizer(str(not_gguf))
-    with pytest.raises(ValueError, match="load_format must be one of"):
-        load_tokenizer(str(tmp_path), load_format="safetensors")
 
 
 # ---- EOS ids ----------------------------------------------------------------------------
