@@ -23,11 +23,12 @@ INTERPRET = os.environ.get("OCTAVO_TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
 
+from attention_reference import reference_attention
+
 from octavo.attention.backend import AttentionMetadata, AttentionSpec, build_metadata
 from octavo.attention.torch_backend import (
     FP8,
     TorchAttentionBackend,
-    reference_attention,
     to_kv_cache,
     write_kv_cache,
 )

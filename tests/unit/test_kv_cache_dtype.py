@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from attention_reference import reference_attention
 from model_utils import TINY
 from test_torch_backend import _case
 
@@ -15,7 +16,6 @@ from octavo.attention.torch_backend import (
     FP8,
     TorchAttentionBackend,
     from_kv_cache,
-    reference_attention,
     to_kv_cache,
 )
 from octavo.config import CacheConfig

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_reference import reference_attention
 
 from octavo.attention.backend import AttentionSpec, build_metadata
 from octavo.attention.layer import Attention, bind_kv_caches
@@ -15,7 +16,6 @@ from octavo.attention.torch_backend import (
     TorchAttentionBackend,
     _attend,
     gather_kv,
-    reference_attention,
 )
 from octavo.model.layers import RMSNorm, RotaryEmbedding
 
