@@ -16,7 +16,7 @@ from torch import nn
 from octavo.model.int4_checkpoint import CHECKPOINT_METHODS, int4_format, iter_int4_weights
 from octavo.model.layers import LINEAR_WEIGHT_DEVICE, Linear, RMSNorm, default_weight_loader
 from octavo.model.placement import (
-    gguf_blocks,
+    gguf_groups,
     int4_groups,
     keep_fp8_codes,
     keep_gguf_blocks,
@@ -83,8 +83,7 @@ def load_model(
             init_dummy_weights(net, seed)
         elif keeps:  # the Linears that keep their tensors as they are, and then the rest
             if quantization == "gguf":  # its Q4 and Q8_0 tensors never dequantized
-                blocks = gguf_blocks(net, model, hf_config, device)
-                kept = {entry[0] for entry in blocks}
+                kept = grids = gguf_groups(net, model, hf_config, device)
             elif fp8_blocks:
                 from octavo.model.fp8_checkpoint import Fp8Checkpoint
 
@@ -99,7 +98,7 @@ def load_model(
     # enough to gain from them, unlike the loaders' copies above.
     with torch.no_grad():
         if quantization == "gguf":
-            keep_gguf_blocks(net, model, blocks)
+            keep_gguf_blocks(net, model, hf_config, grids, device)
         elif fp8_blocks:
             keep_fp8_codes(net, functools.partial(iter_weights, model, hf_config), grids, device)
         elif quantization in CHECKPOINT_METHODS:

@@ -28,63 +28,62 @@ if TYPE_CHECKING:
 Files = Callable[[], Iterator[tuple[str, torch.Tensor]]]  # a checkpoint's tensors, read anew
 
 
-Kept = tuple[Linear, torch.Tensor, torch.Tensor, type]  # Linear, groups, codes, weight class
-
-
-def gguf_blocks(
+def gguf_groups(
     net: nn.Module, path: str, hf_config: PretrainedConfig, device: torch.device
-) -> list[Kept]:
-    """For each Linear of `net` whose tensors in a GGUF file are all Q4_0, Q4_1, Q4_K or Q8_0
-    (and, on this rank, whole groups of 32 input features): (the Linear, its groups, its
-    codes, the QuantizedWeight class to keep them in) read from the file's bytes, for
-    keep_gguf_blocks. The other Linears load as float.
-
-    The model's own weight loaders place the codes and groups (`place`) into scratch weights:
-    the codes uint8 [N, K], the groups float32 [N, K / 16] (each group's scale and minimum,
-    iter_gguf_blocks). The groups' scratch is NaN where no such tensor landed: a Linear with
-    such rows stays float (its codes go unread).
-    """
+) -> dict[Linear, torch.Tensor]:
+    """The groups [N, K / 16] (each group of 32's scale and minimum, iter_gguf_blocks) of
+    each Linear of `net` that keeps its blocks of a GGUF file (_keeps_blocks), for
+    keep_gguf_blocks. The other Linears load as float."""
     from octavo.model.gguf_loader import iter_gguf_blocks
 
-    linears = [m for m in net.modules() if isinstance(m, Linear)]
-    groups = place(
-        net,
-        {m: functools.partial(_scratch, m, m.weight.shape[1] // 16, torch.float32, device)
-         for m in linears},
-        iter_gguf_blocks(path, hf_config, "groups"),
-    )  # fmt: skip
-    codes = place(
-        net,
-        {m: functools.partial(_scratch, m, m.weight.shape[1], torch.uint8, device)
-         for m in groups},
-        iter_gguf_blocks(path, hf_config, "codes"),
-    )  # fmt: skip
-    kept = [(m, groups[m], codes[m], _kept_class(m, groups[m], codes[m])) for m in groups]
-    return [entry for entry in kept if entry[3] is not None]
+    make = {m: functools.partial(_scratch, m, m.weight.shape[1] // 16, torch.float32, device)
+            for m in net.modules() if isinstance(m, Linear)}  # fmt: skip
+    placed = place(net, make, iter_gguf_blocks(path, hf_config, "groups"))
+    return {m: groups for m, groups in placed.items() if _keeps_blocks(m, groups)}
 
 
-def _kept_class(linear: Linear, groups: torch.Tensor, codes: torch.Tensor) -> type | None:
-    """Where a Linear keeps the codes and groups placed in it: an Int4Weight if every code is
-    below 16 (all parts 4-bit), else a Q8Weight (a Q8_0 part) where that runs a kernel; None
-    (float) if a row did not land or its input features are not whole groups."""
+def _keeps_blocks(linear: Linear, groups: torch.Tensor) -> bool:
+    """Whether a Linear keeps the blocks whose groups were placed in it: all its tensors Q4_0,
+    Q4_1, Q4_K or Q8_0 (every row landed), whole groups of 32 input features on this rank,
+    and a kernel for them. torch's CPU kernel runs 8-bit codes (Q8Weight); elsewhere only
+    4-bit ones are kept: a Linear with a group that may be Q8_0's (its minimum -128 times a
+    scale that is not 0, as every Q8_0 group's but one of zeros) loads as float."""
     if linear.weight.shape[1] % 32 or groups.isnan().any():
-        return None
-    if codes.max() < 16:
-        return Int4Weight
-    return Q8Weight if Q8Weight.runs_kernel(codes) else None
+        return False
+    scale, lo = groups[:, 0::2], groups[:, 1::2]
+    q8_0 = (lo == -128 * scale) & (scale != 0)
+    return Q8Weight.runs_kernel(groups.device, groups.shape[0]) or not q8_0.any()
 
 
-def keep_gguf_blocks(net: nn.Module, path: str, kept: list[Kept]) -> None:
-    """Gives each Linear of `kept` the file's own codes, scales and minimums in its class (its
-    float weight is None from then on), and a Q8_0 LM head its blocks (_keep_gguf_q8_0_head)."""
-    for m, groups, codes, cls in kept:
-        scale, lo = groups[:, 0::2], groups[:, 1::2]
-        weight = m.weight.detach()
-        if cls is Int4Weight:
-            m.quant = Int4Weight(weight, 32, grid=(scale, lo), codes=codes)
+def keep_gguf_blocks(
+    net: nn.Module,
+    path: str,
+    hf_config: PretrainedConfig,
+    groups: dict[Linear, torch.Tensor],
+    device: torch.device,
+) -> None:
+    """Gives each Linear of `groups` the file's own codes (uint8 [N, K], placed one Linear at a
+    time as keep_int4_codes does), scales and minimums: an Int4Weight where every code is
+    below 16, else a Q8Weight (a Q8_0 part); and a Q8_0 LM head its blocks."""
+    from octavo.model.gguf_loader import iter_gguf_blocks
+
+    def keep(m: Linear, codes: torch.Tensor) -> None:
+        grid = groups.pop(m)
+        scale, lo = grid[:, 0::2], grid[:, 1::2]
+        if codes.max() >= 16 and not Q8Weight.runs_kernel(codes.device, codes.shape[0]):
+            # Only Q8_0 groups of zeros (scale 0) can hold such codes here; any code gives 0.
+            codes = codes.masked_fill((scale == 0).repeat_interleave(32, 1), 0)
+        if codes.max() < 16:
+            m.quant = Int4Weight(m.weight, 32, grid=(scale, lo), codes=codes)
         else:
-            m.quant = Q8Weight(codes, scale, lo, weight.dtype)
+            m.quant = Q8Weight(codes, scale, lo, m.weight.dtype)
         m.weight = None
+
+    make = {m: functools.partial(_scratch, m, m.weight.shape[1], torch.uint8, device)
+            for m in groups}  # fmt: skip
+    place(net, make, iter_gguf_blocks(path, hf_config, "codes"), finish=keep)
+    if groups:
+        raise RuntimeError(f"the file's codes did not reach {len(groups)} Linears")
     _keep_gguf_q8_0_head(net, path)
 
 

@@ -347,7 +347,7 @@ class Q8Weight(QuantizedWeight):
         self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype
     ) -> None:
         super().__init__(torch.empty(codes.shape, dtype=dtype, device="meta"))
-        self.cpu_kernel = Q8Weight.runs_kernel(codes)
+        self.cpu_kernel = Q8Weight.runs_kernel(codes.device, codes.shape[0])
         if self.cpu_kernel:
             s, m = scale.to(torch.bfloat16), lo.to(torch.bfloat16)
             # The minimum joins the plane where the kernel's bfloat16 zero stays exact: the
@@ -362,10 +362,10 @@ class Q8Weight(QuantizedWeight):
             self.scale, self.min = _frozen(scale.to(dtype)), _frozen(lo.to(dtype))
 
     @staticmethod
-    def runs_kernel(codes: torch.Tensor) -> bool:
-        """Whether these codes [N, K] run torch's CPU kernel (else each product dequantizes):
-        on the CPU, with N in 16s."""
-        return _uses_cpu_kernels(codes.device) and codes.shape[0] % 16 == 0
+    def runs_kernel(device: torch.device, rows: int) -> bool:
+        """Whether codes of `rows` rows on `device` run torch's CPU kernel (else each product
+        dequantizes): on the CPU, with the rows in 16s."""
+        return _uses_cpu_kernels(device) and rows % 16 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_kernel:

@@ -169,6 +169,28 @@ def test_q8_0_projections_keep_their_blocks(tmp_path, monkeypatch):
         assert module.quant is None and torch.equal(module.weight, plain[name].weight), name
 
 
+def test_groups_of_zeros_keep_4_bit_codes_off_the_kernels(tmp_path, monkeypatch):
+    """Off the CPU kernels a Linear keeps its blocks only as 4-bit codes. A Q8_0 tensor of
+    zeros (scale 0, every code 128) holds no 8-bit value and does not stop that, nor does a
+    Q4_1 group of zeros: both are kept, equal to the float load's weights exactly."""
+    cfg = LlamaConfig(**TINY, tie_word_embeddings=True)
+    hf = tiny_hf(cfg)
+    with torch.no_grad():
+        hf.model.layers[0].self_attn.v_proj.weight.zero_()
+        hf.model.layers[0].mlp.up_proj.weight[:, :32].zero_()
+    qtypes = {name: Q.Q4_1 for name in _projection_names(cfg)}
+    qtypes["blk.0.attn_v.weight"] = Q.Q8_0
+    path = str(tmp_path / "zeros.gguf")
+    write_gguf(path, "llama", cfg, hf_to_gguf_tensors(hf, "llama", cfg, qtypes))
+    monkeypatch.setattr(quantization, "CPU_KERNELS", False)
+    hf_config = load_hf_config(path)
+    plain = _linears(load_model(path, hf_config, torch.float32, CPU))
+    kept = _linears(load_model(path, hf_config, torch.float32, CPU, quantization="gguf"))
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"):
+        assert isinstance(kept[name].quant, quantization.Int4Weight), name
+        assert torch.equal(_dequantized(kept[name].quant), plain[name].weight), name
+
+
 def _projection_names(cfg) -> list[str]:
     names = []
     for layer in range(cfg.num_hidden_layers):
