@@ -397,17 +397,24 @@ def iter_gguf_blocks(
     """Yields (HF name, tensor) for the file's Q4_0, Q4_1, Q4_K and Q8_0 matrices only, read
     from their bytes (no float values): part "codes", their codes as uint8 [N, K] (0..15 for
     the Q4 types); part "groups", each group of 32's scale and minimum as float32 [N, K / 16]
-    (value = code * scale + min). Both are in HF layout, so a model's own weight loaders
+    (value = code * scale + min); part "bits", the bits of their codes (8 for Q8_0, else 4)
+    as uint8 [N, K / 16], read from no bytes. Both are in HF layout, so a model's own weight loaders
     place them as they place the weights: rows alike, and a slice of input features on whole
     groups alike.
 
     Raises:
         ValueError: an unknown part, or as iter_gguf_weights.
     """
-    if part not in ("codes", "groups"):
-        raise ValueError(f"part must be 'codes' or 'groups', got {part!r}")
+    if part not in ("codes", "groups", "bits"):
+        raise ValueError(f"part must be 'codes', 'groups' or 'bits', got {part!r}")
     for name, weight in _iter_gguf(path, hf_config):
-        if weight.tensor.ggml_type in BLOCK_TYPES and len(weight.shape) == 2:
+        kind = weight.tensor.ggml_type
+        if kind not in BLOCK_TYPES or len(weight.shape) != 2:
+            continue
+        if part == "bits":
+            bits = torch.tensor(8 if kind == Q8_0 else 4, dtype=torch.uint8)
+            yield name, bits.expand(weight.shape[0], weight.shape[1] // 16)
+        else:
             yield name, weight.codes() if part == "codes" else weight.groups()
 
 

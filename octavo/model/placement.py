@@ -36,23 +36,25 @@ def gguf_groups(
     keep_gguf_blocks. The other Linears load as float."""
     from octavo.model.gguf_loader import iter_gguf_blocks
 
-    make = {m: functools.partial(_scratch, m, m.weight.shape[1] // 16, torch.float32, device)
-            for m in net.modules() if isinstance(m, Linear)}  # fmt: skip
+    def scratch(dtype: torch.dtype, m: Linear) -> torch.Tensor:
+        return _scratch(m, m.weight.shape[1] // 16, dtype, device)
+
+    linears = [m for m in net.modules() if isinstance(m, Linear)]
+    make = {m: functools.partial(scratch, torch.float32, m) for m in linears}
     placed = place(net, make, iter_gguf_blocks(path, hf_config, "groups"))
-    return {m: groups for m, groups in placed.items() if _keeps_blocks(m, groups)}
+    make = {m: functools.partial(scratch, torch.uint8, m) for m in placed}
+    bits = place(net, make, iter_gguf_blocks(path, hf_config, "bits"))
+    return {m: grid for m, grid in placed.items() if _keeps_blocks(m, grid, bits[m])}
 
 
-def _keeps_blocks(linear: Linear, groups: torch.Tensor) -> bool:
-    """Whether a Linear keeps the blocks whose groups were placed in it: all its tensors Q4_0,
-    Q4_1, Q4_K or Q8_0 (every row landed), whole groups of 32 input features on this rank,
-    and a kernel for them. torch's CPU kernel runs 8-bit codes (Q8Weight); elsewhere only
-    4-bit ones are kept: a Linear with a group that may be Q8_0's (its minimum -128 times a
-    scale that is not 0, as every Q8_0 group's but one of zeros) loads as float."""
+def _keeps_blocks(linear: Linear, groups: torch.Tensor, bits: torch.Tensor) -> bool:
+    """Whether a Linear keeps the blocks placed in it: all its tensors Q4_0, Q4_1, Q4_K or
+    Q8_0 (every row landed), whole groups of 32 input features on this rank, and a kernel for
+    its codes' bits: torch's CPU kernel runs 8-bit ones too (Q8Weight), elsewhere only a
+    Linear with no Q8_0 part is kept."""
     if linear.weight.shape[1] % 32 or groups.isnan().any():
         return False
-    scale, lo = groups[:, 0::2], groups[:, 1::2]
-    q8_0 = (lo == -128 * scale) & (scale != 0)
-    return Q8Weight.runs_kernel(groups.device, groups.shape[0]) or not q8_0.any()
+    return Q8Weight.runs_kernel(groups.device, groups.shape[0]) or not (bits == 8).any()
 
 
 def keep_gguf_blocks(
@@ -70,9 +72,6 @@ def keep_gguf_blocks(
     def keep(m: Linear, codes: torch.Tensor) -> None:
         grid = groups.pop(m)
         scale, lo = grid[:, 0::2], grid[:, 1::2]
-        if codes.max() >= 16 and not Q8Weight.runs_kernel(codes.device, codes.shape[0]):
-            # Only Q8_0 groups of zeros (scale 0) can hold such codes here; any code gives 0.
-            codes = codes.masked_fill((scale == 0).repeat_interleave(32, 1), 0)
         if codes.max() < 16:
             m.quant = Int4Weight(m.weight, 32, grid=(scale, lo), codes=codes)
         else:

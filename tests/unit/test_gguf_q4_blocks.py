@@ -169,15 +169,18 @@ def test_q8_0_projections_keep_their_blocks(tmp_path, monkeypatch):
         assert module.quant is None and torch.equal(module.weight, plain[name].weight), name
 
 
-def test_groups_of_zeros_keep_4_bit_codes_off_the_kernels(tmp_path, monkeypatch):
-    """Off the CPU kernels a Linear keeps its blocks only as 4-bit codes. A Q8_0 tensor of
-    zeros (scale 0, every code 128) holds no 8-bit value and does not stop that, nor does a
-    Q4_1 group of zeros: both are kept, equal to the float load's weights exactly."""
+def test_off_the_kernels_a_q8_0_part_not_its_values_sends_a_linear_to_float(tmp_path, monkeypatch):
+    """Off the CPU kernels a Linear keeps its blocks only as 4-bit codes, decided by its
+    tensors' types: a Q4_1 group of zeros, and one whose minimum is -128 times its scale as
+    a Q8_0 group's is, still keep theirs; a Q8_0 part of zeros (codes 128) sends its Linear to
+    float. Each equals the float load's weights exactly."""
     cfg = LlamaConfig(**TINY, tie_word_embeddings=True)
     hf = tiny_hf(cfg)
     with torch.no_grad():
         hf.model.layers[0].self_attn.v_proj.weight.zero_()
-        hf.model.layers[0].mlp.up_proj.weight[:, :32].zero_()
+        up = hf.model.layers[0].mlp.up_proj.weight
+        up[:, :32].zero_()
+        up[:, 32:64] = (torch.arange(32) % 16 - 128) * 2.0**-10  # d = 2^-10, m = -128 d
     qtypes = {name: Q.Q4_1 for name in _projection_names(cfg)}
     qtypes["blk.0.attn_v.weight"] = Q.Q8_0
     path = str(tmp_path / "zeros.gguf")
@@ -186,9 +189,10 @@ def test_groups_of_zeros_keep_4_bit_codes_off_the_kernels(tmp_path, monkeypatch)
     hf_config = load_hf_config(path)
     plain = _linears(load_model(path, hf_config, torch.float32, CPU))
     kept = _linears(load_model(path, hf_config, torch.float32, CPU, quantization="gguf"))
-    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"):
-        assert isinstance(kept[name].quant, quantization.Int4Weight), name
-        assert torch.equal(_dequantized(kept[name].quant), plain[name].weight), name
+    qkv, gate_up = "model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"
+    assert kept[qkv].quant is None and torch.equal(kept[qkv].weight, plain[qkv].weight)
+    assert isinstance(kept[gate_up].quant, quantization.Int4Weight)
+    assert torch.equal(_dequantized(kept[gate_up].quant), plain[gate_up].weight)
 
 
 def _projection_names(cfg) -> list[str]:
