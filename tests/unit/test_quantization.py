@@ -167,11 +167,14 @@ def test_q8_weight_matches_its_dequantized_blocks(kernels, rows):
         ).view(208, 96)
         s16, m16 = scale.bfloat16().float(), lo.bfloat16().float()
         want = u.float().view(208, 3, 32) * s16[..., None] + m16[..., None]
-        # Q8_0 groups exactly; a 4-bit group off only by its zero's bfloat16 rounding, as
-        # Int4Weight's (a minimum in the high plane would be off by 128 s's rounding).
+        # Q8_0 groups exactly; a 4-bit group as Int4Weight's, its minimum in the low plane's
+        # zero, rounded to bfloat16 once (in the high plane it would be off by 128 s's
+        # rounding), unless that minimum is -128 s, as a Q8_0 group's: exact then.
         assert torch.equal(w.view(208, 3, 32)[:, :2], want[:, :2])
-        zero = (m16[:, 2] + 8 * s16[:, 2]).bfloat16().float() - 8 * s16[:, 2]
-        assert torch.equal(w.view(208, 3, 32)[:, 2], want[:, 2] - m16[:, 2, None] + zero[:, None])
+        zero = (m16[:, 2] + 8 * s16[:, 2]).bfloat16().float()
+        low = (u.float().view(208, 3, 32)[:, 2] - 8) * s16[:, 2, None] + zero[:, None]
+        as_q8_0 = (m16[:, 2] == -128 * s16[:, 2])[:, None]
+        assert torch.equal(w.view(208, 3, 32)[:, 2], torch.where(as_q8_0, want[:, 2], low))
 
 
 @pytest.mark.parametrize("n,k", [(128, 96), (960, 576), (48, 64), (4096 * 2 + 96, 64)])
