@@ -16,6 +16,7 @@ from torch import nn
 from octavo.model.int4_checkpoint import CHECKPOINT_METHODS, int4_format, iter_int4_weights
 from octavo.model.layers import LINEAR_WEIGHT_DEVICE, Linear, RMSNorm, default_weight_loader
 from octavo.model.placement import (
+    cpu_threads,
     gguf_groups,
     int4_groups,
     keep_fp8_codes,
@@ -53,7 +54,9 @@ def load_model(
             (qkv, o, gate_up, down) are quantized once loaded (model/quantization.py);
             "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1/Q4_K/Q8_0
             keep their blocks (Q8_0 where the CPU kernel runs it);
-            "awq", "gptq" (a checkpoint of that quant_method): they keep its 4-bit groups.
+            "awq", "gptq" (a checkpoint of that quant_method): they keep its 4-bit groups;
+            "fp8" on an HF fp8 checkpoint: they keep its e4m3 blocks. The weights a
+            checkpoint keeps quantized are never made in float (model/placement.py).
     Returns:
         The model in eval mode, with requires_grad off.
     Raises:
@@ -78,32 +81,32 @@ def load_model(
         net = get_model_class(hf_config)(hf_config)
     net.eval().requires_grad_(False)
     files = functools.partial(_iter_files, model)
-    with torch.no_grad(), _cpu_threads(1 if device.type == "cpu" else None):
+    threads = torch.get_num_threads()  # packing for the kernels gains from them, copies not
+    with torch.no_grad(), cpu_threads(1 if device.type == "cpu" else None):
         if load_format == "dummy":
             init_dummy_weights(net, seed)
         elif keeps:  # the Linears that keep their tensors as they are, and then the rest
             if quantization == "gguf":  # its Q4 and Q8_0 tensors never dequantized
-                kept = grids = gguf_groups(net, model, hf_config, device)
+                grids = gguf_groups(net, model, hf_config, device)
             elif fp8_blocks:
                 from octavo.model.fp8_checkpoint import Fp8Checkpoint
 
-                kept = grids = Fp8Checkpoint(files()).place_scales(net, device)
+                grids = Fp8Checkpoint(files()).place_scales(net, device)
             else:
-                kept = grids = int4_groups(net, files, hf_config, device)
-            _load_float_but(net, model, hf_config, set(kept), device)
+                grids = int4_groups(net, files, hf_config, device)
+            _load_float_but(net, model, hf_config, set(grids), device)
+            if quantization == "gguf":
+                keep_gguf_blocks(net, model, hf_config, grids, device, threads)
+            elif fp8_blocks:
+                weights = functools.partial(iter_weights, model, hf_config)
+                keep_fp8_codes(net, weights, grids, device)
+            else:
+                keep_int4_codes(net, files, hf_config, grids, device, threads)
         else:
             loaded = net.load_weights(iter_weights(model, hf_config))
             _check_all_loaded(net, loaded, model)
-    # Packing for the kernels runs on all of torch's threads: on a large model it is work
-    # enough to gain from them, unlike the loaders' copies above.
     with torch.no_grad():
-        if quantization == "gguf":
-            keep_gguf_blocks(net, model, hf_config, grids, device)
-        elif fp8_blocks:
-            keep_fp8_codes(net, functools.partial(iter_weights, model, hf_config), grids, device)
-        elif quantization in CHECKPOINT_METHODS:
-            keep_int4_codes(net, files, hf_config, grids, device)
-        elif quantization is not None:
+        if quantization is not None and not keeps:
             for module in list(net.modules()):
                 if isinstance(module, Linear):
                     module.quantize(quantization)
@@ -148,24 +151,6 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-@contextmanager
-def _cpu_threads(num_threads: int | None):
-    """Runs the block with torch's CPU thread pool at `num_threads` (None: as it is); restores
-    the previous count on exit.
-
-    NOTE: loading on the CPU is one memory-bound copy per tensor, which one thread does at
-    full speed, while the pool's threads, when other processes share the cores, wait for one
-    another far longer than the copy takes.
-    """
-    previous = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:

@@ -63,6 +63,7 @@ def keep_gguf_blocks(
     hf_config: PretrainedConfig,
     groups: dict[Linear, torch.Tensor],
     device: torch.device,
+    threads: int,
 ) -> None:
     """Gives each Linear of `groups` the file's own codes (uint8 [N, K], placed one Linear at a
     time as keep_int4_codes does), scales and minimums: an Int4Weight where every code is
@@ -72,10 +73,11 @@ def keep_gguf_blocks(
     def keep(m: Linear, codes: torch.Tensor) -> None:
         grid = groups.pop(m)
         scale, lo = grid[:, 0::2], grid[:, 1::2]
-        if codes.max() < 16:
-            m.quant = Int4Weight(m.weight, 32, grid=(scale, lo), codes=codes)
-        else:
-            m.quant = Q8Weight(codes, scale, lo, m.weight.dtype)
+        with cpu_threads(threads):
+            if codes.max() < 16:
+                m.quant = Int4Weight(m.weight, 32, grid=(scale, lo), codes=codes)
+            else:
+                m.quant = Q8Weight(codes, scale, lo, m.weight.dtype)
         m.weight = None
 
     make = {m: functools.partial(_scratch, m, m.weight.shape[1], torch.uint8, device)
@@ -117,6 +119,24 @@ def load_nothing(param: nn.Parameter, loaded_weight, *shard_id) -> None:
     """The weight loader of a weight kept in another form: the checkpoint tensor is not read."""
 
 
+@contextmanager
+def cpu_threads(num_threads: int | None):
+    """Runs the block with torch's CPU thread pool at `num_threads` (None: as it is); restores
+    the previous count on exit.
+
+    NOTE: loading on the CPU is one memory-bound copy per tensor, which one thread does at
+    full speed, while the pool's threads, when other processes share the cores, wait for one
+    another far longer than the copy takes.
+    """
+    previous = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def int4_groups(
     net: nn.Module, files: Files, hf_config: PretrainedConfig, device: torch.device
 ) -> dict[Linear, torch.Tensor]:
@@ -154,10 +174,12 @@ def keep_int4_codes(
     hf_config: PretrainedConfig,
     grids: dict[Linear, torch.Tensor],
     device: torch.device,
+    threads: int,
 ) -> None:
     """Gives each Linear of `grids` an Int4Weight on its checkpoint's codes and groups: the
-    codes uint8 [N, K] are placed one Linear at a time and packed as soon as all its parts
-    have landed, so the load never holds more than a Linear's codes beyond the packed model.
+    codes uint8 [N, K] are placed one Linear at a time and packed (on `threads` CPU threads)
+    as soon as all its parts have landed, so the load never holds more than a Linear's codes
+    beyond the packed model.
     With GPTQ's act order (desc_act) each column's group is placed first: the Linear's
     columns are sorted by group, so groups are runs.
     """
@@ -174,7 +196,8 @@ def keep_int4_codes(
         if cols is not None:
             codes = codes[:, cols]
         grid = (grid[:, 0::2], grid[:, 1::2])
-        m.quant = Int4Weight(m.weight, run, grid=grid, columns=cols, codes=codes)
+        with cpu_threads(threads):
+            m.quant = Int4Weight(m.weight, run, grid=grid, columns=cols, codes=codes)
         m.weight = None
 
     if fmt.act_order:  # each column's group, on the CPU
