@@ -83,8 +83,6 @@ def keep_gguf_blocks(
     make = {m: functools.partial(_scratch, m, m.weight.shape[1], torch.uint8, device)
             for m in groups}  # fmt: skip
     place(net, make, iter_gguf_blocks(path, hf_config, "codes"), finish=keep)
-    if groups:
-        raise RuntimeError(f"the file's codes did not reach {len(groups)} Linears")
     _keep_gguf_q8_0_head(net, path)
 
 
@@ -209,8 +207,6 @@ def keep_int4_codes(
     make = {m: functools.partial(_scratch, m, m.weight.shape[1], torch.uint8, device)
             for m in grids}  # fmt: skip
     place(net, make, codes, finish=keep)
-    if grids:
-        raise RuntimeError(f"the checkpoint's codes did not reach {[names[m] for m in grids]}")
 
 
 def keep_fp8_codes(
@@ -228,8 +224,6 @@ def keep_fp8_codes(
     make = {m: functools.partial(torch.empty, tuple(m.weight.shape), dtype=fp8, device=device)
             for m in grids}  # fmt: skip
     place(net, make, weights(), finish=keep)
-    if grids:
-        raise RuntimeError(f"the checkpoint's codes did not reach {len(grids)} Linears")
 
 
 def place(
@@ -244,6 +238,9 @@ def place(
     (not touched: it may be on the meta device); every other parameter takes nothing.
     Returns the scratches made. With `finish`, finish(m, scratch) runs as soon as all of m's
     parts have landed, and the scratch is dropped then.
+
+    Raises:
+        RuntimeError: with `finish`, a Linear of `make` whose parts did not all land.
     """
     made: dict[Linear, torch.Tensor] = {}
     seen: dict[Linear, set] = {}
@@ -260,6 +257,9 @@ def place(
     loaders |= {m.weight: functools.partial(load, m) for m in make}
     with weight_loaders(loaders):
         net.load_weights(stream)
+    unfinished = [m for m in make if m not in seen or m in made]
+    if finish is not None and unfinished:
+        raise RuntimeError(f"the tensors of {len(unfinished)} Linears did not all land")
     return made
 
 

@@ -202,6 +202,22 @@ def test_a_layer_with_a_float_part_loads_as_float(tmp_path, monkeypatch, method,
             assert torch.equal(module.quant(eye).t(), plain[f"{name}.weight"]), name
 
 
+def test_placing_raises_when_a_linears_parts_do_not_all_land(tmp_path):
+    """place() with `finish`: a fused Linear that got only some of its parts (q, not k and v)
+    is a RuntimeError, not a Linear left half placed; the weight loaders are restored."""
+    from octavo.model.placement import place
+
+    _, float_path, _ = write_checkpoint("llama", tmp_path, "awq", group_size=64)
+    net = _load(float_path)
+    qkv = net.model.layers[0].self_attn.qkv_proj
+    stream = [("model.layers.0.self_attn.q_proj.weight", torch.zeros(128, 128))]
+    finished = []
+    with pytest.raises(RuntimeError, match="tensors of 1 Linears did not all land"):
+        make = {qkv: lambda: torch.empty_like(qkv.weight)}
+        place(net, make, iter(stream), lambda m, scratch: finished.append(m))
+    assert finished == [] and qkv.weight.weight_loader == qkv.weight_loader
+
+
 ENGINE = {"dtype": "float32", "device": "cpu", "num_kv_blocks": 64, "max_model_len": 256}
 
 
