@@ -335,7 +335,7 @@ def block_groups(tensor: GGUFTensor) -> np.ndarray:
 
 
 def _q4_k_groups(tensor: GGUFTensor) -> np.ndarray:
-    """_q4_groups of a Q4_K tensor as [B, 8, 2]: per super-block of 256, d and dmin (float16),
+    """block_groups of a Q4_K tensor as [B, 8, 2]: per super-block of 256, d and dmin (float16),
     twelve bytes of 6-bit scales and minimums for its eight groups, then the codes; a value
     is (d * scale) * q - dmin * min, computed as the `gguf` package dequantizes it."""
     from gguf.quants import Q4_K as Q4KFormat
@@ -398,9 +398,9 @@ def iter_gguf_blocks(
     from their bytes (no float values): part "codes", their codes as uint8 [N, K] (0..15 for
     the Q4 types); part "groups", each group of 32's scale and minimum as float32 [N, K / 16]
     (value = code * scale + min); part "bits", the bits of their codes (8 for Q8_0, else 4)
-    as uint8 [N, K / 16], read from no bytes. Both are in HF layout, so a model's own weight loaders
-    place them as they place the weights: rows alike, and a slice of input features on whole
-    groups alike.
+    as uint8 [N, K / 16], read from no bytes. All are in HF layout, so a model's own weight
+    loaders place them as they place the weights: rows alike, and a slice of input features
+    on whole groups alike.
 
     Raises:
         ValueError: an unknown part, or as iter_gguf_weights.

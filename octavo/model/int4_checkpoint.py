@@ -1,6 +1,6 @@
 """AWQ and GPTQ checkpoints: which quantization option fits a checkpoint, and its 4-bit weights
 (packed eight to an int32) read as their codes and their groups' scales and minimums, which
-the loader (model/loader.py) keeps as Int4Weights on the checkpoint's own grid (or, for a
+the loader (model/placement.py) keeps as Int4Weights on the checkpoint's own grid (or, for a
 layer with a part that is not 4-bit, as the float weights they stand for).
 
     AWQ (AutoAWQ, GEMM version)              GPTQ (AutoGPTQ, GPTQModel; formats v1 and v2)
