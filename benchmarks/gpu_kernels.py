@@ -4,6 +4,7 @@ in TFLOP/s beside torch's own kernels on the same problem; the weight-only quant
 at Qwen3-8B's projection shapes against bf16 F.linear.
 
     python benchmarks/gpu_kernels.py [--sweep] [--only decode|prefill|store|quant] [--json f]
+    python benchmarks/gpu_kernels.py --sass     # no GPU needed: the GEMVs' loops on sm_90
 
 Rows (H=16, KVH=8, D=128, bf16, pages of 16):
   decode  256 x 1k context, 256 / 128 / 64 x mixed contexts (100-2048), 1 x 8k, 16 x 4k
@@ -19,6 +20,10 @@ Rows (H=16, KVH=8, D=128, bf16, pages of 16):
           and the time as a fraction of bf16 F.linear's at the same shape; then the four
           summed at one row, as a decode step's projections
 
+--sass compiles the one-row GEMV (int4, int8, fp8) for sm_90 with Triton's own ptxas and
+counts the SASS instructions in its K loop: per code, and as the issue time of Qwen3-8B's
+four projections (4 warp instructions a clock per SM, 132 SMs at 1.98 GHz, an H100 SXM).
+
 Times are do_bench medians (the L2 is flushed before each repetition, so an 8k decode reads
 its 33 MB from HBM). Each kernel is checked against the torch backend first. --sweep also
 times the tile configs and split counts listed below and marks the fastest. The quantized
@@ -29,8 +34,13 @@ overflow L2 (runner/gemm_tuning.py's graph_us), as a decode step runs them.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import random
+import re
+import subprocess
+import tempfile
 from functools import partial
 
 import torch
@@ -406,6 +416,49 @@ def bench_quant(copy_gbs: float, sweep: bool) -> list[dict]:
     return rows
 
 
+def gemv_sass() -> None:
+    """The one-row GEMV's loop, compiled for sm_90 without a GPU: instructions per code."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    codes = sum(n * k for _, n, k in QUANT_SHAPES)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    print(f"method  loop instructions  codes a thread  a code  issue of a layer's "
+          f"{codes / 1e6:.0f}M codes  most frequent")  # fmt: skip
+    for method, bits, block in (("int4", 4, 128), ("int8", 8, 64), ("fp8", 8, 64)):
+        p = quant_gemm.plan(1, 4096, 4096, bits, block, 132)
+        const = {"BITS": bits, "BLOCK": block, "BLOCK_N": p.block_n,
+                 "TILE_G": p.block_k // block, "EVEN": True, "SPLIT": True,
+                 "FP8": method == "fp8", "FP8_BLOCK": 0, "NUM_STAGES": p.num_stages,
+                 "USE_PDL": False}  # fmt: skip
+        scale = "*fp32" if method == "fp8" else "*bf16"
+        sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": scale, "min_ptr": "*bf16",
+               "y_ptr": "*bf16", "partial_ptr": "*fp32", "counter_ptr": "*i32"}  # fmt: skip
+        sig |= dict.fromkeys(["N", "K", "KW", "NG", "num_iters", "iters_per_split", "one"], "i32")
+        sig |= dict.fromkeys(const, "constexpr")
+        constants = {(list(sig).index(k),): v for k, v in const.items()}
+        options = {"num_warps": p.num_warps, "num_stages": p.num_stages}
+        src = ASTSource(quant_gemm._gemv_kernel, sig, constants)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            run = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, check=True)
+        found = re.findall(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)",
+                           run.stdout.decode())  # fmt: skip
+        sass = [(int(a, 16), op.split(".")[0], rest) for a, op, rest in found]
+        loops = [(int(t, 16), a) for a, op, rest in sass if op == "BRA"
+                 for t in re.findall(r"0x([0-9a-f]+)", rest) if int(t, 16) < a]  # fmt: skip
+        start, end = max(loops, key=lambda span: span[1] - span[0])  # the K loop, the longest
+        ops = collections.Counter(op for a, op, _ in sass if start <= a <= end)
+        per_thread = p.block_n * p.block_k // (32 * p.num_warps)  # codes an iteration
+        per_code = sum(ops.values()) / per_thread
+        issue_us = codes * per_code / (32 * 4 * 132 * 1.98e3)
+        common = ", ".join(f"{k} {v}" for k, v in ops.most_common(5))
+        print(f"{method:7} {sum(ops.values()):17} {per_thread:15} {per_code:7.2f} "
+              f"{issue_us:21.1f} us  {common}")  # fmt: skip
+
+
 def _plan_str(p: quant_gemm.Plan) -> str:
     return (f"{p.kernel} m={p.block_m} n={p.block_n} k={p.block_k} splits={p.splits} "
             f"w={p.num_warps} s={p.num_stages}")  # fmt: skip
@@ -446,7 +499,10 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other configs")
     parser.add_argument("--json", help="write all rows here")
     parser.add_argument("--only", choices=["decode", "prefill", "store", "quant"], help="one stage")
+    parser.add_argument("--sass", action="store_true", help="the GEMVs' loops on sm_90 (no GPU)")
     args = parser.parse_args()
+    if args.sass:
+        return gemv_sass()
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     rows = []
