@@ -12,11 +12,18 @@ from unittest import mock
 
 import pytest
 
-# OpenMP workers that spin while they wait take the cores from whatever else runs (a second
-# pytest, the engine process, the server's threads): on a 2-core machine every op then waits
-# for a descheduled worker. Set before torch is imported, so that the engine processes the
-# tests start inherit it too.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP workers that spin while they wait take the cores from whatever else runs: with two
+# pytest workers on a 2-core machine every op then waits for a descheduled worker, so the
+# workers wait passively. One pytest process spins briefly instead (GOMP_SPINCOUNT, which
+# outranks OMP_WAIT_POLICY): waking a sleeping worker for each of a decode step's small
+# parallel ops doubles the step. Set before torch is imported; the engine processes the tests
+# start inherit it.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    if os.environ.pop("OCTAVO_TESTS_SPIN", None):  # set below, in the controlling process
+        del os.environ["GOMP_SPINCOUNT"]
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+elif "GOMP_SPINCOUNT" not in os.environ:
+    os.environ.update(GOMP_SPINCOUNT="100000", OCTAVO_TESTS_SPIN="1")
 
 # Converted GGUF tokenizers are cached on disk (octavo/model/tokenizer.py): one cache for this
 # run, inherited by the servers and engine processes it starts, and none left behind.
