@@ -12,16 +12,16 @@ from unittest import mock
 
 import pytest
 
-# OpenMP workers that spin while they wait take the cores from whatever else runs: with two
-# pytest workers on a 2-core machine every op then waits for a descheduled worker, so the
-# workers wait passively. One pytest process spins briefly instead (GOMP_SPINCOUNT, which
-# outranks OMP_WAIT_POLICY): waking a sleeping worker for each of a decode step's small
-# parallel ops doubles the step. Set before torch is imported; the engine processes the tests
-# start inherit it.
+# Each pytest-xdist worker (two on a 2-core machine) keeps to one thread: OpenMP threads of
+# two processes on the same cores wait for each other's descheduled threads. One pytest
+# process keeps its threads and lets them spin briefly between ops (GOMP_SPINCOUNT, which
+# outranks OMP_WAIT_POLICY) rather than sleep: waking a sleeping thread for each of a decode
+# step's small parallel ops doubles the step. Set before torch is imported; the engine
+# processes the tests start inherit it.
 if "PYTEST_XDIST_WORKER" in os.environ:
     if os.environ.pop("OCTAVO_TESTS_SPIN", None):  # set below, in the controlling process
         del os.environ["GOMP_SPINCOUNT"]
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 elif "GOMP_SPINCOUNT" not in os.environ:
     os.environ.update(GOMP_SPINCOUNT="100000", OCTAVO_TESTS_SPIN="1")
 
