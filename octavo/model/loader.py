@@ -23,6 +23,7 @@ from octavo.model.placement import (
     keep_gguf_blocks,
     keep_int4_codes,
     load_nothing,
+    quantize_as_placed,
     weight_loaders,
 )
 from octavo.model.quant_method import check_quantization, checkpoint_method
@@ -75,9 +76,11 @@ def load_model(
             f"loaded from disk, got {model!r} with load_format={load_format!r}"
         )
     # A checkpoint's own quantized tensors stand in for the Linear weights they cover, which
-    # are never made in float: Linear weights start on the meta device (LINEAR_WEIGHT_DEVICE).
+    # are never made in float; float ones quantized on load are made one Linear at a time.
+    # Linear weights start on the meta device then (LINEAR_WEIGHT_DEVICE).
     keeps = quantization == "gguf" or quantization in CHECKPOINT_METHODS or fp8_blocks
-    with _default_dtype(dtype), device, _linear_weights_on("meta" if keeps else None):
+    rtn = quantization is not None and not keeps and load_format != "dummy"
+    with _default_dtype(dtype), device, _linear_weights_on("meta" if keeps or rtn else None):
         net = get_model_class(hf_config)(hf_config)
     net.eval().requires_grad_(False)
     files = functools.partial(_iter_files, model)
@@ -102,11 +105,15 @@ def load_model(
                 keep_fp8_codes(net, weights, grids, device)
             else:
                 keep_int4_codes(net, files, hf_config, grids, device, threads)
+        elif rtn:  # each Linear quantized as soon as its float weight has landed
+            linears = {m for m in net.modules() if isinstance(m, Linear)}
+            _load_float_but(net, model, hf_config, linears, device)
+            quantize_as_placed(net, iter_weights(model, hf_config), quantization, device, threads)
         else:
             loaded = net.load_weights(iter_weights(model, hf_config))
             _check_all_loaded(net, loaded, model)
     with torch.no_grad():
-        if quantization is not None and not keeps:
+        if quantization is not None and load_format == "dummy":
             for module in list(net.modules()):
                 if isinstance(module, Linear):
                     module.quantize(quantization)

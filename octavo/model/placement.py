@@ -3,7 +3,9 @@ codes, an fp8 checkpoint's e4m3 codes. They go through the model's own weight lo
 (`place`), which fuse q/k/v and gate/up and shard for tensor parallelism as they do for
 weights, into scratch tensors; a Linear whose parts all arrive keeps them in a
 QuantizedWeight (model/quantization.py), and its float weight, made on the meta device
-(layers.LINEAR_WEIGHT_DEVICE), is never made. model/loader.py loads everything else.
+(layers.LINEAR_WEIGHT_DEVICE), is never made whole. Float weights quantized on load take
+the same path, a Linear at a time (`quantize_as_placed`). model/loader.py loads everything
+else.
 """
 
 from __future__ import annotations
@@ -224,6 +226,28 @@ def keep_fp8_codes(
     make = {m: functools.partial(torch.empty, tuple(m.weight.shape), dtype=fp8, device=device)
             for m in grids}  # fmt: skip
     place(net, make, weights(), finish=keep)
+
+
+def quantize_as_placed(
+    net: nn.Module,
+    weights: Iterator[tuple[str, torch.Tensor]],
+    method: str,
+    device: torch.device,
+    threads: int,
+) -> None:
+    """Quantizes each Linear of `net` by round to nearest (Linear.quantize, `method` int8,
+    int4 or fp8) as soon as its float weight has landed from `weights` in a scratch, so a
+    load holds the quantized model and one Linear's float weight, never the float model."""
+
+    def keep(m: Linear, weight: torch.Tensor) -> None:
+        m.weight = nn.Parameter(weight, requires_grad=False)
+        with cpu_threads(threads):
+            m.quantize(method)
+
+    make = {m: functools.partial(torch.empty, tuple(m.weight.shape), dtype=m.weight.dtype,
+                                 device=device)
+            for m in net.modules() if isinstance(m, Linear)}  # fmt: skip
+    place(net, make, weights, finish=keep)
 
 
 def place(

@@ -86,12 +86,14 @@ def quantize_int4(
     groups = -(-k // group_size)
     pad = groups * group_size - k
     w = w.float()
-    lo = F.pad(w, (0, pad), value=float("inf")).view(n, groups, group_size).amin(dim=2)
-    hi = F.pad(w, (0, pad), value=float("-inf")).view(n, groups, group_size).amax(dim=2)
+    grouped = (F.pad(w, (0, pad)) if pad else w).view(n, groups, group_size)
+    lo, hi = grouped.amin(dim=2), grouped.amax(dim=2)
+    if pad:  # the last group's range from its real columns, not the zeros padding it
+        tail = w[:, (groups - 1) * group_size :]
+        lo[:, -1], hi[:, -1] = tail.amin(dim=1), tail.amax(dim=1)
     scale = ((hi - lo) / 15).clamp(min=1e-12).to(param_dtype)
     lo = lo.to(param_dtype)
-    grouped = F.pad(w, (0, pad)).view(n, groups, group_size)
-    q = torch.round((grouped - lo.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
+    q = (grouped - lo.float()[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 15)
     return q.view(n, -1).to(torch.uint8), scale, lo
 
 

@@ -2,7 +2,8 @@
 groups for the Triton W4A16 kernels and equals the reference dequantization within the
 grid's bfloat16 rounding, the logits stay as close to HF's as the float model's in bfloat16,
 and the load never holds the float projections: its peak allocation stays far below their
-bfloat16 size beyond what the loaded model holds."""
+bfloat16 size beyond what the loaded model holds. A float checkpoint quantized on load
+(int8, int4, fp8) keeps to the same bound."""
 
 from __future__ import annotations
 
@@ -67,3 +68,33 @@ def test_int4_checkpoint_loads_on_the_gpu_without_float_weights(case, tmp_path):
     bf16 = load_model(float_path, float_cfg, torch.bfloat16, CUDA)
     (bf16_logits,) = PagedRunner(bf16, float_cfg).step([(0, ids)])
     assert rel_err(logits.float().cpu(), ref) < 1.5 * rel_err(bf16_logits.float().cpu(), ref)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_float_checkpoint_quantized_on_load_never_holds_the_float_projections(method, tmp_path):
+    """Each Linear is quantized as soon as its bfloat16 weight lands: beyond the loaded model
+    the peak holds one Linear's weight and its quantizer's float32 work, a few times the
+    largest projection, where the bfloat16 projections are 15 times it; and the model
+    equals the bfloat16 model with each Linear quantized after its load."""
+    _, float_path, _ = write_checkpoint("llama", tmp_path, "awq", dims=DIMS)
+    cfg = load_hf_config(float_path)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model = load_model(float_path, cfg, torch.bfloat16, CUDA, quantization=method)
+    peak = torch.cuda.max_memory_allocated() - base
+    held = torch.cuda.memory_allocated() - base
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    sizes = [2 * m.quant.out_features * m.quant.in_features for m in linears]
+    print(f"{method}: peak {peak / 2**20:.0f} MiB, held {held / 2**20:.0f} MiB, projections in "
+          f"bf16 {sum(sizes) / 2**20:.0f} MiB, the largest {max(sizes) / 2**20:.0f} MiB")  # fmt: skip
+    assert peak - held < 8 * max(sizes) < sum(sizes) / 1.5, (peak, held, sizes)
+
+    reference = load_model(float_path, cfg, torch.bfloat16, CUDA)
+    for m in reference.modules():
+        if isinstance(m, Linear):
+            m.quantize(method)
+    expected = reference.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name

@@ -292,3 +292,42 @@ def test_warm_up_runs_quantized_projections_on_float_inputs():
     quantized.quantize("int4")
     launched = warm_up_linears(nn.ModuleList([quantized, plain]), 9)
     assert launched == 2 * len(warm_up_rows(9))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_float_weights_quantized_on_load_are_made_one_linear_at_a_time(
+    smollm2_path, method, monkeypatch
+):
+    """quantization="int8"/"int4" on a float checkpoint (the embedded GGUF read as float):
+    each Linear quantizes while it is the only one holding a float weight (the others hold
+    their quantized weight, or a meta one not loaded yet), and the model equals the float
+    model with each Linear quantized after the load."""
+    from octavo.model.hf_config import load_hf_config
+    from octavo.model.layers import Linear
+    from octavo.model.loader import load_model
+
+    linears, alive = [], []
+    init, quantize = Linear.__init__, Linear.quantize
+
+    def spy_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        linears.append(self)
+
+    def spy_quantize(self, *args):
+        alive.append(sum(m.weight is not None and not m.weight.is_meta for m in linears))
+        quantize(self, *args)
+
+    config, cpu = load_hf_config(smollm2_path), torch.device("cpu")
+    monkeypatch.setattr(Linear, "__init__", spy_init)
+    monkeypatch.setattr(Linear, "quantize", spy_quantize)
+    model = load_model(smollm2_path, config, torch.float32, cpu, quantization=method)
+    assert alive == [1] * len(linears) and len(linears) == 4 * config.num_hidden_layers
+    monkeypatch.undo()
+    reference = load_model(smollm2_path, config, torch.float32, cpu)
+    for m in reference.modules():
+        if isinstance(m, Linear):
+            m.quantize(method)
+    expected = dict(reference.state_dict())
+    assert expected.keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
