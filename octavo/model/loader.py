@@ -52,7 +52,7 @@ def load_model(
         load_format: "auto" reads the weights from `model`; "dummy" fills them with random
             values of a sane scale, the same for the same seed (on the same device).
         quantization: None, or "int8", "int4" or "fp8": the linear layers' weights
-            (qkv, o, gate_up, down) are quantized once loaded (model/quantization.py);
+            (qkv, o, gate_up, down) are quantized (model/quantization.py), each as it lands;
             "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1/Q4_K/Q8_0
             keep their blocks (Q8_0 where the CPU kernel runs it);
             "awq", "gptq" (a checkpoint of that quant_method): they keep its 4-bit groups;
