@@ -444,7 +444,7 @@ def gemv_sass() -> None:
             f.write(kernel.asm["cubin"])
             f.flush()
             run = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, check=True)
-        found = re.findall(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)",
+        found = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)",
                            run.stdout.decode())  # fmt: skip
         sass = [(int(a, 16), op.split(".")[0], rest) for a, op, rest in found]
         loops = [(int(t, 16), a) for a, op, rest in sass if op == "BRA"

@@ -18,11 +18,11 @@ import pytest
 # outranks OMP_WAIT_POLICY) rather than sleep: waking a sleeping thread for each of a decode
 # step's small parallel ops doubles the step. Set before torch is imported; the engine
 # processes the tests start inherit it.
-if "PYTEST_XDIST_WORKER" in os.environ:
-    if os.environ.pop("OCTAVO_TESTS_SPIN", None):  # set below, in the controlling process
-        del os.environ["GOMP_SPINCOUNT"]
+if os.environ.pop("OCTAVO_TESTS_SPIN", None) and "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.pop("GOMP_SPINCOUNT", None)  # set below, in the controlling process
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-elif "GOMP_SPINCOUNT" not in os.environ:
+elif not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
     os.environ.update(GOMP_SPINCOUNT="100000", OCTAVO_TESTS_SPIN="1")
 
 # Converted GGUF tokenizers are cached on disk (octavo/model/tokenizer.py): one cache for this

@@ -265,12 +265,17 @@ def place(
 
     Raises:
         RuntimeError: with `finish`, a Linear of `make` whose parts did not all land.
+        ValueError: with `finish`, a tensor of a Linear that came again once it finished
+            (a checkpoint that stores it twice).
     """
     made: dict[Linear, torch.Tensor] = {}
     seen: dict[Linear, set] = {}
 
     def load(m: Linear, param: nn.Parameter, tensor, *shard_id) -> None:
         if m not in made:
+            if m in seen:  # finished and dropped: a second copy would fill a fresh scratch
+                name = next(n for n, module in net.named_modules() if module is m)
+                raise ValueError(f"the checkpoint holds a tensor of {name} twice")
             made[m] = make[m]()
         m.weight_loader(made[m], tensor, *shard_id)
         seen.setdefault(m, set()).update(shard_id or (None,))

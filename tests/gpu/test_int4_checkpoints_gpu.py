@@ -3,7 +3,7 @@ groups for the Triton W4A16 kernels and equals the reference dequantization with
 grid's bfloat16 rounding, the logits stay as close to HF's as the float model's in bfloat16,
 and the load never holds the float projections: its peak allocation stays far below their
 bfloat16 size beyond what the loaded model holds. A float checkpoint quantized on load
-(int8, int4, fp8) keeps to the same bound."""
+(int8, int4, fp8) peaks at most 8 times its largest projection above the loaded model."""
 
 from __future__ import annotations
 

@@ -331,3 +331,56 @@ def test_float_weights_quantized_on_load_are_made_one_linear_at_a_time(
     assert expected.keys() == model.state_dict().keys()
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def _rtn_shards(path: str, ranks: int, method: str | None) -> list:
+    """Each rank's model of the float checkpoint at `path`, loaded with quantization=method."""
+    from octavo.model.hf_config import load_hf_config
+    from octavo.model.loader import load_model
+
+    try:
+        models = []
+        for rank in range(ranks):
+            set_tp(rank, ranks, None)
+            config = load_hf_config(path)
+            models.append(
+                load_model(path, config, torch.float32, torch.device("cpu"), quantization=method)
+            )
+        return models
+    finally:
+        set_tp(0, 1, None)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_each_rank_quantizes_its_shards_as_they_land(tmp_path, method):
+    """Two ranks of a Qwen2 float checkpoint (q/k/v biases) quantized on load: each equals
+    that rank's float model with each Linear quantized after its load, bit for bit."""
+    from int4_checkpoints import write_checkpoint
+
+    from octavo.model.layers import Linear
+
+    _, float_path, _ = write_checkpoint("qwen2", tmp_path, "awq", group_size=32)
+    for model, reference in zip(
+        _rtn_shards(float_path, 2, method), _rtn_shards(float_path, 2, None)
+    ):
+        for m in reference.modules():
+            if isinstance(m, Linear):
+                m.quantize(method)
+        expected = reference.state_dict()
+        assert expected.keys() == model.state_dict().keys()
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, expected[name]), name
+
+
+def test_a_tensor_stored_twice_is_a_value_error(tmp_path):
+    """A projection's tensor in two weight files: quantizing on load names it, rather than
+    quantizing a Linear whose other fused parts never reached its second scratch."""
+    from int4_checkpoints import write_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    _, float_path, _ = write_checkpoint("llama", tmp_path, "awq", group_size=32)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensor = load_file(f"{float_path}/model.safetensors")[name]
+    save_file({name: tensor}, f"{float_path}/model_extra.safetensors")  # read after the first
+    with pytest.raises(ValueError, match="layers.0.self_attn.qkv_proj twice"):
+        _rtn_shards(float_path, 1, "int8")
