@@ -40,18 +40,24 @@ CASES = {
 }
 
 
+def _measured_load(path: str, method: str) -> tuple[torch.nn.Module, int, int]:
+    """load_model(path) in bfloat16 on CUDA with quantization=method: (the model, the load's
+    peak allocation, what the model holds), both in bytes above what was allocated before."""
+    gc.collect()  # an earlier test's tensors, freed now rather than during the load
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model = load_model(path, load_hf_config(path), torch.bfloat16, CUDA, quantization=method)
+    peak = torch.cuda.max_memory_allocated() - base
+    return model, peak, torch.cuda.memory_allocated() - base
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_int4_checkpoint_loads_on_the_gpu_without_float_weights(case, tmp_path):
     arch, method, options = CASES[case]
     path, float_path, hf = write_checkpoint(arch, tmp_path, method, dims=DIMS, **options)
     cfg, float_cfg = load_hf_config(path), load_hf_config(float_path)
-    gc.collect()  # an earlier test's tensors, freed now rather than during the load
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    model = load_model(path, cfg, torch.bfloat16, CUDA, quantization=method)
-    peak = torch.cuda.max_memory_allocated() - base
-    held = torch.cuda.memory_allocated() - base
+    model, peak, held = _measured_load(path, method)
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
     float_bytes = sum(2 * m.quant.out_features * m.quant.in_features for m in linears.values())
     assert peak - held < 0.25 * float_bytes, (peak, held, float_bytes)
@@ -78,13 +84,7 @@ def test_float_checkpoint_quantized_on_load_never_holds_the_float_projections(me
     equals the bfloat16 model with each Linear quantized after its load."""
     _, float_path, _ = write_checkpoint("llama", tmp_path, "awq", dims=DIMS)
     cfg = load_hf_config(float_path)
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    model = load_model(float_path, cfg, torch.bfloat16, CUDA, quantization=method)
-    peak = torch.cuda.max_memory_allocated() - base
-    held = torch.cuda.memory_allocated() - base
+    model, peak, held = _measured_load(float_path, method)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     sizes = [2 * m.quant.out_features * m.quant.in_features for m in linears]
     print(f"{method}: peak {peak / 2**20:.0f} MiB, held {held / 2**20:.0f} MiB, projections in "
