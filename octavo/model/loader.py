@@ -83,28 +83,12 @@ def load_model(
     with _default_dtype(dtype), device, _linear_weights_on("meta" if keeps or rtn else None):
         net = get_model_class(hf_config)(hf_config)
     net.eval().requires_grad_(False)
-    files = functools.partial(_iter_files, model)
     threads = torch.get_num_threads()  # packing for the kernels gains from them, copies not
     with torch.no_grad(), cpu_threads(1 if device.type == "cpu" else None):
         if load_format == "dummy":
             init_dummy_weights(net, seed)
-        elif keeps:  # the Linears that keep their tensors as they are, and then the rest
-            if quantization == "gguf":  # its Q4 and Q8_0 tensors never dequantized
-                grids = gguf_groups(net, model, hf_config, device)
-            elif fp8_blocks:
-                from octavo.model.fp8_checkpoint import Fp8Checkpoint
-
-                grids = Fp8Checkpoint(files()).place_scales(net, device)
-            else:
-                grids = int4_groups(net, files, hf_config, device)
-            _load_float_but(net, model, hf_config, set(grids), device)
-            if quantization == "gguf":
-                keep_gguf_blocks(net, model, hf_config, grids, device, threads)
-            elif fp8_blocks:
-                weights = functools.partial(iter_weights, model, hf_config)
-                keep_fp8_codes(net, weights, grids, device)
-            else:
-                keep_int4_codes(net, files, hf_config, grids, device, threads)
+        elif keeps:
+            _load_keeping(net, model, hf_config, quantization, device, threads)
         elif rtn:  # each Linear quantized as soon as its float weight has landed
             linears = {m for m in net.modules() if isinstance(m, Linear)}
             _load_float_but(net, model, hf_config, linears, device)
@@ -118,6 +102,35 @@ def load_model(
                 if isinstance(module, Linear):
                     module.quantize(quantization)
     return net
+
+
+def _load_keeping(
+    net: nn.Module,
+    model: str,
+    hf_config: PretrainedConfig,
+    quantization: str,
+    device: torch.device,
+    threads: int,
+) -> None:
+    """Loads a checkpoint whose Linears keep its quantized tensors as they are (a GGUF
+    file's blocks, AWQ/GPTQ groups and codes, an fp8 checkpoint's e4m3 codes): first their
+    groups or scales, then every float weight, then their codes a Linear at a time."""
+    files = functools.partial(_iter_files, model)
+    if quantization == "gguf":  # its Q4 and Q8_0 tensors never dequantized
+        grids = gguf_groups(net, model, hf_config, device)
+    elif quantization == "fp8":
+        from octavo.model.fp8_checkpoint import Fp8Checkpoint
+
+        grids = Fp8Checkpoint(files()).place_scales(net, device)
+    else:
+        grids = int4_groups(net, files, hf_config, device)
+    _load_float_but(net, model, hf_config, set(grids), device)
+    if quantization == "gguf":
+        keep_gguf_blocks(net, model, hf_config, grids, device, threads)
+    elif quantization == "fp8":
+        keep_fp8_codes(net, functools.partial(iter_weights, model, hf_config), grids, device)
+    else:
+        keep_int4_codes(net, files, hf_config, grids, device, threads)
 
 
 def _load_float_but(
