@@ -62,20 +62,30 @@ def gather_kv(
 
 
 def split_qkv(
-    qkv: torch.Tensor, positions: torch.Tensor, spec: AttentionSpec
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    spec: AttentionSpec,
+    rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v heads of a qkv projection, q and k normalized (if the layer has norms) and
     rotated: what the Triton backend's fused kernels do before attention, through the spec's
     own modules (which pick their kernel by device).
 
-    qkv: [T, (H + 2 * KVH) * D], positions: [T] -> q [T, H, D], k and v [T, KVH, D].
+    qkv: [T, (H + 2 * KVH) * D], positions: [T]; rotation: the rotary embedding's
+    `cos_sin(positions, qkv.dtype)` if the caller has it -> q [T, H, D], k and v [T, KVH, D].
     """
-    num_tokens = qkv.shape[0]
-    q, k, v = qkv.split(spec.qkv_sizes, dim=-1)  # [T, H * D], [T, KVH * D], [T, KVH * D]
-    if spec.q_norm is not None and spec.k_norm is not None:
+    num_tokens, rope = qkv.shape[0], spec.rotary_emb
+    cos, sin = rope.cos_sin(positions, qkv.dtype) if rotation is None else rotation
+    q_size, kv_size, _ = spec.qkv_sizes
+    if spec.q_norm is None or spec.k_norm is None:  # q and k side by side: rotated at once
+        qk = rope.rotate(qkv[:, : q_size + kv_size], cos, sin)
+        q, k = qk[:, :q_size], qk[:, q_size:]
+    else:
+        q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
         q = spec.q_norm(q.view(num_tokens, -1, spec.head_dim)).view(num_tokens, -1)
         k = spec.k_norm(k.view(num_tokens, -1, spec.head_dim)).view(num_tokens, -1)
-    q, k = spec.rotary_emb(positions, q, k)
+        q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+    v = qkv[:, q_size + kv_size :]
     return (
         q.view(num_tokens, spec.num_heads, spec.head_dim),
         k.view(num_tokens, spec.num_kv_heads, spec.head_dim),
@@ -102,6 +112,7 @@ class _DecodePlan:
 
     order: torch.Tensor  # [B] sequences sorted by length
     inverse: torch.Tensor  # [B] position of each sequence in `order`
+    in_order: bool  # the batch is sorted already (order and inverse are the identity)
     groups: list[_DecodeGroup]
     workspace_rows: int  # the most cache rows one group gathers
 
@@ -121,6 +132,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._plan_key: tuple | None = None
         self._plan: _DecodePlan | None = None
         self._workspace: torch.Tensor | None = None
+        self._rotation_key: tuple | None = None
+        self._rotation: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward_qkv(
         self,
@@ -133,7 +146,7 @@ class TorchAttentionBackend(AttentionBackend):
         v_scale: float = 1.0,
     ) -> torch.Tensor:
         """See AttentionBackend.forward_qkv: `split_qkv`, then `forward`."""
-        q, k, v = split_qkv(qkv, positions, spec)
+        q, k, v = split_qkv(qkv, positions, spec, self._cos_sin(positions, qkv.dtype, md, spec))
         return self.forward(q, k, v, kv_cache, md, spec.scale, k_scale, v_scale)
 
     def forward(
@@ -185,7 +198,7 @@ class TorchAttentionBackend(AttentionBackend):
         workspace = self._get_workspace(plan.workspace_rows, rows)
         num_heads = q.shape[1]
         group = num_heads // num_kv_heads
-        q_sorted = q.index_select(0, plan.order)
+        q_sorted = q if plan.in_order else q.index_select(0, plan.order)
         outs = []
         for g in plan.groups:
             n = g.hi - g.lo
@@ -204,7 +217,25 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=scale,
             )
             outs.append(out.reshape(n, num_heads, head_dim))
-        return torch.cat(outs).index_select(0, plan.inverse)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out if plan.in_order else out.index_select(0, plan.inverse)
+
+    def _cos_sin(
+        self,
+        positions: torch.Tensor,
+        dtype: torch.dtype,
+        md: AttentionMetadata,
+        spec: AttentionSpec,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables of this step's positions, built by its first layer: like the
+        decode plan, keyed on the metadata object all layers of a step share."""
+        table = spec.rotary_emb.cos_sin_cache
+        key = self._rotation_key
+        if key is None or key[0] is not md or key[1] is not table or key[2] != dtype:
+            self._rotation = spec.rotary_emb.cos_sin(positions, dtype)
+            self._rotation_key = (md, table, dtype)
+        assert self._rotation is not None
+        return self._rotation
 
     def _decode_plan(
         self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
@@ -254,7 +285,8 @@ def _build_decode_plan(
         cache_rows = torch.cat([blocks, blocks + cache_blocks])
         groups.append(_DecodeGroup(lo, hi, num_blocks, cache_rows, mask[:, None, None, :]))
     most = max(g.cache_rows.numel() for g in groups)
-    return _DecodePlan(order, inverse, groups, most)
+    in_order = order_cpu == list(range(num_seqs))
+    return _DecodePlan(order, inverse, in_order, groups, most)
 
 
 def _attend(

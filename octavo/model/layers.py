@@ -64,6 +64,9 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One call, HF's operations in HF's order (bit for bit the code below).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         orig_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -161,23 +164,28 @@ class RotaryEmbedding(nn.Module):
             self._tables[key] = cache
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos and sin [T, 1, D] in `dtype` for `rotate`, the sin's first
+        half negated: computed once per step, they serve every layer."""
+        cos, sin = self.cos_sin_cache[positions].to(dtype).chunk(2, dim=-1)  # [T, D/2] each
+        return torch.cat([cos, cos], -1).unsqueeze(1), torch.cat([-sin, sin], -1).unsqueeze(1)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H * D] rotated by `cos_sin`'s tables: x cos + rotate_half(x) sin, HF's
+        formula, rotate_half's negation carried by the sin (bit for bit the same)."""
         num_tokens = x.shape[0]
         x = x.view(num_tokens, -1, self.head_dim)  # [T, H, D]
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat([-x2, x1], dim=-1)
-        out = x * cos + rotated * sin
+        out = x * cos + x.roll(self.head_dim // 2, -1) * sin
         return out.view(num_tokens, -1)  # [T, H * D]
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, H * D]; k: [T, KVH * D] -> rotated q, k (same shapes)."""
-        cos_sin = self.cos_sin_cache[positions].to(q.dtype)  # [T, D]
-        cos, sin = cos_sin.chunk(2, dim=-1)  # [T, D/2] each
-        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)  # [T, 1, D]
-        sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
 
 class SiluAndMul(nn.Module):

@@ -175,3 +175,37 @@ def test_attention_layer_without_a_bound_cache_raises():
     md, _, _ = _case([1], [1], 4, 2)
     with pytest.raises(RuntimeError, match="before the model runner bound a KV cache"):
         layer(torch.randn(1, 8 * 16), torch.zeros(1, dtype=torch.int64), md)
+
+
+@torch.no_grad()
+def test_rotary_tables_are_built_once_a_step_and_never_reused_by_the_next():
+    """Layers of one step share the rotary tables of its positions; a step with new metadata
+    and new positions gets its own (each layer's output equals a fresh backend's)."""
+    rope = RotaryEmbedding(16, 64, 10000.0)
+    layers = [Attention(6, 2, 16, 0.25, rope) for _ in range(2)]
+    backend = TorchAttentionBackend()
+    for step, seq_lens in enumerate([[5, 9], [6, 10], [3]]):
+        md, cache, _ = _case([1] * len(seq_lens), seq_lens, heads=6, kv_heads=2, seed=step)
+        positions = torch.tensor([n - 1 for n in seq_lens])
+        for layer in layers:
+            fresh_layer, fresh_cache = Attention(6, 2, 16, 0.25, rope), cache.clone()
+            bind_kv_caches(fresh_layer, [fresh_cache], TorchAttentionBackend())
+            bind_kv_caches(layer, [cache], backend)
+            qkv = torch.randn(len(seq_lens), 10 * 16)
+            assert torch.equal(layer(qkv, positions, md), fresh_layer(qkv, positions, md))
+            assert torch.equal(cache, fresh_cache)
+
+
+def test_rotary_embedding_is_hf_apply_rotary_pos_emb_bit_for_bit():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(64, 512, 10000.0)
+    positions = torch.randint(0, 512, (7,))
+    q, k = torch.randn(7, 9 * 64), torch.randn(7, 3 * 64)
+    cos, sin = rope.cos_sin_cache[positions].chunk(2, dim=-1)
+    cos, sin = torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]
+    heads_first = lambda x: x.view(7, -1, 64).transpose(0, 1)[None]
+    want_q, want_k = apply_rotary_pos_emb(heads_first(q), heads_first(k), cos, sin)
+    got_q, got_k = rope(positions, q, k)
+    assert torch.equal(heads_first(got_q), want_q) and torch.equal(heads_first(got_k), want_k)
