@@ -28,9 +28,9 @@ so a code costs a shift and one and-or before its FMA.
 fp8 (e4m3, a float32 scale per row, or per 128 x 128 block as HF fp8 checkpoints store it)
 keeps the plain [N, K] layout that torch._scaled_mm reads, so one copy serves both: viewed as
 int32 words [N, K / 4], byte j of word w is column 4 w + j. Only the GEMV reads it
-(`fp8_gemv`); a code's sign, exponent and mantissa move to float32's places with shifts and
-masks, times 2**120 for the exponents' bias (7 against 127), which also makes e4m3's
-subnormals exact, with no conversion instruction.
+(`fp8_gemv`). There the hardware widens the codes, a pair to two float16 in one instruction
+(exact, subnormals included), then each to float32: 5.4 instructions a code in the loop
+against 7.3 for float32 built by shifts and masks (`gpu_kernels.py --sass`).
 
 Three paths, picked by the row count M (`plan`):
 
@@ -187,14 +187,8 @@ def _field(words, j: tl.constexpr, one, BITS: tl.constexpr):
 
 @triton.jit
 def _fp8_value(words, j: tl.constexpr):
-    """Byte j of each word, an e4m3 code, as float32 (e4m3's NaN reads as 480)."""
-    if j == 3:
-        sign = words & -0x80000000
-        bits = (words >> 4) & 0x07F00000
-    else:
-        sign = (words << (24 - 8 * j)) & -0x80000000
-        bits = (words << (20 - 8 * j)) & 0x07F00000
-    return (sign | bits).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 2**120
+    """Byte j of each word, an e4m3 code, as float32 (e4m3 -> float16 pairs -> float32)."""
+    return (words >> (8 * j)).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
