@@ -64,7 +64,9 @@ class AttentionSpec:
 
     Attributes:
         rotary_emb: `forward(positions [T], q [T, H * D], k [T, KVH * D])` -> rotated (q, k),
-            and `cos_sin_cache` [max_position, D] float32 (cos | sin halves).
+            the same in two steps (`cos_sin(positions, dtype)` once a step, then
+            `rotate(x, cos, sin)`), and `cos_sin_cache` [max_position, D] float32 (cos | sin
+            halves).
         q_norm, k_norm: RMSNorm over head_dim (`weight` [D], `eps`), or None.
     """
 
