@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -273,7 +274,7 @@ def _build_decode_plan(
     inverse[order] = torch.arange(num_seqs, device=q.device)
     bounds = [num_seqs * g // num_groups for g in range(num_groups + 1)]
     groups = []
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
+    for lo, hi in itertools.pairwise(bounds):
         num_blocks = -(-lens[order_cpu[hi - 1]] // block_size)
         seqs = order[lo:hi]
         blocks = md.block_tables[seqs, :num_blocks].long().flatten()  # [n * nb]
