@@ -228,13 +228,19 @@ class TorchAttentionBackend(AttentionBackend):
         md: AttentionMetadata,
         spec: AttentionSpec,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary tables of this step's positions, built by its first layer: like the
-        decode plan, keyed on the metadata object all layers of a step share."""
+        """The rotary tables of this step's positions, built by its first layer: keyed on the
+        metadata and positions objects all layers of a step share (held, so never reused)."""
         table = spec.rotary_emb.cos_sin_cache
         key = self._rotation_key
-        if key is None or key[0] is not md or key[1] is not table or key[2] != dtype:
+        if (
+            key is None
+            or key[0] is not md
+            or key[1] is not positions
+            or key[2] is not table
+            or key[3] != dtype
+        ):
             self._rotation = spec.rotary_emb.cos_sin(positions, dtype)
-            self._rotation_key = (md, table, dtype)
+            self._rotation_key = (md, positions, table, dtype)
         assert self._rotation is not None
         return self._rotation
 

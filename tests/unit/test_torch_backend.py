@@ -209,3 +209,16 @@ def test_rotary_embedding_is_hf_apply_rotary_pos_emb_bit_for_bit():
     want_q, want_k = apply_rotary_pos_emb(heads_first(q), heads_first(k), cos, sin)
     got_q, got_k = rope(positions, q, k)
     assert torch.equal(heads_first(got_q), want_q) and torch.equal(heads_first(got_k), want_k)
+
+
+@torch.no_grad()
+def test_rotary_tables_follow_the_positions_even_under_the_same_metadata():
+    rope = RotaryEmbedding(16, 64, 10000.0)
+    layer, fresh = Attention(6, 2, 16, 0.25, rope), Attention(6, 2, 16, 0.25, rope)
+    md, cache, _ = _case([1, 1], [5, 9], heads=6, kv_heads=2)
+    bind_kv_caches(layer, [cache.clone()], TorchAttentionBackend())
+    qkv = torch.randn(2, 10 * 16)
+    layer(qkv, torch.tensor([4, 8]), md)
+    bind_kv_caches(fresh, [cache.clone()], TorchAttentionBackend())
+    other = torch.tensor([3, 7])
+    assert torch.equal(layer(qkv, other, md), fresh(qkv, other, md))
