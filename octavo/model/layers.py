@@ -370,6 +370,9 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
         self.weight.weight_loader = self.weight_loader
         self.weight.checkpoint_shapes = {None: (vocab_size, hidden_size)}
+        # A GroupRows that looks the rows up instead (a GGUF file's blocks); `weight` is then
+        # empty, unless a tied LM head still multiplies by it.
+        self.register_module("kept_rows", None)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if get_tp().size == 1:
@@ -385,6 +388,8 @@ class VocabEmbedding(nn.Module):
         param.data[:count].copy_(loaded_weight.narrow(0, self.start, count))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.kept_rows is not None:
+            return self.kept_rows(input_ids)  # [T, hidden]
         if get_tp().size == 1:
             return F.embedding(input_ids, self.weight)  # [T, hidden]
         local = input_ids - self.start

@@ -21,12 +21,14 @@ from octavo.model.placement import (
     int4_groups,
     keep_fp8_codes,
     keep_gguf_blocks,
+    keep_gguf_vocab,
     keep_int4_codes,
     load_nothing,
     quantize_as_placed,
     weight_loaders,
 )
 from octavo.model.quant_method import check_quantization, checkpoint_method
+from octavo.model.quantization import GroupRows, QuantizedWeight
 from octavo.model.registry import get_model_class
 
 if TYPE_CHECKING:
@@ -118,6 +120,7 @@ def _load_keeping(
     files = functools.partial(_iter_files, model)
     if quantization == "gguf":  # its Q4 and Q8_0 tensors never dequantized
         grids = gguf_groups(net, model, hf_config, device)
+        keep_gguf_vocab(net, model)
     elif quantization == "fp8":
         from octavo.model.fp8_checkpoint import Fp8Checkpoint
 
@@ -149,7 +152,15 @@ def _load_float_but(
             m.weight.__dict__.update(old.__dict__)  # its loader and shard ids
     with weight_loaders({m.weight: load_nothing for m in kept}):
         loaded = net.load_weights(iter_weights(model, hf_config))
-    _check_all_loaded(net, loaded, model)
+    _check_all_loaded(net, loaded | _already_kept(net), model)
+
+
+def _already_kept(net: nn.Module) -> set[str]:
+    """Names of the parameters of the quantized forms placed before the float weights load
+    (a GGUF file's LM head and embedding): no float tensor loads them."""
+    kept = (QuantizedWeight, GroupRows)
+    return {f"{prefix}.{name}" for prefix, m in net.named_modules() if isinstance(m, kept)
+            for name, _ in m.named_parameters()}  # fmt: skip
 
 
 @contextmanager

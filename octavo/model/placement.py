@@ -20,7 +20,7 @@ from torch import nn
 
 from octavo.model.int4_checkpoint import int4_format, iter_int4_weights
 from octavo.model.layers import Linear
-from octavo.model.quantization import Fp8BlockWeight, Int4Weight, Q8Weight
+from octavo.model.quantization import Fp8BlockWeight, GroupRows, Int4Weight, Q8Weight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -69,7 +69,7 @@ def keep_gguf_blocks(
 ) -> None:
     """Gives each Linear of `groups` the file's own codes (uint8 [N, K], placed one Linear at a
     time as keep_int4_codes does), scales and minimums: an Int4Weight where every code is
-    below 16, else a Q8Weight (a Q8_0 part); and a Q8_0 LM head its blocks."""
+    below 16, else a Q8Weight (a Q8_0 part)."""
     from octavo.model.gguf_loader import iter_gguf_blocks
 
     def keep(m: Linear, codes: torch.Tensor) -> None:
@@ -85,7 +85,14 @@ def keep_gguf_blocks(
     make = {m: functools.partial(_scratch, m, m.weight.shape[1], torch.uint8, device)
             for m in groups}  # fmt: skip
     place(net, make, iter_gguf_blocks(path, hf_config, "codes"), finish=keep)
+
+
+def keep_gguf_vocab(net: nn.Module, path: str) -> None:
+    """Before the float weights load: a Q8_0 LM head keeps its blocks (Q8Weight), then a
+    Q4_0/Q4_1/Q4_K/Q8_0 token embedding its codes and groups (GroupRows), unless a tied LM
+    head still multiplies by its table; the table is then never loaded."""
     _keep_gguf_q8_0_head(net, path)
+    _keep_gguf_embedding(net, path)
 
 
 def _scratch(
@@ -304,6 +311,34 @@ def _group_order(ids: torch.Tensor, size: int, name: str) -> torch.Tensor | None
             "tensor_parallel_size=1"
         )
     return None if torch.equal(order, torch.arange(len(order))) else order
+
+
+def _keep_gguf_embedding(net: nn.Module, path: str) -> None:
+    """A Q4_0/Q4_1/Q4_K/Q8_0 token embedding keeps its codes and groups (GroupRows) in place of
+    its float table, unless a tied LM head still multiplies by that table; on one rank only.
+    The table becomes an empty parameter that loads nothing."""
+    from octavo.model.gguf_loader import BLOCK_TYPES, block_codes, block_groups, open_gguf
+    from octavo.model.layers import LMHead, VocabEmbedding
+    from octavo.model.parallel import get_tp
+
+    tensor = open_gguf(path).tensors.get("token_embd.weight")
+    tables = [m for m in net.modules() if type(m) is VocabEmbedding]
+    if tensor is None or tensor.ggml_type not in BLOCK_TYPES or len(tables) != 1:
+        return
+    embedding, table = tables[0], tables[0].weight
+    heads = [m for m in net.modules() if isinstance(m, LMHead) and m.weight is table]
+    if get_tp().size > 1 or any(head.quant is None for head in heads):
+        return
+    codes = torch.from_numpy(block_codes(tensor)).to(table.device)
+    if tuple(codes.shape) != tuple(table.shape) or table.shape[1] % 32:
+        return
+    groups = torch.from_numpy(block_groups(tensor)).to(table.device)
+    embedding.kept_rows = GroupRows(codes, groups[:, 0::2], groups[:, 1::2], table.dtype)
+    empty = torch.empty(0, table.shape[1], dtype=table.dtype, device=table.device)
+    embedding.weight = nn.Parameter(empty, requires_grad=False)
+    embedding.weight.weight_loader = load_nothing
+    for head in heads:
+        head.weight = embedding.weight
 
 
 def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:

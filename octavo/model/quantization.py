@@ -383,6 +383,26 @@ class Q8Weight(QuantizedWeight):
         return F.linear(x, w.view(n, -1))
 
 
+class GroupRows(nn.Module):
+    """An embedding table kept as codes u [V, H] (uint8) with a scale and a minimum per group
+    of 32 columns [V, H / 32] (float32): w = u * scale + min, as in Q8Weight. A lookup
+    dequantizes only the rows it reads, in float32 and then `dtype`: a GGUF file's token
+    embedding stays in its blocks, as vLLM keeps it."""
+
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.codes, self.scale, self.min = _frozen(codes), _frozen(scale), _frozen(lo)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> rows [T, H] in `dtype`."""
+        u = self.codes[ids].view(ids.shape[0], -1, 32).float()  # [T, G, 32]
+        w = u * self.scale[ids][..., None] + self.min[ids][..., None]
+        return w.flatten(1).to(self.dtype)
+
+
 # Rows of a Q8Weight's codes split into planes at a time (a multiple of any packing block):
 # the planes of an LM head made whole would take ~150 MB of fresh memory, slow to fault in.
 _Q8_PLANE_ROWS = 4096

@@ -195,6 +195,32 @@ def test_off_the_kernels_a_q8_0_part_not_its_values_sends_a_linear_to_float(tmp_
     assert torch.equal(_dequantized(kept[gate_up].quant), plain[gate_up].weight)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_the_token_embedding_keeps_its_blocks_unless_a_tied_head_needs_its_table(
+    tmp_path, tied, qtype
+):
+    """A Q4_0/Q4_1/Q8_0 token embedding looks its rows up from the file's codes and groups,
+    exactly the float load's rows, and holds no float table. Tied to an LM head that keeps
+    no blocks of its own (only a Q8_0 head does), the table stays."""
+    cfg = LlamaConfig(**TINY, tie_word_embeddings=tied)
+    path = str(tmp_path / "embedding.gguf")
+    qtypes = {"token_embd.weight": qtype}
+    write_gguf(path, "llama", cfg, hf_to_gguf_tensors(tiny_hf(cfg), "llama", cfg, qtypes))
+    hf_config = load_hf_config(path)
+    plain = load_model(path, hf_config, torch.float32, CPU)
+    kept = load_model(path, hf_config, torch.float32, CPU, quantization="gguf")
+    ids = torch.tensor([0, 5, cfg.vocab_size - 1, 5, 64])
+    embedding, table = kept.model.embed_tokens, plain.model.embed_tokens.weight
+    assert torch.equal(embedding(ids), plain.model.embed_tokens(ids))
+    keeps_rows = not tied or qtype == Q.Q8_0
+    assert (embedding.kept_rows is not None) == keeps_rows
+    assert embedding.weight.numel() == (0 if keeps_rows else table.numel())
+    if tied:
+        assert kept.lm_head.weight is embedding.weight
+        assert (kept.lm_head.quant is not None) == keeps_rows
+
+
 def _projection_names(cfg) -> list[str]:
     names = []
     for layer in range(cfg.num_hidden_layers):
