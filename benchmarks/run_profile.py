@@ -35,7 +35,7 @@ from step_timeline import describe
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from octavo import LLM, SamplingParams
-from octavo.entrypoints.bench_floor import lm_head_weights
+from octavo.entrypoints.bench_floor import lm_head_params
 from octavo.entrypoints.bench_throughput import measured_floor, nanovllm_workload
 
 BUCKETS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256)]
@@ -198,7 +198,7 @@ def main() -> None:
     decode_attn = sum(r["attention_s"] for r in rows if r["rest_floor_s"] is not None)
     both = bound - decode_attn + fl.kv_read_bytes / bandwidth  # attention at its KV read too
     # and the prefill steps at their GEMMs' FLOPs (prompts use the LM head at their last token)
-    head = sum(p.numel() for p in lm_head_weights(runner.model))
+    head = lm_head_params(runner.model)
     prefill_flops = 2 * ((num_params - head) * sum(map(len, w.prompts)) + head * len(w.prompts))
     prefill_s = rows[0]["attention_s"] + rows[0]["rest_s"]
     every = both - prefill_s + prefill_flops / flops

@@ -97,17 +97,18 @@ def meta_model(hf_config, dtype: torch.dtype) -> torch.nn.Module:
 
 def weights_read_per_step(model: torch.nn.Module) -> list[torch.Tensor]:
     """The parameters one forward pass reads whole: all of them, tied ones once, except an
-    input embedding table that is not also the LM head (a step reads only its batch's rows
-    of that table)."""
-    from octavo.model.layers import VocabEmbedding
+    input embedding's (a step reads only its batch's rows of its table or kept blocks) and a
+    float table the LM head holds but does not multiply by (it has a quantized form)."""
+    from octavo.model.layers import LMHead, VocabEmbedding
 
-    heads = {id(p) for p in lm_head_weights(model)}
-    lookups = {
-        id(m.weight)
-        for m in model.modules()
-        if type(m) is VocabEmbedding and id(m.weight) not in heads
-    }
-    params = {id(p): p for p in model.parameters() if id(p) not in lookups}
+    read = {id(p) for p in lm_head_weights(model)}
+    skipped = set()
+    for m in model.modules():
+        if type(m) is VocabEmbedding:
+            skipped |= {id(p) for p in m.parameters()} - read
+        elif isinstance(m, LMHead) and m.quant is not None:
+            skipped.add(id(m.weight))
+    params = {id(p): p for p in model.parameters() if id(p) not in skipped or id(p) in read}
     return list(params.values())
 
 
@@ -137,7 +138,7 @@ def workload_floor(
     compute_s = 2 * num_params * (sum(prompt_lens) + sum(output_lens)) / ceilings.matmul_flops
     work = SerialWork(
         prompt_lens, output_lens, weight_bytes, num_params,
-        sum(p.numel() for p in lm_head_weights(model)), kv_per_token,
+        lm_head_params(model), kv_per_token,
     )  # fmt: skip
     return Floor(
         weight_bytes, kv_per_token, kv_read, memory_s, compute_s,
@@ -146,11 +147,30 @@ def workload_floor(
 
 
 def lm_head_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The LM head's weight (once, if several modules share it)."""
+    """What the LM head multiplies by, once if several modules share it: its quantized form's
+    tensors where it has one, else its weight."""
     from octavo.model.layers import LMHead
 
-    heads = {id(m.weight): m.weight for m in model.modules() if isinstance(m, LMHead)}
-    return list(heads.values())
+    found = {}
+    for m in model.modules():
+        if isinstance(m, LMHead):
+            tensors = [m.weight] if m.quant is None else list(m.quant.parameters())
+            found |= {id(p): p for p in tensors}
+    return list(found.values())
+
+
+def lm_head_params(model: torch.nn.Module) -> int:
+    """The LM head's parameters as a matrix (vocabulary rows x hidden), however it holds them."""
+    from octavo.model.layers import LMHead
+
+    shapes = {}
+    for m in model.modules():
+        if isinstance(m, LMHead):
+            rows, cols = (
+                m.weight.shape if m.quant is None else (m.quant.out_features, m.quant.in_features)
+            )
+            shapes[id(m)] = rows * cols
+    return sum(shapes.values())
 
 
 @dataclass

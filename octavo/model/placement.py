@@ -334,18 +334,24 @@ def _keep_gguf_embedding(net: nn.Module, path: str) -> None:
         return
     groups = torch.from_numpy(block_groups(tensor)).to(table.device)
     embedding.kept_rows = GroupRows(codes, groups[:, 0::2], groups[:, 1::2], table.dtype)
-    empty = torch.empty(0, table.shape[1], dtype=table.dtype, device=table.device)
-    embedding.weight = nn.Parameter(empty, requires_grad=False)
-    embedding.weight.weight_loader = load_nothing
+    embedding.weight = _empty_table(table)
     for head in heads:
         head.weight = embedding.weight
+
+
+def _empty_table(table: nn.Parameter) -> nn.Parameter:
+    """A [0, hidden] stand-in for a vocabulary table kept in another form: it loads nothing."""
+    empty = torch.empty(0, table.shape[1], dtype=table.dtype, device=table.device)
+    param = nn.Parameter(empty, requires_grad=False)
+    param.weight_loader = load_nothing
+    return param
 
 
 def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
     """A Q8_0 LM head (or a Q8_0 embedding it shares) computes the logits from its int8
     blocks (Q8Weight); on one rank only, where the head holds the whole vocabulary."""
     from octavo.model.gguf_loader import Q8_0, block_codes, block_groups, open_gguf
-    from octavo.model.layers import LMHead
+    from octavo.model.layers import LMHead, VocabEmbedding
     from octavo.model.parallel import get_tp
 
     tensors = open_gguf(path).tensors
@@ -361,3 +367,5 @@ def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
     groups = torch.from_numpy(block_groups(tensor)).to(head.weight.device)  # d, -128 d
     codes = codes.to(head.weight.device)
     head.quant = Q8Weight(codes, groups[:, 0::2], groups[:, 1::2], head.weight.dtype)
+    if not any(m.weight is head.weight for m in net.modules() if type(m) is VocabEmbedding):
+        head.weight = _empty_table(head.weight)  # untied: its own table is never read

@@ -398,9 +398,9 @@ class GroupRows(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> rows [T, H] in `dtype`."""
-        u = self.codes[ids].view(ids.shape[0], -1, 32).float()  # [T, G, 32]
-        w = u * self.scale[ids][..., None] + self.min[ids][..., None]
-        return w.flatten(1).to(self.dtype)
+        w = self.codes[ids].unflatten(-1, (-1, 32)).float()  # [T, G, 32]
+        w.mul_(self.scale[ids][..., None]).add_(self.min[ids][..., None])
+        return w.flatten(-2).to(self.dtype)
 
 
 # Rows of a Q8Weight's codes split into planes at a time (a multiple of any packing block):

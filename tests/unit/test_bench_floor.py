@@ -123,3 +123,29 @@ def test_copy_sizes_keep_the_smallest_and_add_those_that_fit():
     assert copy_sizes(5 * gib) == [gib, 2 * gib]  # 2 x 2 GiB + 1 GiB spare fits; 4 GiB not
     assert copy_sizes(9 * gib) == [gib, 2 * gib, 4 * gib]
     assert copy_sizes(9 * gib - 1) == [gib, 2 * gib]
+
+
+def test_weights_read_per_step_of_kept_gguf_blocks(tmp_path):
+    """With a GGUF file's blocks kept, a step reads the LM head's blocks (the tied Q8_0
+    embedding's, as two 4-bit planes and their scales), not the embedding's lookup blocks or
+    an empty float table; the head still counts as vocabulary x hidden parameters."""
+    import gguf
+    from test_gguf_loader import TINY as GGUF_TINY
+    from test_gguf_loader import hf_to_gguf_tensors, tiny_hf, write_gguf
+
+    from octavo.entrypoints.bench_floor import lm_head_params, lm_head_weights
+    from octavo.model.hf_config import load_hf_config
+
+    cfg = LlamaConfig(**GGUF_TINY, tie_word_embeddings=True)
+    qtypes = {"token_embd.weight": gguf.GGMLQuantizationType.Q8_0}
+    path = str(tmp_path / "q8.gguf")
+    write_gguf(path, "llama", cfg, hf_to_gguf_tensors(tiny_hf(cfg), "llama", cfg, qtypes))
+    cpu, hf_config = torch.device("cpu"), load_hf_config(path)
+    model = load_model(path, hf_config, torch.float32, cpu, quantization="gguf")
+    read = {id(p) for p in weights_read_per_step(model)}
+    head = {id(p) for p in model.lm_head.quant.parameters()}
+    lookup = {id(p) for p in model.model.embed_tokens.parameters()}
+    assert head <= read and not lookup & read
+    assert {id(p) for p in lm_head_weights(model)} == head
+    assert lm_head_params(model) == cfg.vocab_size * cfg.hidden_size
+    assert len(read) == len({id(p) for p in model.parameters()}) - len(lookup)

@@ -195,30 +195,46 @@ def test_off_the_kernels_a_q8_0_part_not_its_values_sends_a_linear_to_float(tmp_
     assert torch.equal(_dequantized(kept[gate_up].quant), plain[gate_up].weight)
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+# (tied, the embedding's type, the untied head's type). Q4_K's groups are those of the
+# others (test_codes_and_groups_give_the_gguf_packages_values); `gguf` cannot write it.
+VOCAB_CASES = {
+    "tied-Q8_0": (True, Q.Q8_0, None),
+    "tied-Q4_0": (True, Q.Q4_0, None),
+    "untied-Q4_1": (False, Q.Q4_1, Q.F32),
+    "untied-Q8_0": (False, Q.Q8_0, Q.F32),
+    "untied-Q4_0-head-Q8_0": (False, Q.Q4_0, Q.Q8_0),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", VOCAB_CASES)
 def test_the_token_embedding_keeps_its_blocks_unless_a_tied_head_needs_its_table(
-    tmp_path, tied, qtype
+    tmp_path, case, dtype
 ):
     """A Q4_0/Q4_1/Q8_0 token embedding looks its rows up from the file's codes and groups,
-    exactly the float load's rows, and holds no float table. Tied to an LM head that keeps
-    no blocks of its own (only a Q8_0 head does), the table stays."""
+    exactly the float load's rows, and holds no float table; tied to an LM head that keeps
+    no blocks of its own (only a Q8_0 head does), the table stays. A kept Q8_0 head holds no
+    float table either."""
+    tied, embedding_type, head_type = VOCAB_CASES[case]
     cfg = LlamaConfig(**TINY, tie_word_embeddings=tied)
-    path = str(tmp_path / "embedding.gguf")
-    qtypes = {"token_embd.weight": qtype}
+    hidden = cfg.hidden_size
+    qtypes = {"token_embd.weight": embedding_type, "output.weight": head_type}
+    path = str(tmp_path / "vocab.gguf")
     write_gguf(path, "llama", cfg, hf_to_gguf_tensors(tiny_hf(cfg), "llama", cfg, qtypes))
     hf_config = load_hf_config(path)
-    plain = load_model(path, hf_config, torch.float32, CPU)
-    kept = load_model(path, hf_config, torch.float32, CPU, quantization="gguf")
+    plain = load_model(path, hf_config, dtype, CPU)
+    kept = load_model(path, hf_config, dtype, CPU, quantization="gguf")
     ids = torch.tensor([0, 5, cfg.vocab_size - 1, 5, 64])
-    embedding, table = kept.model.embed_tokens, plain.model.embed_tokens.weight
+    embedding, head = kept.model.embed_tokens, kept.lm_head
     assert torch.equal(embedding(ids), plain.model.embed_tokens(ids))
-    keeps_rows = not tied or qtype == Q.Q8_0
+    assert embedding(ids[:0]).shape == (0, hidden)
+    head_keeps = (embedding_type if tied else head_type) == Q.Q8_0
+    keeps_rows = not tied or head_keeps
     assert (embedding.kept_rows is not None) == keeps_rows
-    assert embedding.weight.numel() == (0 if keeps_rows else table.numel())
-    if tied:
-        assert kept.lm_head.weight is embedding.weight
-        assert (kept.lm_head.quant is not None) == keeps_rows
+    assert embedding.weight.numel() == (0 if keeps_rows else cfg.vocab_size * hidden)
+    assert (head.quant is not None) == head_keeps
+    assert head.weight.numel() == (0 if head_keeps else cfg.vocab_size * hidden)
+    assert (head.weight is embedding.weight) == tied
 
 
 def _projection_names(cfg) -> list[str]:
