@@ -100,11 +100,12 @@ def quantize_int4(
 def dequantize_int4(
     q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, in_features: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The inverse of quantize_int4: [N, K] in `dtype`."""
+    """The inverse of quantize_int4: [N, K] in `dtype`; as well any codes (8-bit ones too) on
+    a grid of group scales and minimums [N, G]."""
     n, groups = scale.shape
-    grouped = q.view(n, groups, -1).to(dtype)
+    grouped = q.view(n, groups, q.shape[1] // groups).to(dtype)
     w = grouped * scale.to(dtype)[..., None] + lo.to(dtype)[..., None]
-    return w.view(n, -1)[:, :in_features]
+    return w.flatten(1)[:, :in_features]
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,10 +378,9 @@ class Q8Weight(QuantizedWeight):
                 x16, self.low, 32, self.low_scale_zero
             )
             return y.to(x.dtype)
-        n, groups = self.scale.shape
-        w = self.codes.view(n, groups, -1).to(x.dtype) * self.scale.to(x.dtype)[..., None]
-        w = w + self.min.to(x.dtype)[..., None]
-        return F.linear(x, w.view(n, -1))
+        return F.linear(
+            x, dequantize_int4(self.codes, self.scale, self.min, self.in_features, x.dtype)
+        )
 
 
 class GroupRows(nn.Module):
@@ -398,9 +398,8 @@ class GroupRows(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> rows [T, H] in `dtype`."""
-        w = self.codes[ids].unflatten(-1, (-1, 32)).float()  # [T, G, 32]
-        w.mul_(self.scale[ids][..., None]).add_(self.min[ids][..., None])
-        return w.flatten(-2).to(self.dtype)
+        codes, scale, lo = self.codes[ids], self.scale[ids], self.min[ids]
+        return dequantize_int4(codes, scale, lo, codes.shape[1], torch.float32).to(self.dtype)
 
 
 # Rows of a Q8Weight's codes split into planes at a time (a multiple of any packing block):
