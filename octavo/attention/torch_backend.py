@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -230,17 +231,10 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables of this step's positions, built by its first layer: keyed on the
         metadata and positions objects all layers of a step share (held, so never reused)."""
-        table = spec.rotary_emb.cos_sin_cache
-        key = self._rotation_key
-        if (
-            key is None
-            or key[0] is not md
-            or key[1] is not positions
-            or key[2] is not table
-            or key[3] != dtype
-        ):
+        key = (md, positions, spec.rotary_emb.cos_sin_cache, dtype)
+        if self._rotation_key is None or any(map(operator.is_not, key, self._rotation_key)):
             self._rotation = spec.rotary_emb.cos_sin(positions, dtype)
-            self._rotation_key = (md, positions, table, dtype)
+            self._rotation_key = key
         assert self._rotation is not None
         return self._rotation
 

@@ -108,7 +108,7 @@ def weights_read_per_step(model: torch.nn.Module) -> list[torch.Tensor]:
             skipped |= {id(p) for p in m.parameters()} - read
         elif isinstance(m, LMHead) and m.quant is not None:
             skipped.add(id(m.weight))
-    params = {id(p): p for p in model.parameters() if id(p) not in skipped or id(p) in read}
+    params = {id(p): p for p in model.parameters() if id(p) not in skipped}
     return list(params.values())
 
 
@@ -163,14 +163,11 @@ def lm_head_params(model: torch.nn.Module) -> int:
     """The LM head's parameters as a matrix (vocabulary rows x hidden), however it holds them."""
     from octavo.model.layers import LMHead
 
-    shapes = {}
-    for m in model.modules():
-        if isinstance(m, LMHead):
-            rows, cols = (
-                m.weight.shape if m.quant is None else (m.quant.out_features, m.quant.in_features)
-            )
-            shapes[id(m)] = rows * cols
-    return sum(shapes.values())
+    return sum(
+        m.weight.numel() if m.quant is None else m.quant.out_features * m.quant.in_features
+        for m in model.modules()
+        if isinstance(m, LMHead)
+    )
 
 
 @dataclass
