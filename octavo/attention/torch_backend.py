@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from octavo.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
+from octavo.kernels import cpu as cpu_kernels
 
 DECODE_GROUPS = 4  # length groups of a decode step (see TorchAttentionBackend._decode)
 FP8 = torch.float8_e4m3fn
@@ -136,6 +137,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._workspace: torch.Tensor | None = None
         self._rotation_key: tuple | None = None
         self._rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._context_key: AttentionMetadata | None = None
+        self._context: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward_qkv(
         self,
@@ -165,6 +168,11 @@ class TorchAttentionBackend(AttentionBackend):
         """See AttentionBackend.forward."""
         write_kv_cache(k, v, kv_cache, md.slot_mapping[: md.num_tokens], k_scale, v_scale)
         q = q[: md.num_tokens]
+        if cpu_kernels.attention_supported(q, kv_cache):
+            token_seq, token_ctx = self._token_context(md)
+            return cpu_kernels.paged_attention(
+                q, kv_cache, md.block_tables, token_seq, token_ctx, scale
+            )
         if md.is_all_decode:
             return self._decode(q, kv_cache, md, scale, k_scale, v_scale)
         out = torch.empty_like(q)
@@ -221,6 +229,19 @@ class TorchAttentionBackend(AttentionBackend):
             outs.append(out.reshape(n, num_heads, head_dim))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out if plan.in_order else out.index_select(0, plan.inverse)
+
+    def _token_context(self, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query token's sequence and how many cached positions it sees (int32 [T]
+        each), built by a step's first layer (keyed on its metadata, which it holds)."""
+        if self._context_key is not md:
+            starts, seq, ctx = md.query_start_loc_cpu, [], []
+            for i, seq_len in enumerate(md.seq_lens_cpu):
+                new = starts[i + 1] - starts[i]
+                seq += [i] * new
+                ctx += range(seq_len - new + 1, seq_len + 1)
+            self._context = (torch.tensor(seq, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32))
+            self._context_key = md
+        return self._context
 
     def _cos_sin(
         self,

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from octavo.kernels import cpu as cpu_kernels
 from octavo.model.parallel import (
     all_gather_columns,
     all_reduce,
@@ -252,7 +253,7 @@ class Linear(nn.Module):
             y = tuned(x, self.weight)
             if y is not None:
                 return y
-        return F.linear(x, self.weight, self.bias)
+        return cpu_kernels.dense(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -412,7 +413,7 @@ class LMHead(VocabEmbedding):
         if self.quant is not None:
             logits = self.quant(hidden)
         else:
-            logits = F.linear(hidden, self.weight)
+            logits = cpu_kernels.dense(hidden, self.weight)
         if get_tp().size == 1:
             return logits
         return all_gather_columns(logits)[:, : self.vocab_size]

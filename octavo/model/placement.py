@@ -52,11 +52,12 @@ def gguf_groups(
 def _keeps_blocks(linear: Linear, groups: torch.Tensor, bits: torch.Tensor) -> bool:
     """Whether a Linear keeps the blocks placed in it: all its tensors Q4_0, Q4_1, Q4_K or
     Q8_0 (every row landed), whole groups of 32 input features on this rank, and a kernel for
-    its codes' bits: torch's CPU kernel runs 8-bit ones too (Q8Weight), elsewhere only a
+    its codes' bits: the CPU kernels run 8-bit ones too (Q8Weight), elsewhere only a
     Linear with no Q8_0 part is kept."""
     if linear.weight.shape[1] % 32 or groups.isnan().any():
         return False
-    return Q8Weight.runs_kernel(groups.device, groups.shape[0]) or not (bits == 8).any()
+    dtype = linear.weight.dtype
+    return Q8Weight.runs_kernel(groups.device, groups.shape[0], dtype) or not (bits == 8).any()
 
 
 def keep_gguf_blocks(

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from octavo.kernels import cpu as cpu_kernels
 from octavo.model.quant_method import FP8_BLOCK
 
 GROUP_SIZE = 128
@@ -243,6 +244,12 @@ class Int8Weight(QuantizedWeight):
         super().__init__(weight)
         self.cpu_kernel = _uses_cpu_kernels(weight.device)
         self.gpu_kernel = _uses_gpu_kernels(weight.device, weight.dtype)
+        self.packed = None
+        if self.cpu_kernel and cpu_kernels.available(weight.dtype):
+            q, scale = quantize_int8(weight, torch.float32)
+            self.packed = _pack_int8(q, scale)
+            self.qweight, self.scale = _frozen(self.packed.data), _frozen(self.packed.scale)
+            return
         q, scale = quantize_int8(weight, torch.bfloat16 if self.cpu_kernel else weight.dtype)
         if self.gpu_kernel:
             from octavo.kernels.quant_gemm import pack_int8
@@ -251,6 +258,8 @@ class Int8Weight(QuantizedWeight):
         self.qweight, self.scale = _frozen(q), _frozen(scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_kernels.linear(x, self.packed)
         if self.gpu_kernel:
             from octavo.kernels.quant_gemm import int8_linear
 
@@ -258,7 +267,7 @@ class Int8Weight(QuantizedWeight):
         if self.cpu_kernel and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale)
             return y.to(x.dtype)
-        return F.linear(x, dequantize_int8(self.qweight, self.scale, x.dtype))
+        return cpu_kernels.dense(x, dequantize_int8(self.qweight, self.scale, x.dtype))
 
 
 class Int4Weight(QuantizedWeight):
@@ -290,7 +299,10 @@ class Int4Weight(QuantizedWeight):
         device = weight.device if codes is None else codes.device
         self.cpu_kernel = _uses_cpu_kernels(device)
         self.gpu_kernel = _uses_gpu_kernels(device, weight.dtype, group_size)
-        param_dtype = torch.bfloat16 if self.cpu_kernel else weight.dtype
+        # float32 on the CPU: octavo's kernel, float32 throughout; else torch's, in bfloat16.
+        octavo_cpu = self.cpu_kernel and cpu_kernels.available(weight.dtype)
+        self.packed = None
+        param_dtype = torch.bfloat16 if self.cpu_kernel and not octavo_cpu else weight.dtype
         if codes is None:
             q, scale, lo = quantize_int4(weight, group_size, param_dtype)
         else:
@@ -301,7 +313,11 @@ class Int4Weight(QuantizedWeight):
             runs = group_size // 128
             scale, lo = scale.repeat_interleave(runs, 1), lo.repeat_interleave(runs, 1)
             self.group_size = group_size = 128
-        if self.cpu_kernel:
+        if octavo_cpu:
+            self.packed = cpu_kernels.pack_weight(codes=q, scale=scale, lo=lo, in_features=self.in_features)
+            self.qweight = _frozen(self.packed.data)
+            self.scale, self.min = _frozen(self.packed.scale), _frozen(self.packed.min)
+        elif self.cpu_kernel:
             packed, scale_zero = _pack_int4_for_cpu(q, scale, lo)
             self.qweight, self.qscale_zero = _frozen(packed), _frozen(scale_zero)
         elif self.gpu_kernel:
@@ -316,6 +332,8 @@ class Int4Weight(QuantizedWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.columns is not None:
             x = x.index_select(-1, self.columns)
+        if self.packed is not None:
+            return cpu_kernels.linear(x, self.packed)
         if self.cpu_kernel:
             x16 = x.to(torch.bfloat16)
             if self.padded_in_features != self.in_features:  # K ends inside a group
@@ -332,7 +350,7 @@ class Int4Weight(QuantizedWeight):
         packed = self.qweight
         q = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
         w = dequantize_int4(q, self.scale, self.min, self.in_features, x.dtype)
-        return F.linear(x, w)
+        return cpu_kernels.dense(x, w)
 
 
 class Q8Weight(QuantizedWeight):
@@ -350,8 +368,13 @@ class Q8Weight(QuantizedWeight):
         self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype
     ) -> None:
         super().__init__(torch.empty(codes.shape, dtype=dtype, device="meta"))
-        self.cpu_kernel = Q8Weight.runs_kernel(codes.device, codes.shape[0])
-        if self.cpu_kernel:
+        self.cpu_kernel = Q8Weight.runs_kernel(codes.device, codes.shape[0], dtype)
+        self.packed = None
+        if self.cpu_kernel and cpu_kernels.available(dtype):
+            self.packed = cpu_kernels.pack_weight(codes=codes, scale=scale, lo=lo)
+            self.codes = _frozen(self.packed.data)
+            self.scale, self.min = _frozen(self.packed.scale), _frozen(self.packed.min)
+        elif self.cpu_kernel:
             s, m = scale.to(torch.bfloat16), lo.to(torch.bfloat16)
             # The minimum joins the plane where the kernel's bfloat16 zero stays exact: the
             # high one for Q8_0's -128 s (its zero is then 0), else the low one (a 4-bit
@@ -365,12 +388,14 @@ class Q8Weight(QuantizedWeight):
             self.scale, self.min = _frozen(scale.to(dtype)), _frozen(lo.to(dtype))
 
     @staticmethod
-    def runs_kernel(device: torch.device, rows: int) -> bool:
-        """Whether codes of `rows` rows on `device` run torch's CPU kernel (else each product
-        dequantizes): on the CPU, with the rows in 16s."""
-        return _uses_cpu_kernels(device) and rows % 16 == 0
+    def runs_kernel(device: torch.device, rows: int, dtype: torch.dtype) -> bool:
+        """Whether codes of `rows` rows on `device` run a CPU kernel (else each product
+        dequantizes): octavo's for float32, torch's for 16-bit rows in 16s."""
+        return _uses_cpu_kernels(device) and (rows % 16 == 0 or cpu_kernels.available(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_kernels.linear(x, self.packed)
         if self.cpu_kernel:
             x16 = x.to(torch.bfloat16)
             y = torch._weight_int4pack_mm_for_cpu(x16, self.high, 32, self.high_scale_zero)
@@ -378,9 +403,18 @@ class Q8Weight(QuantizedWeight):
                 x16, self.low, 32, self.low_scale_zero
             )
             return y.to(x.dtype)
-        return F.linear(
+        return cpu_kernels.dense(
             x, dequantize_int4(self.codes, self.scale, self.min, self.in_features, x.dtype)
         )
+
+
+def _pack_int8(q: torch.Tensor, scale: torch.Tensor) -> cpu_kernels.PackedWeight:
+    """int8 q [N, K] with a float32 scale per row as octavo's CPU kernel reads 8-bit codes:
+    u = q + 128 with min -128 scale (exactly q * scale), one group of all K, padded to runs."""
+    n, k = q.shape
+    codes = F.pad((q.to(torch.int16) + 128).to(torch.uint8), (0, -k % cpu_kernels.RUN))
+    scale = scale.float()[:, None]
+    return cpu_kernels.pack_weight(codes=codes, scale=scale, lo=-128 * scale, in_features=k)
 
 
 class GroupRows(nn.Module):
@@ -458,7 +492,7 @@ class Fp8Weight(QuantizedWeight):
                 out_dtype=x.dtype,
             )  # fmt: skip
         xq, x_scale = quantize_fp8(x)
-        y = F.linear(xq.to(x.dtype), self.qweight.to(x.dtype))
+        y = cpu_kernels.dense(xq.to(x.dtype), self.qweight.to(x.dtype))
         return y * x_scale.to(x.dtype)[:, None] * self.scale.to(x.dtype)
 
 
@@ -507,7 +541,7 @@ class Fp8BlockWeight(QuantizedWeight):
         xq, x_scale = quantize_fp8_blocks(x, 1, FP8_BLOCK)  # [T, K] e4m3, [T, K/128]
         xd = dequantize_fp8_blocks(xq, x_scale, 1, FP8_BLOCK, x.dtype)
         w = dequantize_fp8_blocks(self.qweight, self.scale, FP8_BLOCK, FP8_BLOCK, x.dtype)
-        return F.linear(xd, w)
+        return cpu_kernels.dense(xd, w)
 
     def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

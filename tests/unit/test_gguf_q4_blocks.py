@@ -110,8 +110,9 @@ def test_q4_0_and_q4_1_projections_keep_the_files_codes(tmp_path, monkeypatch):
             plain[name].weight, 32, grid=(scale, lo), codes=codes.to(torch.uint8)
         )
         got = with_kernels[name].quant
-        assert got.cpu_kernel and torch.equal(got.qweight, want.qweight), name
-        assert torch.equal(got.qscale_zero, want.qscale_zero), name
+        assert got.cpu_kernel, name
+        for key, value in want.state_dict().items():
+            assert torch.equal(got.state_dict()[key], value), (name, key)
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -140,8 +141,9 @@ def test_each_rank_keeps_its_shard_of_the_codes(tmp_path, monkeypatch, size):
 
 def test_q8_0_projections_keep_their_blocks(tmp_path, monkeypatch):
     """Q8_0 projections (and the Q4 + Q8_0 qkv_proj of the mixed model) keep 8-bit codes on
-    the CPU kernels: their products match the float load's weights within bfloat16's
-    rounding of the activations. Off the kernels they load as float, exactly."""
+    the CPU kernels: their products match the float load's weights, within float32's
+    rounding on octavo's kernel (bfloat16's of the activations on torch's). Off the kernels
+    they load as float, exactly."""
     if not quantization.CPU_KERNELS:
         pytest.skip("this torch has no CPU int4 kernel")
     cfg = LlamaConfig(**TINY, tie_word_embeddings=True)
@@ -159,7 +161,8 @@ def test_q8_0_projections_keep_their_blocks(tmp_path, monkeypatch):
             assert module.quant.cpu_kernel and module.weight is None, name
             xi = x[:, : w.shape[1]]
             want = xi @ w.t()
-            assert (module(xi) - want).norm() <= 1e-2 * want.norm(), name
+            tolerance = 1e-6 if module.quant.packed is not None else 1e-2
+            assert (module(xi) - want).norm() <= tolerance * want.norm(), name
     monkeypatch.setattr(quantization, "CPU_KERNELS", False)
     plain = _linears(load_model(all_q8, load_hf_config(all_q8), torch.float32, CPU))
     kept = _linears(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from octavo.kernels import cpu as cpu_kernels
 from octavo.model import quant_method
 from octavo.model import quantization as q
 from octavo.model.layers import MergedLinear, RowParallelLinear
@@ -22,38 +23,50 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.fixture(params=[True, False], ids=["cpu-kernels", "dequantize"])
-def kernels(request, monkeypatch):
-    monkeypatch.setattr(q, "CPU_KERNELS", request.param)
+@pytest.fixture(params=["octavo", "torch", "dequantize"])
+def path(request, monkeypatch):
+    """Which product runs: octavo's CPU kernel (float32 models), torch's CPU kernels (16-bit
+    models: bfloat16 activations), or the dequantize-then-matmul path of other devices."""
+    if request.param == "octavo" and not cpu_kernels.available(torch.float32):
+        pytest.skip("octavo's CPU kernels could not be built here")
+    monkeypatch.setattr(q, "CPU_KERNELS", request.param != "dequantize")
     return request.param
 
 
-def _tolerance(kernels: bool) -> float:
-    # The CPU kernels take bfloat16 activations and give bfloat16 outputs (8-bit mantissas):
-    # about 2**-9 relative each. A wrong packing order, scale or group is off by O(1).
-    return 1e-2 if kernels else 1e-5
+def _dtype(path: str) -> torch.dtype:
+    return torch.bfloat16 if path == "torch" else torch.float32
+
+
+def _tolerance(path: str) -> float:
+    # octavo's kernel is float32 throughout (only the sum's order differs); torch's take
+    # bfloat16 activations and give bfloat16 outputs (8-bit mantissas): about 2**-9 relative
+    # each. A wrong packing order, scale or group is off by O(1).
+    return {"octavo": 1e-6, "torch": 1e-2, "dequantize": 1e-5}[path]
 
 
 @pytest.mark.parametrize("rows,k,n", SHAPES)
-def test_int8_matches_dequantized_reference(kernels, rows, k, n):
-    w, x = torch.randn(n, k), torch.randn(rows, k)
+def test_int8_matches_dequantized_reference(path, rows, k, n):
+    dtype = _dtype(path)
+    w, x = torch.randn(n, k, dtype=dtype), torch.randn(rows, k, dtype=dtype)
     weight = q.Int8Weight(w)
-    ref = x @ q.dequantize_int8(weight.qweight, weight.scale, torch.float32).T
+    codes, scale = q.quantize_int8(w, torch.bfloat16 if path == "torch" else torch.float32)
+    ref = x.float() @ q.dequantize_int8(codes, scale, torch.float32).T
     y = weight(x)
     assert y.dtype == x.dtype and y.shape == (rows, n)
-    assert rel_err(y, ref) < _tolerance(kernels and rows <= q.INT8_KERNEL_MAX_ROWS)
+    assert rel_err(y, ref) < _tolerance(path)
 
 
 @pytest.mark.parametrize("rows,k,n", SHAPES)
-def test_int4_matches_dequantized_reference(kernels, rows, k, n):
-    w, x = torch.randn(n, k), torch.randn(rows, k)
+def test_int4_matches_dequantized_reference(path, rows, k, n):
+    dtype = _dtype(path)
+    w, x = torch.randn(n, k, dtype=dtype), torch.randn(rows, k, dtype=dtype)
     weight = q.Int4Weight(w)
     # The reference quantizes the same way, with the parameters in the dtype the path keeps.
-    codes, scale, lo = q.quantize_int4(w, q.GROUP_SIZE, torch.bfloat16 if kernels else w.dtype)
-    ref = x @ q.dequantize_int4(codes, scale, lo, k, torch.float32).T
+    codes, scale, lo = q.quantize_int4(w, q.GROUP_SIZE, dtype)
+    ref = x.float() @ q.dequantize_int4(codes, scale, lo, k, torch.float32).T
     y = weight(x)
     assert y.dtype == x.dtype and y.shape == (rows, n)
-    assert rel_err(y, ref) < _tolerance(kernels)
+    assert rel_err(y, ref) < _tolerance(path)
 
 
 @pytest.mark.parametrize("rows,k,n", SHAPES)
@@ -127,7 +140,7 @@ def test_int4_round_trip_within_half_a_step_per_group():
     assert (scale[:, 1] < 1 / 15 + 1e-6).all()  # the partial group's range is its own
 
 
-def test_int4_keeps_a_checkpoints_codes_on_its_grid(kernels):
+def test_int4_keeps_a_checkpoints_codes_on_its_grid(path):
     """A checkpoint's own codes on its grid (w = q * d + m in blocks of 32, as GGUF's Q4_1 or
     AWQ's) are kept as they are: the product equals the grid's own float product, and the
     weight passed beside them is not read (a meta tensor)."""
@@ -135,15 +148,15 @@ def test_int4_keeps_a_checkpoints_codes_on_its_grid(kernels):
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     d, m = torch.rand(n, k // 32) * 0.05 + 1e-3, torch.randn(n, k // 32) * 0.1
     w = codes * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
-    meta = torch.empty(n, k, device="meta")
+    meta = torch.empty(n, k, device="meta", dtype=_dtype(path))
     layer = q.Int4Weight(meta, 32, grid=(d, m), codes=codes)
     assert layer.cpu_kernel == q.CPU_KERNELS
     x = torch.randn(5, k)
-    assert rel_err(layer(x), x @ w.t()) < _tolerance(kernels)
+    assert rel_err(layer(x.to(meta.dtype)), x @ w.t()) < _tolerance(path) + 4e-3 * (path == "torch")
 
 
 @pytest.mark.parametrize("rows", [1, 9])
-def test_q8_weight_matches_its_dequantized_blocks(kernels, rows):
+def test_q8_weight_matches_its_dequantized_blocks(path, rows):
     """8-bit codes with a scale and minimum per 32 columns against codes x scales + minimums,
     then a matmul: GGUF Q8_0 groups (int8 + 128, minimum -128 d; the extreme codes included)
     beside 4-bit groups (Q4_1's: codes below 16, any minimum) in the same rows."""
@@ -155,10 +168,10 @@ def test_q8_weight_matches_its_dequantized_blocks(kernels, rows):
     u[:, 64:] &= 15  # the last group of each row: 4-bit codes with a minimum of its own
     lo[:, 2] = torch.randn(208) * 0.05
     weight = u.float() * scale.repeat_interleave(32, dim=1) + lo.repeat_interleave(32, dim=1)
-    layer = q.Q8Weight(u, scale, lo, torch.float32)
+    layer = q.Q8Weight(u, scale, lo, _dtype(path))
     x = torch.randn(rows, 96)
-    assert rel_err(layer(x), x @ weight.t()) < _tolerance(kernels)
-    if kernels:  # the planes' weights, as the kernel forms them: (h - 8) 16 s + zero, ...
+    assert rel_err(layer(x.to(_dtype(path))), x @ weight.t()) < _tolerance(path)
+    if path == "torch":  # the planes' weights, as the kernel forms them: (h - 8) 16 s + zero, ...
         planes = [layer.high_scale_zero.float(), layer.low_scale_zero.float()]
         parts = [(u >> 4).float(), (u & 15).float()]
         w = sum(
@@ -219,7 +232,8 @@ def test_linear_quantize_keeps_bias_and_counts_the_quantized_weight():
     assert {name for name, _ in linear.named_parameters()} == {
         "bias", "quant.qweight", "quant.scale"
     }  # fmt: skip
-    ref = x @ q.dequantize_int8(linear.quant.qweight, linear.quant.scale, torch.float32).T
+    codes, scale = q.quantize_int8(w, linear.quant.scale.dtype)  # the path's quantization
+    ref = x @ q.dequantize_int8(codes, scale, torch.float32).T
     assert rel_err(linear(x), ref + linear.bias) < 1e-2
     assert rel_err(linear(x), x @ w.T + linear.bias) < 2e-2
 

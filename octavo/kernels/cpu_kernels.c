@@ -1,0 +1,379 @@
+/* octavo's CPU kernels: float32 products with float32, 4-bit or 8-bit weights, and attention
+ * over the paged KV cache, each computing a row the same way whatever else is in the batch.
+ *
+ * Every output element is one fixed sequence of float32 operations that depends only on its
+ * own inputs and the weight's shape: a dot product is accumulated in 16 lanes (lane l takes
+ * the columns k = l mod 16, in order) and the lanes are summed in one fixed tree. Rows are
+ * tiled and the output columns split between threads, but no tile or split ever changes
+ * that sequence, so a token's result does not depend on how many rows share its step, on
+ * how a prompt is chunked, or on the thread count. No -ffast-math: the compiler may not
+ * reorder a sum. `a * b + c` is contracted to one fused multiply-add everywhere
+ * (-ffp-contract=fast), and octavo_self_check() confirms a 1-row product equals its row
+ * of a larger one before octavo uses the library.
+ *
+ * Quantized weights are dequantized in registers, w = code * scale + min with float32
+ * scale and minimum per group: for GGUF's Q4_0/Q4_1/Q8_0 blocks that is exactly the float
+ * the file stands for, so the product equals a float32 matmul on the dequantized weights up
+ * to the order of its sum.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* vf: 16 float32 lanes, one AVX-512 register or two AVX2 ones (generic vectors elsewhere).
+ * Each lane's arithmetic is the same on every path; only the hardware differs. */
+#define VL 16
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+typedef __m512 vf;
+#define MR 4 /* rows of a tile: 16 accumulators, 4 weight vectors and an input in 32 registers */
+#define NR 4 /* output columns of a tile */
+static inline vf load(const float *p) { return _mm512_loadu_ps(p); }
+static inline vf load_part(const float *p, int n) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+static inline void store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf splat(float x) { return _mm512_set1_ps(x); }
+static inline vf zero(void) { return _mm512_setzero_ps(); }
+static inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf fma_v(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vfloor(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+/* 2^n for whole n in [-126, 127]. */
+static inline vf pow2i(vf n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+/* Lanes of r where x >= lim, zero elsewhere. */
+static inline vf keep_at_least(vf r, vf x, float lim) {
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, splat(lim), _CMP_GE_OQ), r);
+}
+/* Codes of 16 bytes as floats: each byte (Q8), or its low or high nibble (Q4). */
+static inline vf bytes_f(const uint8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline vf nibbles_f(const uint8_t *p, int high) {
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    c = high ? _mm512_srli_epi32(c, 4) : _mm512_and_si512(c, _mm512_set1_epi32(15));
+    return _mm512_cvtepi32_ps(c);
+}
+/* The lanes' sum in one fixed tree: ((v_i + v_i+8) + (v_i+4 + v_i+12)) for i < 4, then
+ * (s_0 + s_2) + (s_1 + s_3). */
+static inline float hsum(vf v) {
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef struct { __m256 a, b; } vf; /* lanes 0-7, 8-15 */
+#define MR 2
+#define NR 2
+#define BOTH(f, x, y) ((vf){f((x).a, (y).a), f((x).b, (y).b)})
+static inline vf load(const float *p) { return (vf){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline vf load_part(const float *p, int n) {
+    float tmp[16] = {0};
+    memcpy(tmp, p, (size_t)n * sizeof(float));
+    return load(tmp);
+}
+static inline void store(float *p, vf v) { _mm256_storeu_ps(p, v.a), _mm256_storeu_ps(p + 8, v.b); }
+static inline vf splat(float x) { return (vf){_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline vf zero(void) { return (vf){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline vf add(vf a, vf b) { return BOTH(_mm256_add_ps, a, b); }
+static inline vf mul(vf a, vf b) { return BOTH(_mm256_mul_ps, a, b); }
+static inline vf fma_v(vf a, vf b, vf c) {
+    return (vf){_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)};
+}
+static inline vf vmax(vf a, vf b) { return BOTH(_mm256_max_ps, a, b); }
+static inline vf vmin(vf a, vf b) { return BOTH(_mm256_min_ps, a, b); }
+static inline vf vfloor(vf a) { return (vf){_mm256_floor_ps(a.a), _mm256_floor_ps(a.b)}; }
+static inline __m256 pow2i8(__m256 n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline vf pow2i(vf n) { return (vf){pow2i8(n.a), pow2i8(n.b)}; }
+static inline vf keep_at_least(vf r, vf x, float lim) {
+    const __m256 l = _mm256_set1_ps(lim);
+    return (vf){_mm256_and_ps(r.a, _mm256_cmp_ps(x.a, l, _CMP_GE_OQ)),
+                _mm256_and_ps(r.b, _mm256_cmp_ps(x.b, l, _CMP_GE_OQ))};
+}
+static inline __m256i bytes8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline vf bytes_f(const uint8_t *p) {
+    return (vf){_mm256_cvtepi32_ps(bytes8(p)), _mm256_cvtepi32_ps(bytes8(p + 8))};
+}
+static inline __m256 nib8(const uint8_t *p, int high) {
+    const __m256i c = bytes8(p);
+    return _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, _mm256_set1_epi32(15)));
+}
+static inline vf nibbles_f(const uint8_t *p, int high) { return (vf){nib8(p, high), nib8(p + 8, high)}; }
+static inline float hsum(vf v) {
+    const __m256 a = _mm256_add_ps(v.a, v.b);
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+#else
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint8_t vb __attribute__((vector_size(16)));
+#define MR 2
+#define NR 2
+static inline vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline vf load_part(const float *p, int n) {
+    vf v = {0};
+    memcpy(&v, p, (size_t)n * sizeof(float));
+    return v;
+}
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf zero(void) { return (vf){0}; }
+static inline vf add(vf a, vf b) { return a + b; }
+static inline vf mul(vf a, vf b) { return a * b; }
+static inline vf fma_v(vf a, vf b, vf c) {
+    vf r;
+    for (int i = 0; i < VL; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+}
+static inline vf pick(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+static inline vf vmax(vf a, vf b) { return pick(a > b, a, b); }
+static inline vf vmin(vf a, vf b) { return pick(a < b, a, b); }
+static inline vf vfloor(vf a) {
+    vf r;
+    for (int i = 0; i < VL; i++) r[i] = floorf(a[i]);
+    return r;
+}
+static inline vf pow2i(vf n) { return (vf)((__builtin_convertvector(n, vi) + 127) << 23); }
+static inline vf keep_at_least(vf r, vf x, float lim) { return pick(x >= lim, r, (vf){0}); }
+static inline vf bytes_f(const uint8_t *p) {
+    vb b;
+    memcpy(&b, p, 16);
+    return __builtin_convertvector(__builtin_convertvector(b, vi), vf);
+}
+static inline vf nibbles_f(const uint8_t *p, int high) {
+    vb b;
+    memcpy(&b, p, 16);
+    const vi c = __builtin_convertvector(b, vi);
+    return __builtin_convertvector(high ? c >> 4 : c & 15, vf);
+}
+static inline float hsum(vf v) {
+    float a[8], b[4];
+    for (int i = 0; i < 8; i++) a[i] = v[i] + v[i + 8];
+    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+#endif
+#define MBLOCK 64 /* rows whose inputs stay in the cache while a thread's columns pass */
+
+enum { W_F32 = 0, W_Q4 = 1, W_Q8 = 2 };
+#define UNROLL _Pragma("GCC unroll 8")
+
+/* Columns [k, k + 16) of a weight row, dequantized: w = code * s + m (codes as below). Lanes
+ * past K are zero, as a float32 row read with load_part gives them. */
+static inline vf weight16(int kind, const void *row, int k, int K, float s, float m) {
+    if (kind == W_F32) {
+        const float *f = (const float *)row;
+        return k + VL <= K ? load(f + k) : load_part(f + k, K - k);
+    }
+    const uint8_t *codes = (const uint8_t *)row;
+    const vf c = kind == W_Q8 ? bytes_f(codes + k) : nibbles_f(codes + k / 32 * 16, (k / VL) & 1);
+    const vf w = fma_v(c, splat(s), splat(m));
+    if (k + VL <= K) return w;
+    float tmp[VL];
+    store(tmp, w);
+    return load_part(tmp, K - k);
+}
+
+/* One tile: rows [0, mr) of x against weight rows [0, nr), written to y. The weight arrives
+ * as float32 rows, or codes with their groups' scale and min:
+ *   W_Q4: per run of 32 columns, 16 bytes; byte j = code[j] | code[j + 16] << 4
+ *   W_Q8: one byte a code
+ * Each output's lanes take x[k] w[k] for k = 0, 16, 32, ... + lane, in that order. */
+static inline __attribute__((always_inline)) void tile(
+    int kind, int mr, int nr, const float *x, long ldx, int K, const void *w, long ldw,
+    const float *scale, const float *mn, long ldg, int group, float *y, long ldy) {
+    vf acc[MR][NR];
+    UNROLL for (int t = 0; t < MR; t++)
+        UNROLL for (int n = 0; n < NR; n++) acc[t][n] = zero();
+    const long row_bytes = kind == W_F32 ? ldw * (long)sizeof(float) : ldw;
+    for (int k = 0, g = 0, in_group = 0; k < K; k += VL) {
+        vf wv[NR];
+        UNROLL for (int n = 0; n < nr; n++) {
+            const void *row = (const uint8_t *)w + n * row_bytes;
+            wv[n] = kind == W_F32 ? weight16(kind, row, k, K, 0, 0)
+                                  : weight16(kind, row, k, K, scale[n * ldg + g], mn[n * ldg + g]);
+        }
+        if ((in_group += VL) == group) g++, in_group = 0;
+        UNROLL for (int t = 0; t < mr; t++) {
+            const float *row = x + t * ldx;
+            const vf xv = k + VL <= K ? load(row + k) : load_part(row + k, K - k);
+            UNROLL for (int n = 0; n < nr; n++) acc[t][n] = fma_v(xv, wv[n], acc[t][n]);
+        }
+    }
+    UNROLL for (int t = 0; t < mr; t++)
+        UNROLL for (int n = 0; n < nr; n++) y[t * ldy + n] = hsum(acc[t][n]);
+}
+
+/* The tile specialized for its kind and common sizes (a full tile, one row), else generic. */
+static void tile_any(int kind, int mr, int nr, const float *x, long ldx, int K, const void *w,
+                     long ldw, const float *scale, const float *mn, long ldg, int group, float *y,
+                     long ldy) {
+#define TILE(KIND, ROWS, COLS) tile(KIND, ROWS, COLS, x, ldx, K, w, ldw, scale, mn, ldg, group, y, ldy)
+#define SIZES(KIND)                                                                            \
+    if (mr == MR && nr == NR) TILE(KIND, MR, NR);                                              \
+    else if (mr == 1 && nr == NR) TILE(KIND, 1, NR);                                           \
+    else TILE(KIND, mr, nr);                                                                   \
+    break;
+    switch (kind) {
+    case W_F32: SIZES(W_F32)
+    case W_Q4: SIZES(W_Q4)
+    default: SIZES(W_Q8)
+    }
+#undef SIZES
+#undef TILE
+}
+
+/* Weight rows [0, nr) dequantized into buf [nr, K] float32: the values tile() forms. */
+static void dequantize_rows(int kind, int nr, int K, const uint8_t *w, long ldw,
+                            const float *scale, const float *mn, long ldg, int group, float *buf) {
+    for (int n = 0; n < nr; n++)
+        for (int k = 0; k < K; k += VL) {
+            const long g = n * ldg + k / group;
+            const vf v = weight16(kind, w + n * ldw, k, K, scale[g], mn[g]);
+            float tmp[VL];
+            store(tmp, v);
+            memcpy(buf + (long)n * K + k, tmp, (size_t)(K - k < VL ? K - k : VL) * sizeof(float));
+        }
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T.
+ * kind W_F32: w float32 [N, ldw]. W_Q4 / W_Q8: w uint8 codes [N, ldw bytes] as in tile(),
+ * scale and mn float32 [N, ldg], one per `group` columns (a multiple of 32). A product of
+ * more rows than one tile dequantizes each thread's weight rows once per block of rows and
+ * runs the float32 tile on them: the same values, the same sums. */
+void octavo_linear(int kind, const float *x, long ldx, int M, int K, const void *w, long ldw,
+                   const float *scale, const float *mn, long ldg, int group, int N, float *y,
+                   long ldy) {
+    const long row_bytes = kind == W_F32 ? ldw * (long)sizeof(float) : ldw;
+    const int ntiles = (N + NR - 1) / NR, staged = kind != W_F32 && M > MR;
+#pragma omp parallel
+    {
+        float *buf = staged ? malloc((size_t)NR * K * sizeof(float)) : NULL;
+        for (int m0 = 0; m0 < M; m0 += MBLOCK) {
+            const int m1 = m0 + MBLOCK < M ? m0 + MBLOCK : M;
+#pragma omp for schedule(static) nowait
+            for (int nt = 0; nt < ntiles; nt++) {
+                const int n0 = nt * NR, nr = N - n0 < NR ? N - n0 : NR;
+                const uint8_t *wn = (const uint8_t *)w + n0 * row_bytes;
+                const float *sn = scale ? scale + n0 * ldg : NULL, *mnn = mn ? mn + n0 * ldg : NULL;
+                if (staged) dequantize_rows(kind, nr, K, wn, ldw, sn, mnn, ldg, group, buf);
+                for (int t = m0; t < m1; t += MR) {
+                    const int mr = m1 - t < MR ? m1 - t : MR;
+                    if (staged)
+                        tile_any(W_F32, mr, nr, x + t * ldx, ldx, K, buf, K, NULL, NULL, 0, group,
+                                 y + t * ldy + n0, ldy);
+                    else
+                        tile_any(kind, mr, nr, x + t * ldx, ldx, K, wn, ldw, sn, mnn, ldg, group,
+                                 y + t * ldy + n0, ldy);
+                }
+            }
+        }
+        free(buf);
+    }
+}
+
+/* exp(x) for each lane: Cody-Waite reduction by ln 2 and a degree-6 polynomial, within 2 ulp;
+ * below -87 (-inf included) it gives 0. */
+static inline vf exp_v(vf x) {
+    const vf xc = vmin(vmax(x, splat(-87.0f)), splat(88.0f));
+    const vf n = vfloor(fma_v(xc, splat(1.44269504f), splat(0.5f)));
+    const vf r = fma_v(n, splat(-1.42860677e-06f), fma_v(n, splat(-0.693145752f), xc));
+    vf p = splat(1.0f / 720);
+    p = fma_v(p, r, splat(1.0f / 120));
+    p = fma_v(p, r, splat(1.0f / 24));
+    p = fma_v(p, r, splat(1.0f / 6));
+    p = fma_v(p, r, splat(0.5f));
+    p = fma_v(p, r, splat(1.0f));
+    p = fma_v(p, r, splat(1.0f));
+    return keep_at_least(mul(p, pow2i(n)), x, -87.0f);
+}
+
+static inline float dot(const float *a, const float *b, int D) {
+    vf acc = zero();
+    for (int d = 0; d < D; d += VL) acc = fma_v(load(a + d), load(b + d), acc);
+    return hsum(acc);
+}
+
+/* Causal attention of T query tokens over the paged cache, one (token, KV head) at a time.
+ * q, out [T, H, D]; kcache, vcache [blocks, block_size, KVH, D]; block_tables [S, bt_stride]
+ * int32; token t belongs to sequence seq[t] and sees its first ctx[t] cached positions.
+ * D is a multiple of 16; the H / KVH query heads of a KV head read it together. */
+void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, int D,
+                            const float *kcache, const float *vcache, int block_size,
+                            const int32_t *block_tables, long bt_stride, const int32_t *seq,
+                            const int32_t *ctx, float softmax_scale) {
+    const int G = H / KVH, nd = D / VL;
+#pragma omp parallel
+    {
+        float *s = NULL;
+        long cap = 0;
+#pragma omp for schedule(dynamic)
+        for (long item = 0; item < (long)T * KVH; item++) {
+            const int t = (int)(item / KVH), h = (int)(item % KVH), L = ctx[t];
+            const int32_t *bt = block_tables + seq[t] * bt_stride;
+            const long L16 = (L + VL - 1) / VL * VL;
+            if (G * L16 > cap) {
+                free(s);
+                cap = G * L16;
+                s = malloc(cap * sizeof(float));
+            }
+            const float *qh = q + ((long)t * H + (long)h * G) * D;
+            for (int j = 0; j < L; j++) {
+                const long row = ((long)bt[j / block_size] * block_size + j % block_size) * KVH + h;
+                for (int g = 0; g < G; g++) s[g * L16 + j] = dot(qh + g * D, kcache + row * D, D) * softmax_scale;
+            }
+            for (int g = 0; g < G; g++) {
+                float *sg = s + g * L16, mx = -INFINITY;
+                for (int j = 0; j < L; j++) mx = sg[j] > mx ? sg[j] : mx;
+                for (int j = L; j < L16; j++) sg[j] = -INFINITY;
+                vf sum = zero();
+                for (int j = 0; j < L16; j += VL) {
+                    const vf e = exp_v(add(load(sg + j), splat(-mx)));
+                    store(sg + j, e);
+                    sum = add(sum, e);
+                }
+                const float inv = 1.0f / hsum(sum);
+                float *o = out + ((long)t * H + (long)h * G + g) * D;
+                for (int d = 0; d < nd; d++) {
+                    vf acc = zero();
+                    for (int j = 0; j < L; j++) {
+                        const long row = ((long)bt[j / block_size] * block_size + j % block_size) * KVH + h;
+                        acc = fma_v(splat(sg[j]), load(vcache + row * D + d * VL), acc);
+                    }
+                    store(o + d * VL, mul(acc, splat(inv)));
+                }
+            }
+        }
+        free(s);
+    }
+}
+
+/* A 1-row product equals row 0 of a 7-row one, for each kind: the compiler kept the
+ * operation sequence of a row the same in every tile. Returns 0 if so. */
+int octavo_self_check(void) {
+    enum { K = 96, N = 9, M = 7 };
+    static float x[M * K], w[N * K], s[N * 3], m[N * 3], y1[N], y7[M * N];
+    static uint8_t c[N * K];
+    for (int i = 0; i < M * K; i++) x[i] = (float)((i * 7919) % 997) / 997.0f - 0.5f;
+    for (int i = 0; i < N * K; i++) {
+        w[i] = (float)((i * 104729) % 991) / 991.0f - 0.5f;
+        c[i] = (uint8_t)((i * 31) % 251);
+    }
+    for (int i = 0; i < N * 3; i++) s[i] = 0.01f + i * 1e-4f, m[i] = -0.3f + i * 1e-3f;
+    for (int kind = 0; kind < 3; kind++) {
+        const long ldw = kind == W_Q4 ? K / 2 : K;
+        octavo_linear(kind, x, K, 1, K, kind ? (void *)c : (void *)w, ldw, s, m, 3, 32, N, y1, N);
+        octavo_linear(kind, x, K, M, K, kind ? (void *)c : (void *)w, ldw, s, m, 3, 32, N, y7, N);
+        if (memcmp(y1, y7, sizeof y1)) return 1 + kind;
+    }
+    return 0;
+}
