@@ -12,7 +12,8 @@ from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig
 from octavo.engine.engine import Engine
 from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.model.embedded import embedded_model_path
-from octavo.model.hf_config import get_num_kv_heads, load_hf_config
+from octavo.kernels.cpu import compute_mode
+from octavo.model.hf_config import get_head_dim, get_num_kv_heads, load_hf_config
 from octavo.model.parallel import check_tp_size
 from octavo.model.quant_method import check_quantization, resolve_quantization
 from octavo.model.tokenizer import eos_token_ids, load_tokenizer
@@ -147,7 +148,9 @@ def build_engine(
     runner.allocate_kv_cache(num_blocks, max_num_seqs, sched.max_model_len, max_num_batched_tokens)
     if async_scheduling is None:  # overlap pays where the device runs beside the host
         async_scheduling = dev.type == "cuda"
-    return Engine(runner, tok, cache, sched, num_blocks, eos, async_scheduling)
+    packed = quantization not in (None, "fp8")  # fp8 is emulated in float off the GPU
+    mode = compute_mode(dev, torch_dtype, kv_dtype, packed, get_head_dim(hf_config))
+    return Engine(runner, tok, cache, sched, num_blocks, eos, async_scheduling, mode)
 
 
 def _check_parallel(parallel: ParallelConfig, hf_config, device: torch.device) -> None:

@@ -73,8 +73,13 @@ class Engine:
         num_kv_blocks: int,
         eos_token_ids: list[int],
         async_scheduling: bool = False,
+        compute_mode: tuple[torch.dtype, bool] | None = None,
     ) -> None:
+        """compute_mode: the dtype of the forward's products and whether a token's result is
+        independent of the batch (kernels/cpu.compute_mode); by default the runner's dtype,
+        and no."""
         self.runner = runner
+        self.compute_dtype, self.batch_invariant = compute_mode or (runner.dtype, False)
         self.tokenizer = tokenizer
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -402,7 +407,9 @@ class Engine:
     def get_stats(self) -> dict[str, int | float | str]:
         """Counters for users and metrics: preemptions, prefix-cache queries and hits (in
         tokens), KV blocks, queue lengths and throughput counters; and the KV cache's dtype
-        (torch's name: "bfloat16", "float8_e4m3fn", ...)."""
+        (torch's name: "bfloat16", "float8_e4m3fn", ...); the dtype the forward's products
+        compute in, and whether a request's tokens and log-probs are independent of what runs
+        beside it (batch, preemption, chunking, prefix hits)."""
         return {
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.kv.prefix_cache_queries,
@@ -418,4 +425,6 @@ class Engine:
             "kv_blocks_peak_used": self.kv.sharing.peak_blocks_used,
             "num_cow_copies": self.kv.sharing.num_cow_copies,
             "kv_cache_dtype": str(self.runner.kv_cache_dtype).removeprefix("torch."),
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "batch_invariant": self.batch_invariant,
         }

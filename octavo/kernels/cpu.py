@@ -114,6 +114,19 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     return F.linear(x, weight, bias)
 
 
+def compute_mode(
+    device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype, packed_weights: bool,
+    head_dim: int,
+) -> tuple[torch.dtype, bool]:
+    """What a model's forward computes in: the dtype of its products' activations (torch's
+    CPU kernels for packed weights round them to bfloat16), and whether a token's result is
+    independent of the batch (float32 on the CPU through these kernels, attention included)."""
+    ours = device.type == "cpu" and available(dtype)
+    if device.type == "cpu" and packed_weights and not ours:
+        return torch.bfloat16, False
+    return dtype, ours and kv_cache_dtype == dtype and head_dim % 16 == 0
+
+
 def available(dtype: torch.dtype) -> bool:
     """Whether products in `dtype` on the CPU run these kernels: float32, once built."""
     return dtype == torch.float32 and library() is not None

@@ -160,3 +160,10 @@ def test_a_request_is_the_same_whatever_runs_beside_it(
     rng.shuffle(order)
     outs = llm.generate([batch[i] for i in order], [sampling[i] for i in order], use_tqdm=False)
     assert results([outs[order.index(len(batch) - 1)]]) == [want]
+
+
+def test_stats_say_what_the_forward_computes_in(llm_factory):
+    default = llm_factory(quantization="auto").get_stats()
+    assert (default["compute_dtype"], default["batch_invariant"]) == ("float32", True)
+    fp8_kv = llm_factory(kv_cache_dtype="fp8").get_stats()  # torch's attention reads it
+    assert (fp8_kv["compute_dtype"], fp8_kv["batch_invariant"]) == ("float32", False)

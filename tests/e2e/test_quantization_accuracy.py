@@ -5,9 +5,11 @@ far greedy completions follow float32's.
 
 The text is the GNU GPL v3 (tests/data/gpl-3.0.txt, verbatim from Debian's
 /usr/share/common-licenses/GPL-3, which its licence lets anyone copy), scored in 512-token
-chunks through prompt_logprobs. Four chunks settle the ratios to float32's (measured: int8
-+0.2%, fp8 +1.2%, kv-fp8 +1.4% over 2048 tokens; +0.3%, +1.4%, +1.8% over 3072); one does
-not (fp8 -2.4%).
+chunks through prompt_logprobs. Four chunks settle the ratios to float32's for int8 and
+kv-fp8 (measured over 3072 tokens: int8 +0.3%, kv-fp8 +1.9%, fp8 +1.8%). fp8 rounds every
+projection's activations to e4m3, which turns float32's last-bit differences (another sum
+order) into ratios anywhere from -2.4% to +2.7% over 512 to 2560 tokens: it is scored over
+six chunks.
 """
 
 from __future__ import annotations
@@ -90,22 +92,24 @@ def test_perplexity_of_a_short_prefix(llm_factory, float32_perplexity, method):
             marks=pytest.mark.xfail(
                 strict=True,
                 reason="round-to-nearest at group 128 of the GGUF's Q4_1 (group 32) weights "
-                "raises the perplexity by ~70%; quantization='gguf' keeps the file's blocks",
+                "raises the perplexity by ~50%; quantization='gguf' keeps the file's blocks",
             ),
         ),
     ],
 )  # fmt: skip
 def test_perplexity_within_the_issue_bounds(llm_factory, float32_perplexity, method, bound):
-    base = float32_perplexity(NUM_TOKENS)
-    found = perplexity(engine(llm_factory, method), NUM_TOKENS)
+    num_tokens = 6 * CHUNK if method == "fp8" else NUM_TOKENS
+    base = float32_perplexity(num_tokens)
+    found = perplexity(engine(llm_factory, method), num_tokens)
     print(f"perplexity float32 {base:.3f}, {method} {found:.3f} ({found / base - 1:+.2%})")
     assert found == pytest.approx(base, rel=bound)
 
 
 @pytest.mark.slow
-# measured: int8 75%, fp8 58%, kv-fp8 65%, gguf 78% (its activations pass through bfloat16)
+# gguf follows float32 all the way: the products are float32 on the very weights the float
+# load dequantizes (test_determinism.py holds it token for token on more prompts).
 @pytest.mark.parametrize(
-    "method,least", [("int8", 0.4), ("fp8", 0.2), ("kv-fp8", 0.4), ("gguf", 0.6)]
+    "method,least", [("int8", 0.4), ("fp8", 0.2), ("kv-fp8", 0.4), ("gguf", 1.0)]
 )
 def test_greedy_agreement_with_float32(
     llm_factory, chat_prompt_ids, greedy_reference, method, least
