@@ -6,12 +6,13 @@ machine (`-march=native`) into octavo's cache and loaded with ctypes; the calls 
 the GIL and run on torch's OpenMP threads. `library()` is None where no compiler is found
 or the build fails its self-check; the callers then keep torch's own ops.
 
-Weights come packed by `pack_weight`:
+Weights come packed by `pack_weight`, a row of bytes for each output feature:
 
     F32  float32 [N, K], as the model holds it (no copy)
-    Q4   codes 0..15 in runs of 32 columns, 16 bytes a run: byte j = c[j] | c[j + 16] << 4
-    Q8   codes 0..255, a byte each
-    with (Q4, Q8) float32 scale and min [N, G], one per `group` columns: w = c * scale + min
+    Q4   per group of `group` columns a block: float32 scale, float32 min, then the codes
+         0..15 in runs of 32 columns, 16 bytes a run (byte j = c[j] | c[j + 16] << 4)
+    Q8   the same blocks with a byte a code
+    with w = code * scale + min. Each row (and each thread's rows) is one stream of memory.
 """
 
 from __future__ import annotations
@@ -45,9 +46,7 @@ class PackedWeight:
     kind: int
     out_features: int
     in_features: int
-    data: torch.Tensor  # float32 [N, K] or uint8 codes [N, bytes a row]
-    scale: torch.Tensor | None = None  # float32 [N, G]
-    min: torch.Tensor | None = None
+    data: torch.Tensor  # float32 [N, K], or uint8 [N, G * block bytes]
     group: int = RUN
 
 
@@ -59,46 +58,48 @@ def pack_weight(
     in_features: int | None = None,
 ) -> PackedWeight:
     """A float32 `weight` [N, K] as it is, or `codes` uint8 [N, Kp] (Kp whole groups) with
-    their groups' scale and min [N, G] (w = code * scale + min): Q4 where every code is
-    below 16, else Q8. `in_features`: the real K of padded codes (default Kp)."""
+    their groups' scale and min [N, G] (w = code * scale + min) in blocks: Q4 where every
+    code is below 16, else Q8. `in_features`: the real K of padded codes (default Kp)."""
     if weight is not None:
         assert weight.dtype == torch.float32 and weight.dim() == 2
         return PackedWeight(W_F32, *weight.shape, weight.contiguous())
     assert codes is not None and scale is not None and lo is not None
     n, kp = codes.shape
-    group = kp // scale.shape[1]
+    groups = scale.shape[1]
+    group = kp // groups
     if group % RUN or kp % group:
         raise ValueError(f"group of {group} columns: the CPU kernels take multiples of {RUN}")
+    codes = codes.to(torch.uint8)
+    kind = W_Q4 if int(codes.max()) < 16 else W_Q8
+    if kind == W_Q4:
+        runs = codes.view(n, kp // RUN, 2, RUN // 2)
+        codes = runs[:, :, 0] | (runs[:, :, 1] << 4)  # [N, Kp / 32, 16]
+    header = torch.stack([scale.float(), lo.float()], dim=-1).view(torch.uint8)  # [N, G, 8]
+    blocks = torch.cat([header, codes.reshape(n, groups, -1)], dim=-1)
     k = kp if in_features is None else in_features
-    scale, lo = scale.float().contiguous(), lo.float().contiguous()
-    if int(codes.max()) < 16:
-        runs = codes.to(torch.uint8).view(n, kp // RUN, 2, RUN // 2)
-        packed = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, kp // 2)
-        return PackedWeight(W_Q4, n, k, packed.contiguous(), scale, lo, group)
-    return PackedWeight(W_Q8, n, k, codes.to(torch.uint8).contiguous(), scale, lo, group)
+    return PackedWeight(kind, n, k, blocks.reshape(n, -1).contiguous(), group)
 
 
 def linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [T, K] float32 -> x W^T [T, N] float32, each row as it would be alone."""
-    return _linear(x, w.kind, w.data, w.scale, w.min, w.group, w.out_features, w.in_features)
+    return _linear(x, w.kind, w.data, w.group, w.out_features, w.in_features)
 
 
 def linear_dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] float32 -> x weight^T, weight float32 [N, K] (row-major), as `linear`."""
-    y = _linear(x.reshape(-1, x.shape[-1]), W_F32, weight, None, None, RUN, *weight.shape)
+    y = _linear(x.reshape(-1, x.shape[-1]), W_F32, weight, RUN, *weight.shape)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def _linear(x, kind, data, scale, lo, group, out_features, in_features) -> torch.Tensor:
+def _linear(x, kind, data, group, out_features, in_features) -> torch.Tensor:
     if x.stride(-1) != 1 or data.stride(-1) != 1:
         x, data = x.contiguous(), data.contiguous()
     rows = x.shape[0]
     y = torch.empty(rows, out_features, dtype=torch.float32)
     if rows:
+        row_bytes = data.stride(0) * data.element_size()
         library().octavo_linear(
-            kind, x.data_ptr(), x.stride(0), rows, in_features, data.data_ptr(),
-            data.stride(0), None if scale is None else scale.data_ptr(),
-            None if lo is None else lo.data_ptr(), 0 if scale is None else scale.shape[1],
+            kind, x.data_ptr(), x.stride(0), rows, in_features, data.data_ptr(), row_bytes,
             group, out_features, y.data_ptr(), out_features,
         )  # fmt: skip
     return y
@@ -178,14 +179,15 @@ def dequantize(w: PackedWeight) -> torch.Tensor:
     """The float32 weight [N, K] a PackedWeight stands for."""
     if w.kind == W_F32:
         return w.data
+    n = w.out_features
+    blocks = w.data.view(n, -1, 8 + (w.group // 2 if w.kind == W_Q4 else w.group))
+    scale, lo = blocks[:, :, :8].contiguous().view(torch.float32).unbind(-1)  # [N, G] each
+    codes = blocks[:, :, 8:]
     if w.kind == W_Q4:
-        n = w.out_features
-        runs = w.data.view(n, -1, RUN // 2)
-        codes = torch.cat([runs & 15, runs >> 4], dim=-1).view(n, -1)
-    else:
-        codes = w.data
+        runs = codes.reshape(n, -1, RUN // 2)
+        codes = torch.cat([runs & 15, runs >> 4], dim=-1)
     per_col = functools.partial(torch.repeat_interleave, repeats=w.group, dim=1)
-    deq = torch.addcmul(per_col(w.min), codes.float(), per_col(w.scale))
+    deq = torch.addcmul(per_col(lo), codes.reshape(n, -1).float(), per_col(scale))
     return deq[:, : w.in_features]
 
 
@@ -201,7 +203,7 @@ def library() -> ctypes.CDLL | None:
         print(f"octavo: CPU kernels unavailable ({e}); using torch's ops", file=sys.stderr)
         return None
     p, i, f, long_ = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-    lib.octavo_linear.argtypes = [i, p, long_, i, i, p, long_, p, p, long_, i, i, p, long_]
+    lib.octavo_linear.argtypes = [i, p, long_, i, i, p, long_, i, i, p, long_]
     lib.octavo_linear.restype = None
     lib.octavo_paged_attention.argtypes = [p, p, i, i, i, i, p, p, i, p, long_, p, p, f]
     lib.octavo_paged_attention.restype = None

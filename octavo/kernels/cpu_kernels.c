@@ -167,57 +167,83 @@ static inline float hsum(vf v) {
 enum { W_F32 = 0, W_Q4 = 1, W_Q8 = 2 };
 #define UNROLL _Pragma("GCC unroll 8")
 
-/* Columns [k, k + 16) of a weight row, dequantized: w = code * s + m (codes as below). Lanes
- * past K are zero, as a float32 row read with load_part gives them. */
-static inline vf weight16(int kind, const void *row, int k, int K, float s, float m) {
-    if (kind == W_F32) {
-        const float *f = (const float *)row;
-        return k + VL <= K ? load(f + k) : load_part(f + k, K - k);
+/* A quantized weight row is a run of blocks, one per group of `group` columns: float32
+ * scale, float32 min, then the group's codes
+ *   W_Q4: 16 bytes per 32 columns, byte j = code[j] | code[j + 16] << 4
+ *   W_Q8: one byte a code
+ * and w = code * scale + min. */
+static inline long block_bytes(int kind, int group) { return 8 + (kind == W_Q4 ? group / 2 : group); }
+
+/* Columns [k, k + 32) of a block's codes at `at` columns into it, dequantized to two vectors
+ * (lanes past K zero, as load_part gives them). */
+static inline void dequantize32(int kind, const uint8_t *block, int at, int k, int K, vf *lo,
+                                vf *hi) {
+    float scale, min;
+    memcpy(&scale, block, 4);
+    memcpy(&min, block + 4, 4);
+    const uint8_t *codes = block + 8 + (kind == W_Q4 ? at / 2 : at);
+    const vf s = splat(scale), m = splat(min);
+    if (kind == W_Q4) {
+        *lo = fma_v(nibbles_f(codes, 0), s, m);
+        *hi = fma_v(nibbles_f(codes, 1), s, m);
+    } else {
+        *lo = fma_v(bytes_f(codes), s, m);
+        *hi = fma_v(bytes_f(codes + 16), s, m);
     }
-    const uint8_t *codes = (const uint8_t *)row;
-    const vf c = kind == W_Q8 ? bytes_f(codes + k) : nibbles_f(codes + k / 32 * 16, (k / VL) & 1);
-    const vf w = fma_v(c, splat(s), splat(m));
-    if (k + VL <= K) return w;
-    float tmp[VL];
-    store(tmp, w);
-    return load_part(tmp, K - k);
+    if (k + 2 * VL <= K) return;
+    float tmp[2 * VL];
+    store(tmp, *lo), store(tmp + VL, *hi);
+    const int valid = K - k;
+    *lo = load_part(tmp, valid < VL ? valid : VL);
+    *hi = valid > VL ? load_part(tmp + VL, valid - VL) : zero();
 }
 
-/* One tile: rows [0, mr) of x against weight rows [0, nr), written to y. The weight arrives
- * as float32 rows, or codes with their groups' scale and min:
- *   W_Q4: per run of 32 columns, 16 bytes; byte j = code[j] | code[j + 16] << 4
- *   W_Q8: one byte a code
- * Each output's lanes take x[k] w[k] for k = 0, 16, 32, ... + lane, in that order. */
+static inline vf load_x(const float *row, int k, int K) {
+    return k + VL <= K ? load(row + k) : (k < K ? load_part(row + k, K - k) : zero());
+}
+
+/* One tile: rows [0, mr) of x against weight rows [0, nr) (row_bytes apart), written to y.
+ * Each output's lanes take x[k] w[k] for k = 0, 16, 32, ... + lane, in that order: float32
+ * rows 16 columns a step, quantized ones 32 (the same order). */
 static inline __attribute__((always_inline)) void tile(
-    int kind, int mr, int nr, const float *x, long ldx, int K, const void *w, long ldw,
-    const float *scale, const float *mn, long ldg, int group, float *y, long ldy) {
+    int kind, int mr, int nr, const float *x, long ldx, int K, const uint8_t *w, long row_bytes,
+    int group, float *y, long ldy) {
     vf acc[MR][NR];
     UNROLL for (int t = 0; t < MR; t++)
         UNROLL for (int n = 0; n < NR; n++) acc[t][n] = zero();
-    const long row_bytes = kind == W_F32 ? ldw * (long)sizeof(float) : ldw;
-    for (int k = 0, g = 0, in_group = 0; k < K; k += VL) {
-        vf wv[NR];
-        UNROLL for (int n = 0; n < nr; n++) {
-            const void *row = (const uint8_t *)w + n * row_bytes;
-            wv[n] = kind == W_F32 ? weight16(kind, row, k, K, 0, 0)
-                                  : weight16(kind, row, k, K, scale[n * ldg + g], mn[n * ldg + g]);
+    if (kind == W_F32) {
+        for (int k = 0; k < K; k += VL) {
+            vf wv[NR];
+            UNROLL for (int n = 0; n < nr; n++) wv[n] = load_x((const float *)(w + n * row_bytes), k, K);
+            UNROLL for (int t = 0; t < mr; t++) {
+                const vf xv = load_x(x + t * ldx, k, K);
+                UNROLL for (int n = 0; n < nr; n++) acc[t][n] = fma_v(xv, wv[n], acc[t][n]);
+            }
         }
-        if ((in_group += VL) == group) g++, in_group = 0;
-        UNROLL for (int t = 0; t < mr; t++) {
-            const float *row = x + t * ldx;
-            const vf xv = k + VL <= K ? load(row + k) : load_part(row + k, K - k);
-            UNROLL for (int n = 0; n < nr; n++) acc[t][n] = fma_v(xv, wv[n], acc[t][n]);
-        }
+    } else {
+        const long bb = block_bytes(kind, group);
+        for (int k0 = 0, g = 0; k0 < K; k0 += group, g++)
+            for (int at = 0, k = k0; at < group && k < K; at += 2 * VL, k += 2 * VL) {
+                vf lo[NR], hi[NR];
+                UNROLL for (int n = 0; n < nr; n++)
+                    dequantize32(kind, w + n * row_bytes + g * bb, at, k, K, &lo[n], &hi[n]);
+                UNROLL for (int t = 0; t < mr; t++) {
+                    const vf x0 = load_x(x + t * ldx, k, K), x1 = load_x(x + t * ldx, k + VL, K);
+                    UNROLL for (int n = 0; n < nr; n++) {
+                        acc[t][n] = fma_v(x0, lo[n], acc[t][n]);
+                        if (k + VL < K) acc[t][n] = fma_v(x1, hi[n], acc[t][n]);
+                    }
+                }
+            }
     }
     UNROLL for (int t = 0; t < mr; t++)
         UNROLL for (int n = 0; n < nr; n++) y[t * ldy + n] = hsum(acc[t][n]);
 }
 
 /* The tile specialized for its kind and common sizes (a full tile, one row), else generic. */
-static void tile_any(int kind, int mr, int nr, const float *x, long ldx, int K, const void *w,
-                     long ldw, const float *scale, const float *mn, long ldg, int group, float *y,
-                     long ldy) {
-#define TILE(KIND, ROWS, COLS) tile(KIND, ROWS, COLS, x, ldx, K, w, ldw, scale, mn, ldg, group, y, ldy)
+static void tile_any(int kind, int mr, int nr, const float *x, long ldx, int K, const uint8_t *w,
+                     long row_bytes, int group, float *y, long ldy) {
+#define TILE(KIND, ROWS, COLS) tile(KIND, ROWS, COLS, x, ldx, K, w, row_bytes, group, y, ldy)
 #define SIZES(KIND)                                                                            \
     if (mr == MR && nr == NR) TILE(KIND, MR, NR);                                              \
     else if (mr == 1 && nr == NR) TILE(KIND, 1, NR);                                           \
@@ -232,47 +258,46 @@ static void tile_any(int kind, int mr, int nr, const float *x, long ldx, int K, 
 #undef TILE
 }
 
-/* Weight rows [0, nr) dequantized into buf [nr, K] float32: the values tile() forms. */
-static void dequantize_rows(int kind, int nr, int K, const uint8_t *w, long ldw,
-                            const float *scale, const float *mn, long ldg, int group, float *buf) {
+/* Weight rows [0, nr) dequantized into buf [nr, K16] float32 (K16: K in whole 16s, zeros
+ * past K): the values tile() forms. */
+static void dequantize_rows(int kind, int nr, int K, const uint8_t *w, long row_bytes, int group,
+                            float *buf) {
+    const int K16 = (K + VL - 1) / VL * VL;
+    const long bb = block_bytes(kind, group);
     for (int n = 0; n < nr; n++)
-        for (int k = 0; k < K; k += VL) {
-            const long g = n * ldg + k / group;
-            const vf v = weight16(kind, w + n * ldw, k, K, scale[g], mn[g]);
-            float tmp[VL];
-            store(tmp, v);
-            memcpy(buf + (long)n * K + k, tmp, (size_t)(K - k < VL ? K - k : VL) * sizeof(float));
+        for (int k = 0; k < K; k += 2 * VL) {
+            vf lo, hi;
+            dequantize32(kind, w + n * row_bytes + (k / group) * bb, k % group, k, K, &lo, &hi);
+            store(buf + (long)n * K16 + k, lo);
+            if (k + VL < K) store(buf + (long)n * K16 + k + VL, hi);
         }
 }
 
-/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T.
- * kind W_F32: w float32 [N, ldw]. W_Q4 / W_Q8: w uint8 codes [N, ldw bytes] as in tile(),
- * scale and mn float32 [N, ldg], one per `group` columns (a multiple of 32). A product of
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T, W's rows row_bytes apart:
+ * float32 (W_F32), or blocks of `group` columns (W_Q4, W_Q8; see weight16). A product of
  * more rows than one tile dequantizes each thread's weight rows once per block of rows and
  * runs the float32 tile on them: the same values, the same sums. */
-void octavo_linear(int kind, const float *x, long ldx, int M, int K, const void *w, long ldw,
-                   const float *scale, const float *mn, long ldg, int group, int N, float *y,
-                   long ldy) {
-    const long row_bytes = kind == W_F32 ? ldw * (long)sizeof(float) : ldw;
+void octavo_linear(int kind, const float *x, long ldx, int M, int K, const void *w,
+                   long row_bytes, int group, int N, float *y, long ldy) {
     const int ntiles = (N + NR - 1) / NR, staged = kind != W_F32 && M > MR;
 #pragma omp parallel
     {
-        float *buf = staged ? malloc((size_t)NR * K * sizeof(float)) : NULL;
+        const int K16 = (K + VL - 1) / VL * VL;
+        float *buf = staged ? malloc((size_t)NR * K16 * sizeof(float)) : NULL;
         for (int m0 = 0; m0 < M; m0 += MBLOCK) {
             const int m1 = m0 + MBLOCK < M ? m0 + MBLOCK : M;
 #pragma omp for schedule(static) nowait
             for (int nt = 0; nt < ntiles; nt++) {
                 const int n0 = nt * NR, nr = N - n0 < NR ? N - n0 : NR;
                 const uint8_t *wn = (const uint8_t *)w + n0 * row_bytes;
-                const float *sn = scale ? scale + n0 * ldg : NULL, *mnn = mn ? mn + n0 * ldg : NULL;
-                if (staged) dequantize_rows(kind, nr, K, wn, ldw, sn, mnn, ldg, group, buf);
+                if (staged) dequantize_rows(kind, nr, K, wn, row_bytes, group, buf);
                 for (int t = m0; t < m1; t += MR) {
                     const int mr = m1 - t < MR ? m1 - t : MR;
                     if (staged)
-                        tile_any(W_F32, mr, nr, x + t * ldx, ldx, K, buf, K, NULL, NULL, 0, group,
-                                 y + t * ldy + n0, ldy);
+                        tile_any(W_F32, mr, nr, x + t * ldx, ldx, K, (const uint8_t *)buf,
+                                 (long)K16 * sizeof(float), group, y + t * ldy + n0, ldy);
                     else
-                        tile_any(kind, mr, nr, x + t * ldx, ldx, K, wn, ldw, sn, mnn, ldg, group,
+                        tile_any(kind, mr, nr, x + t * ldx, ldx, K, wn, row_bytes, group,
                                  y + t * ldy + n0, ldy);
                 }
             }
@@ -360,19 +385,22 @@ void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, i
 /* A 1-row product equals row 0 of a 7-row one, for each kind: the compiler kept the
  * operation sequence of a row the same in every tile. Returns 0 if so. */
 int octavo_self_check(void) {
-    enum { K = 96, N = 9, M = 7 };
-    static float x[M * K], w[N * K], s[N * 3], m[N * 3], y1[N], y7[M * N];
-    static uint8_t c[N * K];
+    enum { K = 96, N = 9, M = 7, G = K / 32 };
+    static float x[M * K], w[N * K], y1[N], y7[M * N];
+    static uint8_t q[N * G * (8 + 32)];
     for (int i = 0; i < M * K; i++) x[i] = (float)((i * 7919) % 997) / 997.0f - 0.5f;
-    for (int i = 0; i < N * K; i++) {
-        w[i] = (float)((i * 104729) % 991) / 991.0f - 0.5f;
-        c[i] = (uint8_t)((i * 31) % 251);
-    }
-    for (int i = 0; i < N * 3; i++) s[i] = 0.01f + i * 1e-4f, m[i] = -0.3f + i * 1e-3f;
+    for (int i = 0; i < N * K; i++) w[i] = (float)((i * 104729) % 991) / 991.0f - 0.5f;
     for (int kind = 0; kind < 3; kind++) {
-        const long ldw = kind == W_Q4 ? K / 2 : K;
-        octavo_linear(kind, x, K, 1, K, kind ? (void *)c : (void *)w, ldw, s, m, 3, 32, N, y1, N);
-        octavo_linear(kind, x, K, M, K, kind ? (void *)c : (void *)w, ldw, s, m, 3, 32, N, y7, N);
+        const int block = 8 + (kind == W_Q4 ? 16 : 32);
+        for (int i = 0; i < N * G * block; i++) q[i] = (uint8_t)((i * 31) % 251);
+        for (int i = 0; i < N * G; i++) { /* each block's scale and min */
+            const float s = 0.01f + i * 1e-4f, m = -0.3f + i * 1e-3f;
+            memcpy(q + i * block, &s, 4), memcpy(q + i * block + 4, &m, 4);
+        }
+        const void *wk = kind == W_F32 ? (const void *)w : (const void *)q;
+        const long row_bytes = kind == W_F32 ? K * 4 : G * block;
+        octavo_linear(kind, x, K, 1, K, wk, row_bytes, 32, N, y1, N);
+        octavo_linear(kind, x, K, M, K, wk, row_bytes, 32, N, y7, N);
         if (memcmp(y1, y7, sizeof y1)) return 1 + kind;
     }
     return 0;

@@ -248,7 +248,7 @@ class Int8Weight(QuantizedWeight):
         if self.cpu_kernel and cpu_kernels.available(weight.dtype):
             q, scale = quantize_int8(weight, torch.float32)
             self.packed = _pack_int8(q, scale)
-            self.qweight, self.scale = _frozen(self.packed.data), _frozen(self.packed.scale)
+            self.qweight = _frozen(self.packed.data)
             return
         q, scale = quantize_int8(weight, torch.bfloat16 if self.cpu_kernel else weight.dtype)
         if self.gpu_kernel:
@@ -314,9 +314,10 @@ class Int4Weight(QuantizedWeight):
             scale, lo = scale.repeat_interleave(runs, 1), lo.repeat_interleave(runs, 1)
             self.group_size = group_size = 128
         if octavo_cpu:
-            self.packed = cpu_kernels.pack_weight(codes=q, scale=scale, lo=lo, in_features=self.in_features)
-            self.qweight = _frozen(self.packed.data)
-            self.scale, self.min = _frozen(self.packed.scale), _frozen(self.packed.min)
+            self.packed = cpu_kernels.pack_weight(
+                codes=q, scale=scale, lo=lo, in_features=self.in_features
+            )
+            self.qweight = _frozen(self.packed.data)  # codes with their scales and minimums
         elif self.cpu_kernel:
             packed, scale_zero = _pack_int4_for_cpu(q, scale, lo)
             self.qweight, self.qscale_zero = _frozen(packed), _frozen(scale_zero)
@@ -372,8 +373,7 @@ class Q8Weight(QuantizedWeight):
         self.packed = None
         if self.cpu_kernel and cpu_kernels.available(dtype):
             self.packed = cpu_kernels.pack_weight(codes=codes, scale=scale, lo=lo)
-            self.codes = _frozen(self.packed.data)
-            self.scale, self.min = _frozen(self.packed.scale), _frozen(self.packed.min)
+            self.codes = _frozen(self.packed.data)  # codes with their scales and minimums
         elif self.cpu_kernel:
             s, m = scale.to(torch.bfloat16), lo.to(torch.bfloat16)
             # The minimum joins the plane where the kernel's bfloat16 zero stays exact: the
