@@ -331,17 +331,21 @@ static inline float dot(const float *a, const float *b, int D) {
 /* Causal attention of T query tokens over the paged cache, one (token, KV head) at a time.
  * q, out [T, H, D]; kcache, vcache [blocks, block_size, KVH, D]; block_tables [S, bt_stride]
  * int32; token t belongs to sequence seq[t] and sees its first ctx[t] cached positions.
- * D is a multiple of 16; the H / KVH query heads of a KV head read it together. */
+ * D is a multiple of 16; the H / KVH query heads of a KV head read it together. Scores,
+ * their softmax and the weighted sum of values each run over positions 0, 1, 2, ... in
+ * order, whatever else the call holds. */
 void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, int D,
                             const float *kcache, const float *vcache, int block_size,
                             const int32_t *block_tables, long bt_stride, const int32_t *seq,
                             const int32_t *ctx, float softmax_scale) {
     const int G = H / KVH, nd = D / VL;
+    const long slot = (long)KVH * D; /* floats from one position to the next in a block */
 #pragma omp parallel
     {
-        float *s = NULL;
+        float *s = NULL, *inv = malloc(G * sizeof(float));
+        vf *o = aligned_alloc(64, (size_t)G * nd * sizeof(vf)); /* sizeof(vf) is 64 */
         long cap = 0;
-#pragma omp for schedule(dynamic)
+#pragma omp for schedule(dynamic, 2)
         for (long item = 0; item < (long)T * KVH; item++) {
             const int t = (int)(item / KVH), h = (int)(item % KVH), L = ctx[t];
             const int32_t *bt = block_tables + seq[t] * bt_stride;
@@ -352,9 +356,11 @@ void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, i
                 s = malloc(cap * sizeof(float));
             }
             const float *qh = q + ((long)t * H + (long)h * G) * D;
-            for (int j = 0; j < L; j++) {
-                const long row = ((long)bt[j / block_size] * block_size + j % block_size) * KVH + h;
-                for (int g = 0; g < G; g++) s[g * L16 + j] = dot(qh + g * D, kcache + row * D, D) * softmax_scale;
+            for (int b = 0, j = 0; j < L; b++) {
+                const float *kb = kcache + (long)bt[b] * block_size * slot + (long)h * D;
+                for (int i = 0; i < block_size && j < L; i++, j++)
+                    for (int g = 0; g < G; g++)
+                        s[g * L16 + j] = dot(qh + g * D, kb + i * slot, D) * softmax_scale;
             }
             for (int g = 0; g < G; g++) {
                 float *sg = s + g * L16, mx = -INFINITY;
@@ -366,19 +372,24 @@ void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, i
                     store(sg + j, e);
                     sum = add(sum, e);
                 }
-                const float inv = 1.0f / hsum(sum);
-                float *o = out + ((long)t * H + (long)h * G + g) * D;
-                for (int d = 0; d < nd; d++) {
-                    vf acc = zero();
-                    for (int j = 0; j < L; j++) {
-                        const long row = ((long)bt[j / block_size] * block_size + j % block_size) * KVH + h;
-                        acc = fma_v(splat(sg[j]), load(vcache + row * D + d * VL), acc);
-                    }
-                    store(o + d * VL, mul(acc, splat(inv)));
-                }
+                inv[g] = 1.0f / hsum(sum);
             }
+            for (int i = 0; i < G * nd; i++) o[i] = zero();
+            for (int b = 0, j = 0; j < L; b++) {
+                const float *vb = vcache + (long)bt[b] * block_size * slot + (long)h * D;
+                for (int i = 0; i < block_size && j < L; i++, j++)
+                    for (int g = 0; g < G; g++) {
+                        const vf e = splat(s[g * L16 + j]);
+                        for (int d = 0; d < nd; d++)
+                            o[g * nd + d] = fma_v(e, load(vb + i * slot + d * VL), o[g * nd + d]);
+                    }
+            }
+            for (int g = 0; g < G; g++)
+                for (int d = 0; d < nd; d++)
+                    store(out + ((long)t * H + (long)h * G + g) * D + d * VL,
+                          mul(o[g * nd + d], splat(inv[g])));
         }
-        free(s);
+        free(s), free(inv), free(o);
     }
 }
 
