@@ -100,7 +100,7 @@ def build_engine(
     attention_backend: str | None = None,
     async_scheduling: bool | None = None,
 ) -> Engine:
-    """Builds an Engine from LLM()'s options (see DESIGN.md for their meaning)."""
+    """Builds an Engine from LLM()'s options (the README's table gives their meaning)."""
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}")
     if isinstance(cuda_graph_max_tokens, bool) or not isinstance(cuda_graph_max_tokens, int):

@@ -22,7 +22,7 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """An engine for offline batched generation.
 
-    `LLM()` loads the embedded SmolLM2-135M-Instruct; see DESIGN.md for every option.
+    `LLM()` loads the embedded SmolLM2-135M-Instruct; the README's table lists every option.
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
