@@ -236,7 +236,19 @@ class SamplingParams:
         """Whether the token is the argmax of the (penalized) logits."""
         return self.sampling_type is SamplingType.GREEDY
 
-    def check_token_ids(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def set_eos_token_ids(self, eos_token_ids: tuple[int, ...]) -> None:
+        """The engine's: the model's EOS ids (its StopChecker's), which stop this request
+        unless ignore_eos (`all_stop_token_ids`), as vLLM's update_from_generation_config."""
+        self.__dict__["_eos_token_ids"] = eos_token_ids
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """The ids that stop this request from min_tokens on, and that the sampler bans
+        until then: stop_token_ids, and the model's EOS ids unless ignore_eos."""
+        eos = () if self.ignore_eos else self.__dict__.get("_eos_token_ids", ())
+        return set(self.stop_token_ids) | set(eos)
+
+    def check_token_ids(self, vocab_size: int) -> None:
         """What only a model can check: the token ids of logit_bias and allowed_token_ids
         lie in its vocabulary, and logit_bias, bad_words (once encoded) and min_tokens leave
         an allowed token to sample. Raises ValueError naming the field."""
@@ -254,8 +266,7 @@ class SamplingParams:
             encoded = self.__dict__.get("_bad_words_token_ids") or ()
             banned |= {ids[0] for ids in encoded if len(ids) == 1}  # banned everywhere
             if self.min_tokens:
-                banned |= set(self.stop_token_ids)
-                banned |= set() if self.ignore_eos else set(eos_token_ids)
+                banned |= self.all_stop_token_ids
             if set(self.allowed_token_ids) <= banned:
                 raise ValueError(
                     "allowed_token_ids holds only tokens that logit_bias or bad_words ban, or EOS "

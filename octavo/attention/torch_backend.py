@@ -239,7 +239,10 @@ class TorchAttentionBackend(AttentionBackend):
                 new = starts[i + 1] - starts[i]
                 seq += [i] * new
                 ctx += range(seq_len - new + 1, seq_len + 1)
-            self._context = (torch.tensor(seq, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32))
+            self._context = (
+                torch.tensor(seq, dtype=torch.int32),
+                torch.tensor(ctx, dtype=torch.int32),
+            )
             self._context_key = md
         return self._context
 

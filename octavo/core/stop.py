@@ -2,11 +2,13 @@
 
     EOS / stop token id / max_tokens / context limit      check_tokens(requests)
     structured output's grammar complete, or refused        (feeds the grammars the tokens)
+    whether the newest text is searched for stop strings  searches_text(request, status)
     stop string in the newest text                        check_text(request, status, stop)
 
-The engine asks both for every sequence that got a token, then finishes it with the status
-decided. The scheduler asks `finishes_at` only to skip a step whose token could
-not be used.
+The engine asks them for every sequence that got a token, then finishes it with the status
+decided. Beam search asks `token_status` of each candidate token, the scheduler
+`finishes_at` only to skip a step whose token could not be used. The model's EOS ids live
+here; the engine hands them on from here.
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ class StopChecker:
         accept_tokens: AcceptTokens = accept_each,
     ) -> None:
         """`accept_tokens` feeds grammars their tokens (the engine's runs many at once)."""
-        self.eos_token_ids = tuple(eos_token_ids)
-        self._eos = frozenset(self.eos_token_ids)
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))  # each once, in order
         self.max_model_len = max_model_len
         self.accept_tokens = accept_tokens
 
@@ -63,19 +64,57 @@ class StopChecker:
         return statuses
 
     def check(self, request: Request) -> RequestStatus | None:
-        """EOS, stop token ids (recorded as `stop_reason`), max_tokens and the context limit,
-        for the request's newest token."""
+        """`token_status` of the request's newest token; a stop id is recorded as its
+        `stop_reason`."""
         params = request.sampling_params
-        last = request.output_token_ids[-1]
-        if len(request.output_token_ids) >= params.min_tokens:
-            if not params.ignore_eos and last in self._eos:
-                return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:
-                request.stop_reason = last
-                return RequestStatus.FINISHED_STOPPED
-        if self.finishes_at(request, len(request.all_token_ids)):
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        status, stop_id = self.token_status(
+            request.output_token_ids[-1], len(request.output_token_ids),
+            request.num_prompt_tokens, ignore_eos=params.ignore_eos,
+            max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+            stop_token_ids=params.stop_token_ids,
+        )  # fmt: skip
+        if stop_id is not None:
+            request.stop_reason = stop_id
+        return status
+
+    def token_status(
+        self,
+        token: int,
+        num_output: int,
+        num_prompt: int,
+        *,
+        ignore_eos: bool,
+        max_tokens: int | None,
+        min_tokens: int = 0,
+        stop_token_ids: Iterable[int] = (),
+    ) -> tuple[RequestStatus | None, int | None]:
+        """What `token`, the `num_output`-th output token after a prompt of `num_prompt`,
+        does to its sequence (None: it runs on), and the stop id that matched (or None):
+        from min_tokens on, an EOS id (unless ignore_eos) or a stop id stops it; then
+        max_tokens or the context limit ends it."""
+        if num_output >= min_tokens:
+            if not ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token in stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        if (max_tokens is not None and num_output >= max_tokens) or (
+            num_prompt + num_output >= self.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    @staticmethod
+    def searches_text(request: Request, status: RequestStatus | None) -> bool:
+        """Whether the newest token's text is searched for stop strings: not when an EOS or a
+        stop id stopped the request (its text stays out of the output, as in vLLM, unless
+        include_stop_str_in_output; a completed grammar is not such a stop), and not for a
+        token its grammar refused (the text keeps to the constraint)."""
+        if status is RequestStatus.FINISHED_ABORTED:
+            return False
+        stopped_by_token = status is RequestStatus.FINISHED_STOPPED and not (
+            request.grammar is not None and request.grammar.is_complete
+        )
+        return not stopped_by_token or request.sampling_params.include_stop_str_in_output
 
     @staticmethod
     def check_grammar(request: Request, accepted: bool) -> RequestStatus | None:

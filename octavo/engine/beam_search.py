@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Literal
 from tqdm.auto import tqdm
 
 from octavo.core.request import Request, RequestStatus
+from octavo.core.stop import StopChecker
 from octavo.outputs import Logprob
 from octavo.sampling_params import SamplingParams, _as_float, _as_int, _check
 
@@ -147,8 +148,7 @@ class BeamSearchInstance:
 
     params: BeamSearchParams
     root: Request  # the prompt's first beam; forks are named after it
-    eos_token_ids: frozenset[int]
-    max_model_len: int
+    stops: StopChecker  # the engine's: EOS ids and the context limit
     live: list[_Beam] = field(default_factory=list)  # best first
     finished: list[BeamSearchSequence] = field(default_factory=list)  # best first
     num_generated: int = 0
@@ -188,7 +188,7 @@ class BeamSearchInstance:
         return [] if self.done else chosen
 
     def _top_candidates(self, step: int) -> list[_Candidate]:
-        k = num_candidates(self.params, self.eos_token_ids)
+        k = num_candidates(self.params, len(self.stops.eos_token_ids))
         candidates = [
             (beam.cum_logprob + logprob, beam, token)
             for beam in self.live
@@ -202,12 +202,13 @@ class BeamSearchInstance:
         ]
 
     def _finish_reason(self, token: int, step: int) -> str | None:
-        if not self.params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        prompt_len = self.root.num_prompt_tokens
-        if step >= self.params.max_tokens or prompt_len + step >= self.max_model_len:
-            return "length"
-        return None
+        """ "stop" (EOS), "length" (max_tokens or the context limit) or None, by the engine's
+        stop rules for the candidate `token` as the step-th output token."""
+        status, _ = self.stops.token_status(
+            token, step, self.root.num_prompt_tokens,
+            ignore_eos=self.params.ignore_eos, max_tokens=self.params.max_tokens,
+        )  # fmt: skip
+        return None if status is None else status.finish_reason
 
     def _add_hypothesis(self, cand: _Candidate, step: int) -> None:
         beam = cand.beam
@@ -238,10 +239,10 @@ class BeamSearchInstance:
         return BeamSearchOutput(list(self.finished))
 
 
-def num_candidates(params: BeamSearchParams, eos_token_ids: frozenset[int]) -> int:
+def num_candidates(params: BeamSearchParams, num_eos_ids: int) -> int:
     """HF's beams_to_keep: candidates kept per step, enough that beam_width beams can go on
-    even if all the best ones end with one of the EOS ids."""
-    num_eos = 0 if params.ignore_eos else len(eos_token_ids)
+    even if all the best ones end with one of the model's `num_eos_ids` EOS ids."""
+    num_eos = 0 if params.ignore_eos else num_eos_ids
     return max(2, 1 + num_eos) * params.beam_width
 
 
@@ -305,18 +306,17 @@ def beam_search(
 def _add_prompts(
     engine: Engine, prompts: Sequence[str | list[int]], params: BeamSearchParams, id_prefix: str
 ) -> list[BeamSearchInstance]:
-    eos = frozenset(engine.eos_token_ids)
+    stops = engine.scheduler.stops
     # NOTE: a wide search needs more top log-probs than users may ask for (MAX_LOGPROBS);
     # the sampler takes any number.
-    candidates = num_candidates(params, eos)
+    candidates = num_candidates(params, len(stops.eos_token_ids))
     sampling = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None, logprobs=0)
     sampling.logprobs = candidates
-    max_model_len = engine.scheduler_config.max_model_len
     instances: list[BeamSearchInstance] = []
     try:
         for i, prompt in enumerate(prompts):
             root = engine.add_request(prompt, sampling, f"{id_prefix}-{i}", max_logprobs=candidates)
-            instances.append(BeamSearchInstance(params, root, eos, max_model_len))
+            instances.append(BeamSearchInstance(params, root, stops))
     except ValueError:
         engine.abort_request([inst.root.request_id for inst in instances])
         raise

@@ -11,8 +11,8 @@ import torch
 from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig
 from octavo.engine.engine import Engine
 from octavo.engine.gc_heap import frozen_gc_heap
-from octavo.model.embedded import embedded_model_path
 from octavo.kernels.cpu import compute_mode
+from octavo.model.embedded import embedded_model_path
 from octavo.model.hf_config import get_head_dim, get_num_kv_heads, load_hf_config
 from octavo.model.parallel import check_tp_size
 from octavo.model.quant_method import check_quantization, resolve_quantization
@@ -127,7 +127,7 @@ def build_engine(
         "model_path": model_path, "hf_config": hf_config, "dtype": torch_dtype,
         "block_size": block_size, "load_format": load_format, "seed": seed,
         "attention_backend": attention_backend, "enforce_eager": enforce_eager,
-        "cuda_graph_max_tokens": cuda_graph_max_tokens, "eos_token_ids": eos,
+        "cuda_graph_max_tokens": cuda_graph_max_tokens,
         "quantization": quantization, "kv_cache_dtype": kv_dtype,
     }  # fmt: skip
     # Size the KV cache (profiling a step on CUDA), then allocate it once.

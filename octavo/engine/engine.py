@@ -73,9 +73,9 @@ class Engine:
         num_kv_blocks: int,
         eos_token_ids: list[int],
         async_scheduling: bool = False,
-        compute_mode: tuple[torch.dtype, bool] | None = None,
+        compute_mode: tuple[object, bool] | None = None,
     ) -> None:
-        """compute_mode: the dtype of the forward's products and whether a token's result is
+        """compute_mode: the (torch) dtype of the forward's products and whether a token's result is
         independent of the batch (kernels/cpu.compute_mode); by default the runner's dtype,
         and no."""
         self.runner = runner
@@ -125,7 +125,8 @@ class Engine:
         if params.bad_words:
             encode = functools.partial(encode_text, self.tokenizer, what="bad_words")
             params.encode_bad_words(encode, self.vocab_size)
-        params.check_token_ids(self.vocab_size, self.eos_token_ids)
+        params.set_eos_token_ids(self.scheduler.stops.eos_token_ids)
+        params.check_token_ids(self.vocab_size)
         grammar = self._compile_grammar(params)
         request_id = str(next(self._ids)) if request_id is None else request_id
         self._check_new_id(request_id, params.n)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from octavo.core.request import Request, RequestStatus
+from octavo.core.stop import StopChecker
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from octavo.runner.outputs import TokenLogprobs
@@ -118,16 +119,8 @@ class OutputProcessor:
             decode = self._decode_one if request.sampling_params.detokenize else _no_text
             state.logprobs.append({t: Logprob(lp, rank, decode(t)) for t, lp, rank in entries})
             state.cumulative_logprob += entries[0][1]
-        if state.detokenizer is None:
+        if state.detokenizer is None or not StopChecker.searches_text(request, status):
             return None
-        # EOS or a stop id; not a token that completed a structured output's grammar
-        stopped_by_token = status is RequestStatus.FINISHED_STOPPED and not (
-            request.grammar is not None and request.grammar.is_complete
-        )
-        if stopped_by_token and not request.sampling_params.include_stop_str_in_output:
-            return None  # its text stays out of the output, as in vLLM (its id stays in)
-        if status is RequestStatus.FINISHED_ABORTED:
-            return None  # a token its grammar refused: the text keeps to the constraint
         return state.detokenizer.update([request.output_token_ids[-1]])
 
     def _decode_one(self, token_id: int) -> str | None:

@@ -116,7 +116,10 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 def compute_mode(
-    device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype, packed_weights: bool,
+    device: torch.device,
+    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype,
+    packed_weights: bool,
     head_dim: int,
 ) -> tuple[torch.dtype, bool]:
     """What a model's forward computes in: the dtype of its products' activations (torch's

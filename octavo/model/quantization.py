@@ -411,7 +411,7 @@ class Q8Weight(QuantizedWeight):
 def _pack_int8(q: torch.Tensor, scale: torch.Tensor) -> cpu_kernels.PackedWeight:
     """int8 q [N, K] with a float32 scale per row as octavo's CPU kernel reads 8-bit codes:
     u = q + 128 with min -128 scale (exactly q * scale), one group of all K, padded to runs."""
-    n, k = q.shape
+    k = q.shape[1]
     codes = F.pad((q.to(torch.int16) + 128).to(torch.uint8), (0, -k % cpu_kernels.RUN))
     scale = scale.float()[:, None]
     return cpu_kernels.pack_weight(codes=codes, scale=scale, lo=-128 * scale, in_features=k)

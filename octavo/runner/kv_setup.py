@@ -199,7 +199,6 @@ def warm_up_eager_decode(runner: ModelRunner, max_num_seqs: int) -> None:
                 [[]] * batch,
                 [[]] * batch,
                 runner.vocab_size,
-                runner.eos_token_ids,
                 runner.device,
             )
             sampled = sampler(runner.model.compute_logits(hidden[:batch]), md)

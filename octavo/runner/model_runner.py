@@ -67,7 +67,6 @@ class ModelRunner:
         attention_backend: str | None = None,
         enforce_eager: bool = False,
         cuda_graph_max_tokens: int = 512,
-        eos_token_ids: list[int] | None = None,
         quantization: str | None = None,
         kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
@@ -84,7 +83,6 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(backend)
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[torch.Tensor] = []
-        self.eos_token_ids = list(eos_token_ids or [])  # banned below a row's min_tokens
         # NOTE: the torch backend plans its work on the host from each step's lengths, which
         # a graph replay would not see: graphs only with the Triton backend.
         self.use_cuda_graphs = device.type == "cuda" and not enforce_eager and backend == "triton"
@@ -351,7 +349,6 @@ class ModelRunner:
             prompts,
             outputs,
             vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids,
             device=self.device,
             num_output_tokens=[r[2] for r in rows],
         )

@@ -70,20 +70,20 @@ def build_bans(
     params: list[SamplingParams],
     output_token_ids: list[list[int]],
     num_output_tokens: list[int],
-    eos_token_ids: list[int],
     vocab_size: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(row, token id) of every token a row may not sample now, or None:
-    - EOS and stop ids while the row has fewer than min_tokens outputs (EOS not when it
-      ignores EOS);
+    - the ids that would stop the row (`all_stop_token_ids`: EOS unless it ignores EOS,
+      and its stop ids) while it has fewer than min_tokens outputs;
     - the last token of each bad word whose other tokens the row's output ends with (as
       vLLM, the output only: a bad word does not match across the prompt's end)."""
     banned: dict[int, set[int]] = {}
     for row, (p, num_output) in enumerate(zip(params, num_output_tokens, strict=True)):
         if num_output < p.min_tokens:
-            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            banned[row] = {t for t in ids if t < vocab_size}  # the others are never sampled
+            banned[row] = {
+                t for t in p.all_stop_token_ids if t < vocab_size
+            }  # the others are never sampled
         if not p.bad_words:
             continue
         output = output_token_ids[row]

@@ -110,7 +110,6 @@ class SamplingMetadata:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         vocab_size: int,
-        eos_token_ids: list[int],
         device: torch.device,
         num_output_tokens: list[int] | None = None,
     ) -> SamplingMetadata:
@@ -132,9 +131,7 @@ class SamplingMetadata:
         md = cls(
             num_rows=len(params),
             vocab_size=vocab_size,
-            banned=build_bans(
-                params, output_token_ids, num_output_tokens, eos_token_ids, vocab_size, device
-            ),
+            banned=build_bans(params, output_token_ids, num_output_tokens, vocab_size, device),
             max_num_logprobs=max(logprobs, default=None),
         )
         shaped = [(row, p) for row, p in enumerate(params) if p.logit_bias or p.allowed_token_ids]

@@ -99,7 +99,7 @@ def test_sampler_on_cuda_mixes_greedy_seeded_and_filtered_rows():
 
     def run(params, logits, num_outputs):
         md = SamplingMetadata.build(
-            params, [[] for _ in params], [[1] * num_outputs for _ in params], vocab, [], cuda
+            params, [[] for _ in params], [[1] * num_outputs for _ in params], vocab, cuda
         )
         return Sampler(seed=5)(logits, md).sampled_token_ids.tolist()
 
@@ -138,7 +138,7 @@ def test_sampler_on_cuda_applies_logit_bias_and_allowed_token_ids():
     seen = set()
     for step in range(50):
         md = SamplingMetadata.build(
-            params, [[] for _ in params], [[1] * step for _ in params], vocab, [], cuda
+            params, [[] for _ in params], [[1] * step for _ in params], vocab, cuda
         )
         got = Sampler(seed=5)(logits, md).sampled_token_ids.tolist()
         ref = logits.float()

@@ -73,7 +73,7 @@ def test_each_row_is_the_same_whatever_else_is_in_the_call(kind, k, n, rows, see
     picks = sorted({0, rows // 2, rows - 1, seed % rows})
     for i in picks:
         assert torch.equal(together[i], cpu.linear(x[i : i + 1], w)[0]), i
-    assert torch.equal(together[picks[-1]:], cpu.linear(x[picks[-1]:], w))
+    assert torch.equal(together[picks[-1] :], cpu.linear(x[picks[-1] :], w))
 
 
 def test_the_thread_count_changes_nothing():

@@ -24,7 +24,9 @@ CPU = torch.device("cpu")
 def build(params, prompts=None, outputs=None, vocab=50, eos=()):
     prompts = prompts or [[] for _ in params]
     outputs = outputs or [[] for _ in params]
-    return SamplingMetadata.build(params, prompts, outputs, vocab, list(eos), CPU)
+    for p in params:
+        p.set_eos_token_ids(tuple(eos))  # as the engine does
+    return SamplingMetadata.build(params, prompts, outputs, vocab, CPU)
 
 
 def randn(rows, vocab, seed, scale=2.0):
@@ -517,7 +519,7 @@ def test_logprobs_are_raw_log_softmax_with_sampled_token_first_and_ranks():
 
 def test_build_refuses_lists_of_different_lengths():
     with pytest.raises(ValueError, match="differ in length"):
-        SamplingMetadata.build([SP()], [[1]], [[], []], 10, [], CPU)
+        SamplingMetadata.build([SP()], [[1]], [[], []], 10, CPU)
 
 
 def test_the_largest_temperature_keeps_bans():

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from octavo.config import SchedulerConfig
 from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.core.request import Request, RequestStatus
 from octavo.core.scheduler import Scheduler
+from octavo.core.stop import StopChecker
 from octavo.sampling_params import SamplingParams, StructuredOutputsParams
 
 BS = 4
@@ -334,3 +337,28 @@ def test_forks_past_max_num_seqs_take_turns():
     assert turns[0] == ["a", "a#1"]
     assert {rid for turn in turns for rid in turn} == {"a", "a#1", "a#2", "a#3"}
     assert [len(r.output_token_ids) for r in group] == [3] * 4
+
+
+def test_token_status_is_the_rule_beam_search_and_requests_share():
+    """StopChecker.token_status, which beam search asks of each candidate and `check` of each
+    request's newest token: EOS (unless ignored) and stop ids from min_tokens on, then
+    max_tokens, then the context limit; it names the stop id that matched."""
+    stops = StopChecker([EOS, EOS], max_model_len=10)
+    assert stops.eos_token_ids == (EOS,)  # each id once: beam search counts them
+    rule = functools.partial(stops.token_status, ignore_eos=False, max_tokens=5)
+    assert rule(EOS, 1, 3) == (RequestStatus.FINISHED_STOPPED, None)
+    assert rule(EOS, 1, 3, min_tokens=2) == (None, None)
+    assert rule(4, 2, 3, stop_token_ids=(4,)) == (RequestStatus.FINISHED_STOPPED, 4)
+    assert rule(2, 5, 3) == (RequestStatus.FINISHED_LENGTH, None)
+    assert rule(2, 4, 6) == (RequestStatus.FINISHED_LENGTH, None)  # 6 + 4 = max_model_len
+    assert rule(2, 4, 5) == (None, None)
+    assert stops.token_status(EOS, 1, 3, ignore_eos=True, max_tokens=None) == (None, None)
+
+
+def test_all_stop_token_ids_hold_the_engines_eos_unless_ignored():
+    params = SamplingParams(stop_token_ids=[5])
+    assert params.all_stop_token_ids == {5}  # no engine has set the EOS ids yet
+    params.set_eos_token_ids((EOS,))
+    assert params.all_stop_token_ids == {5, EOS}
+    params.ignore_eos = True
+    assert params.all_stop_token_ids == {5}
