@@ -159,19 +159,6 @@ class AttentionBackend(ABC):
         """
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
-    """Backends by name, imported lazily so the CPU path never imports Triton."""
-    if name == "torch":
-        from octavo.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        from octavo.attention.triton_backend import TritonAttentionBackend  # type: ignore
-
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")
-
-
 def build_metadata(
     query_lens: list[int],
     seq_lens: list[int],

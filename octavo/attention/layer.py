@@ -58,9 +58,10 @@ class Attention(nn.Module):
 
 
 def bind_kv_caches(
-    model: nn.Module, kv_caches: list[torch.Tensor], backend: AttentionBackend
+    model: nn.Module, kv_caches: list[torch.Tensor | None], backend: AttentionBackend
 ) -> list[Attention]:
-    """Gives each Attention module of `model`, in order, its layer's cache and the backend."""
+    """Gives each Attention module of `model`, in order, its layer's cache (None: none) and
+    the backend."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if len(layers) != len(kv_caches):
         raise RuntimeError(f"model has {len(layers)} attention layers, got {len(kv_caches)} caches")

@@ -18,6 +18,7 @@ from octavo.model.parallel import check_tp_size
 from octavo.model.quant_method import check_quantization, resolve_quantization
 from octavo.model.tokenizer import eos_token_ids, load_tokenizer
 from octavo.runner import kv_setup
+from octavo.runner.interface import Runner
 from octavo.runner.model_runner import ModelRunner
 from octavo.runner.multiproc import MultiprocRunner
 
@@ -130,16 +131,15 @@ def build_engine(
         "cuda_graph_max_tokens": cuda_graph_max_tokens,
         "quantization": quantization, "kv_cache_dtype": kv_dtype,
     }  # fmt: skip
-    # Size the KV cache (profiling a step on CUDA), then allocate it once.
+    runner: Runner
     if tensor_parallel_size == 1:
         runner = ModelRunner(device=dev, **runner_options)
-        num_blocks = kv_setup.num_kv_blocks(runner, cache, max_num_batched_tokens, max_num_seqs)
     else:
         runner = MultiprocRunner(
-            runner_options, cache, (max_num_batched_tokens, max_num_seqs), dev.type,
-            tensor_parallel_size, nnodes, dist_init_addr,
-        )  # fmt: skip
-        num_blocks = runner.num_blocks
+            runner_options, dev.type, tensor_parallel_size, nnodes, dist_init_addr
+        )
+    # Size the KV cache (profiling a step on CUDA), then allocate it once.
+    num_blocks = runner.num_kv_blocks(cache, max_num_batched_tokens, max_num_seqs)
     sched = SchedulerConfig(
         max_num_seqs,
         max_num_batched_tokens,

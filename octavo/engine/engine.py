@@ -35,7 +35,7 @@ from octavo.engine.structured_output import (
 )
 from octavo.model.tokenizer import encode_text
 from octavo.outputs import RequestOutput
-from octavo.runner.model_runner import ModelRunner
+from octavo.runner.interface import Runner
 from octavo.runner.outputs import ModelRunnerOutput, PendingOutput, TokenLogprobs
 from octavo.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
@@ -66,7 +66,7 @@ class Engine:
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: Runner,
         tokenizer,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,

@@ -22,24 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from octavo.attention.backend import AttentionMetadata
-from octavo.runner.inputs import InputBuilder
+from octavo.runner.inputs import GraphShape, InputBuilder
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GraphShape:
-    """A captured step shape: `num_tokens` rows over `num_seqs` sequences; `decode` if each
-    sequence has one token (the decode ladder)."""
-
-    num_tokens: int
-    num_seqs: int
-    decode: bool
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

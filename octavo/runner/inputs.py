@@ -14,7 +14,6 @@ GPU. The caching host allocator keeps a pinned buffer alive until its copy has r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,8 +22,15 @@ from octavo.attention.backend import AttentionMetadata
 from octavo.core.sched_output import ScheduledRequest
 from octavo.runner.host_copy import to_device
 
-if TYPE_CHECKING:
-    from octavo.runner.cuda_graph import GraphShape
+
+@dataclass(frozen=True)
+class GraphShape:
+    """A captured step shape (runner/cuda_graph.py): `num_tokens` rows over `num_seqs`
+    sequences; `decode` if each sequence has one token (the decode ladder)."""
+
+    num_tokens: int
+    num_seqs: int
+    decode: bool
 
 
 class BlockTableRows:

@@ -5,22 +5,22 @@ from __future__ import annotations
 
 import math
 import mmap
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
-from octavo.attention.backend import build_metadata
+from octavo.attention.backend import AttentionBackend, build_metadata
+from octavo.attention.layer import bind_kv_caches
 from octavo.config import CacheConfig
 from octavo.model.hf_config import get_head_dim, get_num_kv_heads
 from octavo.model.layers import Linear
 from octavo.model.parallel import get_tp, kv_head_range
 from octavo.model.quant_method import check_fp8_device
+from octavo.runner.inputs import InputBuilder
 from octavo.runner.sampler import Sampler
 from octavo.runner.sampling_metadata import SamplingMetadata
 from octavo.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from octavo.runner.model_runner import ModelRunner
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -58,6 +58,11 @@ def zeroed_kv_cache(
     return torch.frombuffer(pages, dtype=dtype).view(shape)  # keeps `pages` alive
 
 
+def kv_cache_shape(hf_config, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """One layer's cache: [2 (K, V), num_blocks, block_size, this rank's KV heads, head_dim]."""
+    return (2, num_blocks, block_size, local_kv_heads(hf_config), get_head_dim(hf_config))
+
+
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     """layers x (K and V) x block_size x this rank's kv_heads x head_dim x dtype bytes."""
     num_kv_heads = local_kv_heads(hf_config)
@@ -68,19 +73,19 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 
 def num_kv_blocks(
-    runner: ModelRunner, cache: CacheConfig, max_num_batched_tokens: int, max_num_seqs: int
+    cache: CacheConfig, per_block: int, device: torch.device, activation_bytes: Callable[[], int]
 ) -> int:
-    """Sizes the block pool from the budget in CacheConfig. On CUDA the budget is
-    `gpu_memory_utilization` of the GPU minus what is in use after loading the model (by us
-    and others) and the peak activations of a profiling pass at the largest step."""
+    """Sizes the block pool from the budget in CacheConfig, `per_block` bytes a block. On
+    CUDA the budget is `gpu_memory_utilization` of the GPU minus what is in use after loading
+    the model (by us and others) and the peak activations of the largest step
+    (`activation_bytes()`, a profiling pass)."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = kv_bytes_per_block(runner.hf_config, cache.block_size, runner.kv_cache_dtype)
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
-    elif runner.device.type == "cuda":
-        activations = profile_activation_bytes(runner, max_num_batched_tokens, max_num_seqs)
-        free, total = torch.cuda.mem_get_info(runner.device)
+    elif device.type == "cuda":
+        activations = activation_bytes()
+        free, total = torch.cuda.mem_get_info(device)
         budget = int(total * cache.gpu_memory_utilization) - (total - free) - activations
         # CUDA graphs and the allocator's fragmentation need some room too.
         budget -= 1 << 30
@@ -95,28 +100,39 @@ def num_kv_blocks(
 
 
 @torch.inference_mode()
-def profile_activation_bytes(runner: ModelRunner, num_tokens: int, num_rows: int) -> int:
-    """Peak memory of one step's activations: a forward pass over `num_tokens` tokens
-    and logits for `num_rows` rows, with a temporary KV cache just large enough."""
-    num_blocks = -(-num_tokens // runner.block_size)
-    runner.use_cuda_graphs, graphs = False, runner.use_cuda_graphs
-    runner.allocate_kv_cache(num_blocks, num_rows, num_tokens, num_tokens, warm_up=False)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats(runner.device)
-    base = torch.cuda.memory_allocated(runner.device)
-    md = build_metadata(
-        [num_tokens], [num_tokens], [list(range(num_blocks))], runner.block_size, runner.device
-    )
-    ids = torch.randint(0, runner.vocab_size, (num_tokens,), device=runner.device)
-    pos = torch.arange(num_tokens, device=runner.device)
-    hidden = runner.model(ids, pos, md)
-    runner.model.compute_logits(hidden[:num_rows].repeat(-(-num_rows // num_tokens), 1))
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated(runner.device) - base
-    runner.kv_caches = []
-    runner.inputs = None
-    runner.use_cuda_graphs = graphs
-    torch.cuda.empty_cache()
+def profile_activation_bytes(
+    model: nn.Module,
+    backend: AttentionBackend,
+    kv_shape: tuple[int, ...],
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    num_tokens: int,
+    num_rows: int,
+) -> int:
+    """Peak memory of one step's activations: a forward pass over `num_tokens` tokens and
+    logits for `num_rows` rows, over temporary KV caches of `kv_shape` (just large enough),
+    unbound and freed again before the GPU's free memory is read."""
+    num_blocks, block_size = kv_shape[1], kv_shape[2]
+    layers = model.config.num_hidden_layers
+    caches = [zeroed_kv_cache(kv_shape, kv_dtype, device) for _ in range(layers)]
+    bind_kv_caches(model, caches, backend)
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        md = build_metadata(
+            [num_tokens], [num_tokens], [list(range(num_blocks))], block_size, device
+        )
+        ids = torch.randint(0, model.config.vocab_size, (num_tokens,), device=device)
+        pos = torch.arange(num_tokens, device=device)
+        hidden = model(ids, pos, md)
+        model.compute_logits(hidden[:num_rows].repeat(-(-num_rows // num_tokens), 1))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(device) - base
+    finally:
+        bind_kv_caches(model, [None] * layers, backend)  # the layers hold no cache of ours
+        del caches
+        torch.cuda.empty_cache()
     return peak
 
 
@@ -169,7 +185,9 @@ def _input_dtype(module: Linear) -> torch.dtype:
 
 
 @torch.inference_mode()
-def warm_up_eager_decode(runner: ModelRunner, max_num_seqs: int) -> None:
+def warm_up_eager_decode(
+    model: nn.Module, inputs: InputBuilder, dtype: torch.dtype, max_num_seqs: int
+) -> None:
     """Runs the eager end of a decode step (LM head, sampler, pending-token copy) once
     for every batch size a step can have: all rows greedy, then random and greedy rows
     in turn (a batch of one: random).
@@ -182,13 +200,10 @@ def warm_up_eager_decode(runner: ModelRunner, max_num_seqs: int) -> None:
     with filters, penalties or log-probs take other kernels, which this does not load.
     """
     sampler = Sampler(seed=0)
-    noise = torch.Generator(runner.device).manual_seed(0)
+    device, config = inputs.device, model.config
+    noise = torch.Generator(device).manual_seed(0)
     hidden = torch.randn(
-        max_num_seqs,
-        runner.hf_config.hidden_size,
-        dtype=runner.dtype,
-        device=runner.device,
-        generator=noise,
+        max_num_seqs, config.hidden_size, dtype=dtype, device=device, generator=noise
     )
     greedy, random_row = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
     mixed = [random_row if i % 2 == 0 else greedy for i in range(max_num_seqs)]
@@ -198,10 +213,10 @@ def warm_up_eager_decode(runner: ModelRunner, max_num_seqs: int) -> None:
                 params[:batch],
                 [[]] * batch,
                 [[]] * batch,
-                runner.vocab_size,
-                runner.device,
+                config.vocab_size,
+                device,
             )
-            sampled = sampler(runner.model.compute_logits(hidden[:batch]), md)
-            index = torch.arange(batch, device=runner.device).repeat(2, 1)  # [2, batch]
-            runner.inputs.copy_pending(index, sampled.sampled_token_ids)
+            sampled = sampler(model.compute_logits(hidden[:batch]), md)
+            index = torch.arange(batch, device=device).repeat(2, 1)  # [2, batch]
+            inputs.copy_pending(index, sampled.sampled_token_ids)
     torch.cuda.synchronize()

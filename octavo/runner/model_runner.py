@@ -10,12 +10,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from octavo.attention.backend import AttentionMetadata, get_attention_backend
+from octavo.attention.backend import AttentionMetadata
 from octavo.attention.layer import bind_kv_caches
+from octavo.attention.registry import get_attention_backend
+from octavo.config import CacheConfig
 from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
-from octavo.model.hf_config import get_head_dim
 from octavo.model.loader import load_model
 from octavo.model.parallel import broadcast_from_first
+from octavo.runner import kv_setup
 from octavo.runner.cuda_graph import (
     CudaGraphRunner,
     GraphShape,
@@ -26,7 +28,9 @@ from octavo.runner.gemm_tuning import tune_linears
 from octavo.runner.host_copy import to_device
 from octavo.runner.inputs import InputBuilder
 from octavo.runner.kv_setup import (
-    local_kv_heads,
+    kv_bytes_per_block,
+    kv_cache_shape,
+    profile_activation_bytes,
     warm_up_eager_decode,
     warm_up_linears,
     zeroed_kv_cache,
@@ -98,29 +102,47 @@ class ModelRunner:
         # A step whose sampling waits for its grammar bitmask (see sample_tokens).
         self._held: tuple[PendingOutput, list, torch.Tensor] | None = None
 
+    def num_kv_blocks(
+        self, cache: CacheConfig, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> int:
+        """How many KV blocks the budget in `cache` holds (kv_setup.num_kv_blocks); on CUDA
+        after profiling a step of `max_num_batched_tokens` tokens and `max_num_seqs` rows over
+        temporary caches, freed before the cache is allocated."""
+        per_block = kv_bytes_per_block(self.hf_config, cache.block_size, self.kv_cache_dtype)
+
+        def activation_bytes() -> int:
+            blocks = -(-max_num_batched_tokens // self.block_size)
+            shape = kv_cache_shape(self.hf_config, blocks, self.block_size)
+            return profile_activation_bytes(
+                self.model, self.attn_backend, shape, self.kv_cache_dtype, self.device,
+                max_num_batched_tokens, max_num_seqs,
+            )  # fmt: skip
+
+        return kv_setup.num_kv_blocks(cache, per_block, self.device, activation_bytes)
+
     def allocate_kv_cache(
         self,
         num_blocks: int,
         max_num_seqs: int = 256,
         max_model_len: int = 2048,
         max_num_batched_tokens: int = 8192,
-        warm_up: bool = True,
     ) -> None:
         """Allocates one [2, num_blocks, block_size, kv_heads, head_dim] tensor of
         `kv_cache_dtype` per layer, once, binds them to the model's attention layers, sets up
-        the persistent input buffers and captures CUDA graphs. On CUDA, `warm_up` then runs
-        every projection at a ladder of row counts up to `max_num_batched_tokens`
+        the persistent input buffers and captures CUDA graphs. On CUDA it then runs every
+        projection at a ladder of row counts up to `max_num_batched_tokens`
         (warm_up_linears) and the eager end of a decode step at every batch size
         (warm_up_eager_decode).
 
         NOTE: one extra block (id `num_blocks`) is scratch space for the padding rows of a
         CUDA graph; the KV cache manager never hands it out.
         """
-        cfg = self.hf_config
-        shape = (2, num_blocks + 1, self.block_size, local_kv_heads(cfg), get_head_dim(cfg))
+        if self.kv_caches:
+            raise RuntimeError("the KV cache is allocated once")
+        shape = kv_cache_shape(self.hf_config, num_blocks + 1, self.block_size)
         self.kv_caches = [
             zeroed_kv_cache(shape, self.kv_cache_dtype, self.device)
-            for _ in range(cfg.num_hidden_layers)
+            for _ in range(self.hf_config.num_hidden_layers)
         ]
         bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
         max_blocks = -(-max_model_len // self.block_size)
@@ -132,9 +154,6 @@ class ModelRunner:
             num_blocks,
             self.device,
         )
-        self._last_sampled = None
-        self._reusable_md = None
-        self.requests = {}
         if self.use_cuda_graphs:
             max_mixed_tokens = min(self.cuda_graph_max_tokens, max_num_batched_tokens)
             tune_linears(
@@ -144,9 +163,9 @@ class ModelRunner:
                 self.model, self.inputs, max_num_seqs, max_mixed_tokens
             )
             self.graph_runner.capture()
-        if warm_up and self.device.type == "cuda":
+        if self.device.type == "cuda":
             warm_up_linears(self.model, max_num_batched_tokens)
-            warm_up_eager_decode(self, max_num_seqs)
+            warm_up_eager_decode(self.model, self.inputs, self.dtype, max_num_seqs)
 
     def shutdown(self) -> None:
         """Nothing to stop: the model lives in this process (see MultiprocRunner)."""

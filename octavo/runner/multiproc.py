@@ -114,8 +114,6 @@ class MultiprocRunner:
     def __init__(
         self,
         runner_options: dict,
-        cache,
-        budgets: tuple[int, int],
         device_type: str,
         tensor_parallel_size: int,
         nnodes: int = 1,
@@ -150,8 +148,6 @@ class MultiprocRunner:
         threads = None if device_type == "cuda" else max(1, (os.cpu_count() or 1) // per_node)
         options = {
             "runner": runner_options,
-            "cache": cache,
-            "budgets": budgets,
             "device_type": device_type,
             "nnodes": nnodes,
             "timeout_s": DIST_TIMEOUT_S,
@@ -159,9 +155,8 @@ class MultiprocRunner:
         }
         for conn in self._conns:
             conn.send(options)
-        # Each worker sizes its cache and all agree on the smallest count.
-        counts = [self._receive(rank) for rank in range(self.size)]
-        self.num_blocks = counts[0]
+        for rank in range(self.size):  # each has built its shard
+            self._receive(rank)
 
     def _accept(self, listener: Listener) -> list[Connection]:
         """Every worker's connection, in rank order; fails if a local worker exits first."""
@@ -190,6 +185,12 @@ class MultiprocRunner:
         return [conns[rank] for rank in range(self.size)]
 
     # ModelRunner's interface, as the engine and the builder use it.
+
+    def num_kv_blocks(self, cache, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """Each worker sizes its cache, and all agree on the smallest count."""
+        self._send("size", (cache, max_num_batched_tokens, max_num_seqs))
+        counts = [self._receive(rank) for rank in range(self.size)]  # all the same
+        return counts[0]
 
     def allocate_kv_cache(self, *args) -> None:
         self._send("allocate", args)

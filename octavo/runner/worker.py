@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from octavo.model.parallel import set_tp, use_symmetric_memory
-from octavo.runner import kv_setup
 from octavo.runner.model_runner import ModelRunner
 
 # Shared by the engine and its workers; set OCTAVO_DIST_KEY on every node to change it.
@@ -99,10 +98,7 @@ def serve(conn: Connection, args) -> None:
         args, options["device_type"], options["timeout_s"], options.get("nnodes", 1)
     )
     runner = ModelRunner(device=device, **options["runner"])
-    num_blocks = kv_setup.num_kv_blocks(runner, options["cache"], *options["budgets"])
-    count = torch.tensor([num_blocks], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MIN)  # every rank keeps the same blocks
-    conn.send(("ok", int(count.item())))
+    conn.send(("ok", None))
     pending = {}  # rank 0: step id -> its PendingOutput, until the engine takes the result
     profiler = None
     while True:
@@ -119,6 +115,10 @@ def serve(conn: Connection, args) -> None:
             runner.sample_tokens(arg)
         elif op == "cancel":
             runner.cancel_held()
+        elif op == "size":
+            count = torch.tensor([runner.num_kv_blocks(*arg)], device=device)
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)  # every rank keeps the same blocks
+            conn.send(("ok", int(count.item())))
         elif op == "allocate":
             runner.allocate_kv_cache(*arg)
             conn.send(("ok", None))

@@ -58,7 +58,9 @@ def test_the_same_budget_holds_twice_the_bfloat16_blocks():
     cfg = SimpleNamespace(**TINY)
     budget = CacheConfig(kv_cache_memory=10 * kv_setup.kv_bytes_per_block(cfg, 16, torch.bfloat16))
     counts = [
-        kv_setup.num_kv_blocks(SimpleNamespace(hf_config=cfg, kv_cache_dtype=dtype), budget, 1, 1)
+        kv_setup.num_kv_blocks(
+            budget, kv_setup.kv_bytes_per_block(cfg, 16, dtype), torch.device("cpu"), lambda: 0
+        )
         for dtype in (torch.bfloat16, torch.float8_e4m3fn)
     ]
     assert counts == [10, 20]

@@ -1,0 +1,66 @@
+"""What the engine asks of a model runner: `ModelRunner` (the model in this process) and
+`MultiprocRunner` (tensor-parallel workers) both implement it."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from octavo.config import CacheConfig
+from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
+from octavo.runner.outputs import ModelRunnerOutput
+
+
+class StepResult(Protocol):
+    """A launched step: `result()` waits for its tokens."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class Runner(Protocol):
+    """A model runner, from the engine's side.
+
+    Start-up is `num_kv_blocks` (how many blocks the budget holds), then `allocate_kv_cache`
+    once; each step is `execute_async` (or `execute`, which waits), with a structured step's
+    sampling held until `sample_tokens` brings its grammar bitmask.
+    """
+
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    vocab_size: int
+    device: torch.device
+    hf_config: object
+    pin_host_memory: bool
+
+    def num_kv_blocks(
+        self, cache: CacheConfig, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> int:
+        """The KV blocks the budget in `cache` holds for a step of at most these sizes."""
+        ...
+
+    def allocate_kv_cache(
+        self, num_blocks: int, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int
+    ) -> None:
+        """Allocates the cache of `num_blocks` blocks and readies the step buffers, once."""
+        ...
+
+    def execute_async(self, so: SchedulerOutput) -> StepResult:
+        """Launches the step; its tokens come from the result."""
+        ...
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs the step and waits for its tokens."""
+        ...
+
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask) -> None:
+        """Samples the held step of structured requests with their grammars' bitmask."""
+        ...
+
+    def cancel_held(self) -> None:
+        """Drops a held step's sampling (its requests were aborted)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stops whatever the runner started (worker processes)."""
+        ...
