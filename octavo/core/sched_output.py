@@ -90,11 +90,9 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # Whether a live request asked for prompt log-probs: else the runner looks for none.
     scores_prompts: bool = False
-    # Scheduled requests with a structured output: their sampling needs a GrammarBitmask.
+    # Scheduled requests with a structured output: their sampling needs a GrammarBitmask,
+    # which the engine hands the runner's sample_tokens once their grammars are current.
     structured_request_ids: list[str] = field(default_factory=list)
-    # Their grammars' bitmask, where known at launch: the engine builds it once the grammars
-    # have taken every earlier token (else the runner's sample_tokens takes it later).
-    grammar_bitmask: GrammarBitmask | None = None
 
     @cached_property
     def num_batched_tokens(self) -> int:

@@ -255,20 +255,23 @@ class Engine:
         return outputs
 
     def _launch(self, so: SchedulerOutput, grammars_current: bool) -> PendingOutput:
-        """Queues a step on the runner. Its structured outputs' bitmask goes with it if the
-        grammars have taken every earlier token; else the runner holds its sampling."""
+        """Queues a step on the runner (its forward pass), then its sampling: at once, under
+        its structured outputs' bitmask if it has any, when the grammars have taken every
+        earlier token; else the step is held, and `_sample_held` samples it later."""
         try:
-            if so.structured_request_ids and grammars_current:
-                so.grammar_bitmask = self._grammar_bitmask(so)
-            return self.runner.execute_async(so)
+            pending = self.runner.execute_async(so)
+            if not so.structured_request_ids:
+                self.runner.sample_tokens(None)
+            elif grammars_current:
+                self.runner.sample_tokens(self._grammar_bitmask(so))
+            return pending
         except Exception:
             self._fail(so)
             raise
 
     def _sample_held(self, so: SchedulerOutput) -> None:
         try:
-            so.grammar_bitmask = self._grammar_bitmask(so)
-            self.runner.sample_tokens(so.grammar_bitmask)
+            self.runner.sample_tokens(self._grammar_bitmask(so))
         except Exception:
             self._fail(so)
             raise

@@ -22,8 +22,9 @@ class Runner(Protocol):
     """A model runner, from the engine's side.
 
     Start-up is `num_kv_blocks` (how many blocks the budget holds), then `allocate_kv_cache`
-    once; each step is `execute_async` (or `execute`, which waits), with a structured step's
-    sampling held until `sample_tokens` brings its grammar bitmask.
+    once. Each step has one shape, as vLLM v1's: `execute_async` (the forward pass), then
+    `sample_tokens(bitmask or None)`, the bitmask of its structured requests' grammars once
+    they have taken every earlier token; `execute` does both and waits.
     """
 
     dtype: torch.dtype
@@ -46,19 +47,19 @@ class Runner(Protocol):
         ...
 
     def execute_async(self, so: SchedulerOutput) -> StepResult:
-        """Launches the step; its tokens come from the result."""
+        """Launches the step's forward pass; its tokens come from the result, once sampled."""
+        ...
+
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
+        """Samples the launched step, its structured requests under `grammar_bitmask`."""
         ...
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs the step and waits for its tokens."""
-        ...
-
-    def sample_tokens(self, grammar_bitmask: GrammarBitmask) -> None:
-        """Samples the held step of structured requests with their grammars' bitmask."""
+        """A step with no structured requests, launched, sampled and waited for."""
         ...
 
     def cancel_held(self) -> None:
-        """Drops a held step's sampling (its requests were aborted)."""
+        """Drops a launched step that will never be sampled (the engine failed it)."""
         ...
 
     def shutdown(self) -> None:

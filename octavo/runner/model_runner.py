@@ -99,8 +99,8 @@ class ModelRunner:
         self._reusable_md: tuple[list[SamplingParams], SamplingMetadata] | None = None
         self._grammar_masks = GrammarMasks(device)  # structured outputs' bans
         self.requests: dict[str, CachedRequestState] = {}
-        # A step whose sampling waits for its grammar bitmask (see sample_tokens).
-        self._held: tuple[PendingOutput, list, torch.Tensor] | None = None
+        # The executed step whose rows wait for sample_tokens.
+        self._unsampled: tuple[PendingOutput, list, torch.Tensor] | None = None
 
     def num_kv_blocks(
         self, cache: CacheConfig, max_num_batched_tokens: int, max_num_seqs: int
@@ -177,8 +177,10 @@ class ModelRunner:
         return self.graph_runner.shape_for(so.num_batched_tokens, len(so.scheduled))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step and waits for its sampled tokens. See execute_async."""
-        return self.execute_async(so).result()
+        """Runs one step with no structured outputs, samples it and waits for its tokens."""
+        pending = self.execute_async(so)
+        self.sample_tokens(None)
+        return pending.result()
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Drops finished and preempted requests, takes new ones, appends output tokens."""
@@ -199,18 +201,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_async(self, so: SchedulerOutput) -> PendingOutput:
-        """Queues one step on the device: the forward pass over all scheduled tokens, then
-        sampling for the requests whose step reached their last token. Returns without
-        waiting for the device; `.result()` of the returned object waits.
-
-        A step with structured outputs and no `so.grammar_bitmask` holds its sampling until
-        `sample_tokens` brings the bitmask (the grammars need the previous step's tokens).
+        """Queues one step's forward pass over all scheduled tokens on the device, and the
+        logits of the requests whose step reached their last token; `sample_tokens` then
+        samples them, always, under a grammar bitmask or None. Returns without waiting for
+        the device; `.result()` of the returned object waits, once sampled.
 
         NOTE: a request whose input is pending reads the token this runner sampled for it
-        in the previous step, on the device: steps must run in the order scheduled.
+        in the previous step, on the device: steps must run, and be sampled, in order.
         """
-        if self._held is not None:
-            raise RuntimeError("a step waits for its grammar bitmask (sample_tokens)")
+        if self._unsampled is not None:
+            raise RuntimeError("the previous step was never sampled (sample_tokens)")
         self._update_states(so)
         self._copy_blocks(so.block_copies)
         graph = self._graph_shape(so)
@@ -231,23 +231,21 @@ class ModelRunner:
             hidden = hidden[to_device(logits_index, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden)  # [R, V]
         pending = PendingOutput(rows, None, prompt)
-        if so.structured_request_ids and so.grammar_bitmask is None:
-            self._held = (pending, rows, logits)
-        else:
-            pending.attach(self._sample(rows, logits, so.grammar_bitmask))
+        self._unsampled = (pending, rows, logits)
         return pending
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_bitmask: GrammarBitmask) -> None:
-        """Samples the held step (see execute_async) under its grammars' bitmask."""
-        if self._held is None:
-            raise RuntimeError("no step waits for a grammar bitmask")
-        (pending, rows, logits), self._held = self._held, None
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
+        """Samples the executed step (see execute_async), its structured requests under
+        their grammars' bitmask; a step with no rows to sample has nothing to do."""
+        if self._unsampled is None:
+            return
+        (pending, rows, logits), self._unsampled = self._unsampled, None
         pending.attach(self._sample(rows, logits, grammar_bitmask))
 
     def cancel_held(self) -> None:
-        """Drops a held step that will never be sampled (the engine failed it)."""
-        self._held = None
+        """Drops an executed step that will never be sampled (the engine failed it)."""
+        self._unsampled = None
 
     def _sample(
         self, rows: list, logits: torch.Tensor, grammar_bitmask: GrammarBitmask | None

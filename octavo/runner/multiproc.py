@@ -126,6 +126,7 @@ class MultiprocRunner:
         self.device = torch.device(device_type)
         self.size = tensor_parallel_size
         self.dead: str | None = None
+        self._unsent: SchedulerOutput | None = None  # a step to send with its sampling
         self._inbox: list[deque] = [deque() for _ in range(tensor_parallel_size)]
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
@@ -198,18 +199,30 @@ class MultiprocRunner:
             self._receive(rank)
 
     def execute_async(self, so: SchedulerOutput) -> _RemotePending:
-        if so.grammar_bitmask is not None:  # a view of the engine's buffer: send its rows
-            so.grammar_bitmask = _own_rows(so.grammar_bitmask)
-        self._send("step", so)
+        """A structured step's forward starts on the workers now (its bitmask may come
+        later); any other goes with its sample_tokens, which follows at once: one message."""
+        if so.structured_request_ids:
+            self._send("execute", so)
+        else:
+            self._unsent = so
         return _RemotePending(self, so.step_id)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.execute_async(so).result()
+        pending = self.execute_async(so)
+        self.sample_tokens(None)
+        return pending.result()
 
-    def sample_tokens(self, grammar_bitmask: GrammarBitmask) -> None:
-        self._send("sample", _own_rows(grammar_bitmask))
+    def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
+        if grammar_bitmask is not None:  # a view of the engine's buffer: send its rows
+            grammar_bitmask = _own_rows(grammar_bitmask)
+        so, self._unsent = self._unsent, None
+        if so is not None:
+            self._send("step", so)
+        else:
+            self._send("sample", grammar_bitmask)
 
     def cancel_held(self) -> None:
+        self._unsent = None
         if self.dead is None:
             self._send("cancel", None)
 

@@ -38,8 +38,8 @@ class PromptLogprobSpan:
 
 class PendingOutput:
     """A step's sampled tokens (and log-probs) on their way to the host: the copies are
-    queued behind the step's kernels, and `result()` waits for them. A step held for its
-    grammar bitmask gets its sampler's output later (`attach`)."""
+    queued behind the step's kernels, and `result()` waits for them. The sampler's output
+    comes with `attach`, once the runner's sample_tokens has run."""
 
     def __init__(
         self,
@@ -54,7 +54,7 @@ class PendingOutput:
         self._sampled = out is not None or not rows
 
     def attach(self, out: SamplerOutput) -> None:
-        """Queues the copies of the sampler's output (a held step's, once sampled)."""
+        """Queues the copies of the sampler's output."""
         self._host, self._event = _copy_to_host(_sampler_tensors(out))
         self._sampled = True
 

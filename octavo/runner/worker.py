@@ -103,8 +103,10 @@ def serve(conn: Connection, args) -> None:
     profiler = None
     while True:
         op, arg = pickle.loads(conn.recv_bytes())
-        if op == "step":
+        if op in ("step", "execute"):  # "step": executed and sampled, no bitmask
             out = runner.execute_async(arg)
+            if op == "step":
+                runner.sample_tokens(None)
             if args.rank == 0:
                 pending[arg.step_id] = out
         elif op == "result":  # steps the engine dropped unread go with it

@@ -193,15 +193,25 @@ HELD = StructuredOutputsParams(regex="[a-z ]{300}")
 
 
 def fail_held_sampling(monkeypatch, engine, error: Exception, only=None) -> None:
-    """Makes the sampling of held steps raise `error` (only that of `only`'s PendingOutput
-    if given), after the step in flight has taken its tokens."""
-    real = type(engine.runner).sample_tokens
+    """Makes the sampling of held steps (the engine's `_sample_held`, after the step in
+    flight has taken its tokens) raise `error`, only that of `only`'s PendingOutput if
+    given."""
+    real_sample, real_held = type(engine.runner).sample_tokens, engine._sample_held
+    holding = []
+
+    def sample_held(so):
+        holding.append(so)
+        try:
+            return real_held(so)
+        finally:
+            holding.pop()
 
     def sample_tokens(runner, bitmask):
-        if only is None or (runner._held is not None and runner._held[0] is only()):
+        if holding and (only is None or runner._unsampled[0] is only()):
             raise error
-        return real(runner, bitmask)
+        return real_sample(runner, bitmask)
 
+    monkeypatch.setattr(engine, "_sample_held", sample_held)
     monkeypatch.setattr(type(engine.runner), "sample_tokens", sample_tokens)
 
 

@@ -13,7 +13,7 @@ import torch
 from model_utils import TINY, hf_greedy
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from octavo import LLM, SamplingParams
+from octavo import LLM, SamplingParams, StructuredOutputsParams
 from octavo.config import ParallelConfig
 from octavo.engine.builder import _check_parallel
 from octavo.runner.multiproc import WorkerDied, free_port
@@ -180,6 +180,18 @@ def test_smollm2_with_three_ranks_gives_one_ranks_text(llm):
         prompts = ["The capital of France is", "def fibonacci(n):"]
         params = SamplingParams(max_tokens=12, temperature=0.0)
         texts = [[o.outputs[0].text for o in m.generate(prompts, params, use_tqdm=False)]
+                 for m in (llm, three)]  # fmt: skip
+        assert texts[1] == texts[0]
+        # Structured outputs: their steps sample under a bitmask the workers receive after
+        # the forward pass ("execute", then "sample"), also held behind a step in flight.
+        regex = SamplingParams(
+            max_tokens=12,
+            temperature=0.0,
+            structured_outputs=StructuredOutputsParams(regex="[a-z ]{6,20}"),
+        )
+        three.engine.async_scheduling = True
+        mixed = [params, regex]
+        texts = [[o.outputs[0].text for o in m.generate(prompts, mixed, use_tqdm=False)]
                  for m in (llm, three)]  # fmt: skip
         assert texts[1] == texts[0]
     finally:
