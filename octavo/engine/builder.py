@@ -102,12 +102,7 @@ def build_engine(
     async_scheduling: bool | None = None,
 ) -> Engine:
     """Builds an Engine from LLM()'s options (the README's table gives their meaning)."""
-    if load_format not in _LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}")
-    if isinstance(cuda_graph_max_tokens, bool) or not isinstance(cuda_graph_max_tokens, int):
-        raise ValueError(f"cuda_graph_max_tokens must be an int, got {cuda_graph_max_tokens!r}")
-    if cuda_graph_max_tokens < 0:
-        raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {cuda_graph_max_tokens}")
+    _check_options(load_format, cuda_graph_max_tokens)
     cache = CacheConfig(
         block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching, kv_cache_dtype,
@@ -122,8 +117,6 @@ def build_engine(
     torch_dtype = resolve_dtype(dtype, dev)
     kv_dtype = kv_setup.kv_cache_dtype(cache.cache_dtype, torch_dtype, dev)
     tok = load_tokenizer(tokenizer or model_path)
-    config_eos = getattr(hf_config, "eos_token_id", None)
-    eos = eos_token_ids(tok, config_eos) if tok is not None else _as_list(config_eos)
     runner_options = {
         "model_path": model_path, "hf_config": hf_config, "dtype": torch_dtype,
         "block_size": block_size, "load_format": load_format, "seed": seed,
@@ -131,26 +124,45 @@ def build_engine(
         "cuda_graph_max_tokens": cuda_graph_max_tokens,
         "quantization": quantization, "kv_cache_dtype": kv_dtype,
     }  # fmt: skip
-    runner: Runner
-    if tensor_parallel_size == 1:
-        runner = ModelRunner(device=dev, **runner_options)
-    else:
-        runner = MultiprocRunner(
-            runner_options, dev.type, tensor_parallel_size, nnodes, dist_init_addr
-        )
+    runner = _make_runner(runner_options, dev, parallel)
     # Size the KV cache (profiling a step on CUDA), then allocate it once.
     num_blocks = runner.num_kv_blocks(cache, max_num_batched_tokens, max_num_seqs)
-    sched = SchedulerConfig(
-        max_num_seqs,
-        max_num_batched_tokens,
-        _max_model_len(hf_config, max_model_len, num_blocks * block_size),
-    )
+    model_len = _max_model_len(hf_config, max_model_len, num_blocks * block_size)
+    sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_len)
     runner.allocate_kv_cache(num_blocks, max_num_seqs, sched.max_model_len, max_num_batched_tokens)
     if async_scheduling is None:  # overlap pays where the device runs beside the host
         async_scheduling = dev.type == "cuda"
     packed = quantization not in (None, "fp8")  # fp8 is emulated in float off the GPU
     mode = compute_mode(dev, torch_dtype, kv_dtype, packed, get_head_dim(hf_config))
+    eos = _eos_token_ids(tok, hf_config)
     return Engine(runner, tok, cache, sched, num_blocks, eos, async_scheduling, mode)
+
+
+def _check_options(load_format: str, cuda_graph_max_tokens: int) -> None:
+    if load_format not in _LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}")
+    if isinstance(cuda_graph_max_tokens, bool) or not isinstance(cuda_graph_max_tokens, int):
+        raise ValueError(f"cuda_graph_max_tokens must be an int, got {cuda_graph_max_tokens!r}")
+    if cuda_graph_max_tokens < 0:
+        raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {cuda_graph_max_tokens}")
+
+
+def _make_runner(runner_options: dict, device: torch.device, parallel: ParallelConfig) -> Runner:
+    """The model in this process, or a worker process per tensor-parallel rank."""
+    if parallel.tensor_parallel_size == 1:
+        return ModelRunner(device=device, **runner_options)
+    return MultiprocRunner(
+        runner_options, device.type, parallel.tensor_parallel_size, parallel.nnodes,
+        parallel.dist_init_addr,
+    )  # fmt: skip
+
+
+def _eos_token_ids(tokenizer, hf_config) -> list[int]:
+    """The tokenizer's EOS ids and the config's, or the config's alone without a tokenizer."""
+    config_eos = getattr(hf_config, "eos_token_id", None)
+    if tokenizer is not None:
+        return eos_token_ids(tokenizer, config_eos)
+    return _as_list(config_eos)
 
 
 def _check_parallel(parallel: ParallelConfig, hf_config, device: torch.device) -> None:

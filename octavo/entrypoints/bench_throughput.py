@@ -161,6 +161,23 @@ def run_hf_continuous_batching(model_dir: str, w: Workload, timeout_s: float) ->
     return Result(name, tokens, seconds)
 
 
+def _report_floor(fl, ceil, seconds: float) -> dict:
+    """Prints the floor and the serial floor against octavo's `seconds`; their JSON entry."""
+    print(
+        f"floor {fl.seconds:.2f} s (memory {fl.memory_s:.2f}, compute {fl.compute_s:.2f}; "
+        f"copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s{_sizes(ceil)}, matmul "
+        f"{ceil.matmul_flops / 1e12:.0f} TFLOP/s): octavo at {fl.seconds / seconds:.1%} of "
+        "the floor"
+    )
+    print(
+        f"serial floor {fl.serial_s:.2f} s (kernels in turn, any schedule: decode KV reads, "
+        f"then GEMMs at max(weight reads, all FLOPs)): octavo at {fl.serial_s / seconds:.1%} "
+        f"of it; FCFS serial estimate {fl.fcfs_serial_s:.2f} s (prompts first, then lockstep "
+        f"decode): {fl.fcfs_serial_s / seconds:.1%}"
+    )
+    return {"floor": asdict(fl) | {"seconds": fl.seconds} | asdict(ceil)}
+
+
 def cmd_throughput(args: argparse.Namespace) -> int:
     from octavo.entrypoints.llm import LLM
 
@@ -191,23 +208,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     # The floor times this process's GPU; with tensor parallelism it holds no model.
     on_gpu = llm.engine.runner.device.type == "cuda" and args.tensor_parallel_size == 1
     floor = measured_floor(llm, w) if on_gpu else None
-    report: dict = {}
-    if floor is not None:
-        fl, ceil = floor
-        report["floor"] = asdict(fl) | {"seconds": fl.seconds} | asdict(ceil)
-        print(
-            f"floor {fl.seconds:.2f} s (memory {fl.memory_s:.2f}, compute {fl.compute_s:.2f}; "
-            f"copy {ceil.copy_bytes_per_s / 1e12:.2f} TB/s{_sizes(ceil)}, matmul "
-            f"{ceil.matmul_flops / 1e12:.0f} TFLOP/s): octavo at "
-            f"{fl.seconds / results[0].seconds:.1%} of the floor"
-        )
-        print(
-            f"serial floor {fl.serial_s:.2f} s (kernels in turn, any schedule: decode KV reads, "
-            f"then GEMMs at max(weight reads, all FLOPs)): octavo at "
-            f"{fl.serial_s / results[0].seconds:.1%} of it; FCFS serial estimate "
-            f"{fl.fcfs_serial_s:.2f} s (prompts first, then lockstep decode): "
-            f"{fl.fcfs_serial_s / results[0].seconds:.1%}"
-        )
+    report: dict = {} if floor is None else _report_floor(*floor, results[0].seconds)
     if args.peer == "hf":
         from octavo.engine.builder import resolve_model
 

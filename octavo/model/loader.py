@@ -72,11 +72,7 @@ def load_model(
     device = torch.device(device)
     check_quantization(quantization, device, hf_config, load_format)
     fp8_blocks = load_format != "dummy" and checkpoint_method(hf_config) == "fp8"  # as it is
-    if quantization == "gguf" and (load_format == "dummy" or not model.endswith(".gguf")):
-        raise ValueError(
-            f"quantization='gguf' keeps a GGUF file's blocks: it needs a .gguf model file "
-            f"loaded from disk, got {model!r} with load_format={load_format!r}"
-        )
+    _check_gguf_source(quantization, model, load_format)
     # A checkpoint's own quantized tensors stand in for the Linear weights they cover, which
     # are never made in float; float ones quantized on load are made one Linear at a time.
     # Linear weights start on the meta device then (LINEAR_WEIGHT_DEVICE).
@@ -98,12 +94,25 @@ def load_model(
         else:
             loaded = net.load_weights(iter_weights(model, hf_config))
             _check_all_loaded(net, loaded, model)
-    with torch.no_grad():
-        if quantization is not None and load_format == "dummy":
-            for module in list(net.modules()):
-                if isinstance(module, Linear):
-                    module.quantize(quantization)
+    if quantization is not None and load_format == "dummy":
+        _quantize_linears(net, quantization)
     return net
+
+
+def _check_gguf_source(quantization: str | None, model: str, load_format: str) -> None:
+    if quantization == "gguf" and (load_format == "dummy" or not model.endswith(".gguf")):
+        raise ValueError(
+            f"quantization='gguf' keeps a GGUF file's blocks: it needs a .gguf model file "
+            f"loaded from disk, got {model!r} with load_format={load_format!r}"
+        )
+
+
+@torch.no_grad()
+def _quantize_linears(net: nn.Module, quantization: str) -> None:
+    """Quantizes every Linear's (random) float weight by `quantization`."""
+    for module in list(net.modules()):
+        if isinstance(module, Linear):
+            module.quantize(quantization)
 
 
 def _load_keeping(

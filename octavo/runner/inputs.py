@@ -144,16 +144,7 @@ class InputBuilder:
         cu = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         num_tokens = int(cu[-1])
-        if num_tokens == num_seqs:  # all decode: one token each
-            positions = starts
-            ids = [s.token_ids[0] if s.token_ids else 0 for s in scheduled]
-        else:
-            positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(num_tokens)
-            ids = []
-            for s in scheduled:
-                ids += s.token_ids
-                if s.input_is_pending:
-                    ids.append(0)  # filled on the device below
+        positions, ids = _positions_and_ids(scheduled, starts, q_lens, cu)
         seq_lens = starts + q_lens
         tables = self.rows.table[rows, :width]  # [B, W]
         token_seq = np.repeat(np.arange(num_seqs), q_lens)
@@ -235,3 +226,20 @@ class InputBuilder:
             host = host.pin_memory()
         view.copy_(host, non_blocking=self.pin)
         return view
+
+
+def _positions_and_ids(
+    scheduled: list[ScheduledRequest], starts: np.ndarray, q_lens: np.ndarray, cu: np.ndarray
+) -> tuple[np.ndarray, list[int]]:
+    """Each new token's position and id, sequence after sequence (a pending input's id is
+    0 here, filled on the device from the previous step's samples)."""
+    num_tokens = int(cu[-1])
+    if num_tokens == len(scheduled):  # all decode: one token each
+        return starts, [s.token_ids[0] if s.token_ids else 0 for s in scheduled]
+    positions = np.repeat(starts - cu[:-1], q_lens) + np.arange(num_tokens)
+    ids: list[int] = []
+    for s in scheduled:
+        ids += s.token_ids
+        if s.input_is_pending:
+            ids.append(0)
+    return positions, ids
