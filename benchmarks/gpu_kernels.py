@@ -59,7 +59,7 @@ from octavo.kernels.decode_attention import (
 )
 from octavo.kernels.prefill_attention import default_prefill_config, prefill_attention
 from octavo.kernels.store_kv import store_kv
-from octavo.model import quantization
+from octavo.model import rounding
 from octavo.runner.gemm_tuning import graph_us
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
@@ -369,22 +369,22 @@ def bench_quant(copy_gbs: float, sweep: bool) -> list[dict]:
     rows, at_one_row = [], {}
     for name, n, k in QUANT_SHAPES:
         w = torch.randn(n, k, device="cuda", dtype=DTYPE) * 0.02
-        codes, scale, lo = quantization.quantize_int4(w, 128, DTYPE)
-        codes8, scale8 = quantization.quantize_int8(w, DTYPE)
-        codes_fp8, scale_fp8 = quantization.quantize_fp8(w)
+        codes, scale, lo = rounding.quantize_int4(w, 128, DTYPE)
+        codes8, scale8 = rounding.quantize_int8(w, DTYPE)
+        codes_fp8, scale_fp8 = rounding.quantize_fp8(w)
         weights = {  # method: (copies of its tensors, the float32 weight they hold)
             "bf16": (_copies((w,)), w.float()),
             "int4": (
                 _copies((quant_gemm.pack_int4(codes, 128), scale, lo)),
-                quantization.dequantize_int4(codes, scale, lo, k, torch.float32),
+                rounding.dequantize_int4(codes, scale, lo, k, torch.float32),
             ),
             "int8": (
                 _copies((quant_gemm.pack_int8(codes8), scale8)),
-                quantization.dequantize_int8(codes8, scale8, torch.float32),
+                rounding.dequantize_int8(codes8, scale8, torch.float32),
             ),
             "fp8": (
                 _copies((codes_fp8, scale_fp8)),
-                quantization.dequantize_fp8(codes_fp8, scale_fp8, torch.float32),
+                rounding.dequantize_fp8(codes_fp8, scale_fp8, torch.float32),
             ),
         }
         for m in QUANT_ROWS:

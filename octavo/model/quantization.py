@@ -15,31 +15,39 @@
           above, see model/int4_checkpoint.py); read from a config's quantization_config.
 
 Each method is a `QuantizedWeight` module that a `Linear` (model/layers.py) holds in place of
-its float weight, built from the shard this rank loaded, so tensor parallelism needs nothing
-more. The quantize/dequantize functions are the reference the forwards are tested against.
-
-On the CPU, int8 and int4 run torch's weight-packed kernels, which are fast with bfloat16
-activations only: the activations pass through bfloat16 there (the "A16"). On CUDA, with
-16-bit weights, they run octavo's Triton GEMMs (kernels/quant_gemm.py), which dequantize
-inside the kernel; elsewhere they dequantize the whole weight for each product. fp8 runs
-torch._scaled_mm on Hopper, and one row through kernels/quant_gemm.py's GEMV on the same codes;
-elsewhere it is emulated (activations quantized to e4m3 and back, then a matmul), so that its
-accuracy can be measured on any machine.
+its float weight, built from the shard this rank loaded (model/rounding.py holds the
+quantizers and their references). Where the products run: on the CPU, float32 models in
+octavo's C kernel (kernels/cpu.py), 16-bit ones in torch's weight-packed kernels
+(model/cpu_packing.py); on CUDA with 16-bit weights, octavo's Triton GEMMs
+(kernels/quant_gemm.py), fp8 torch._scaled_mm on Hopper; elsewhere the dequantized weight
+(fp8 emulated: activations to e4m3 and back, then a matmul).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from octavo.kernels import cpu as cpu_kernels
+from octavo.model.cpu_packing import (
+    pack_int4_for_torch,
+    pack_int8_for_octavo,
+    q8_planes,
+    scale_zero,
+)
 from octavo.model.quant_method import FP8_BLOCK
+from octavo.model.rounding import (
+    dequantize_fp8_blocks,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_fp8,
+    quantize_fp8_blocks,
+    quantize_int4,
+    quantize_int8,
+)
 
 GROUP_SIZE = 128
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # Up to this many rows the CPU's int8 kernel beats dequantizing the weight for one float GEMM.
 INT8_KERNEL_MAX_ROWS = 64
 # Whether the CPU paths use torch's weight-packed kernels (the tests turn them off to check
@@ -58,93 +66,6 @@ def quantize_weight(method: str, weight: torch.Tensor) -> QuantizedWeight:
             f"checkpoint's own 4-bit groups); use one of {tuple(classes)}"
         )
     return classes[method](weight)
-
-
-# --- round-to-nearest quantizers and their inverses -----------------------------------------
-
-
-def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (q int8 [N, K], scale [N]) with w ~ q * scale, |q| <= 127."""
-    scale = (w.float().abs().amax(dim=1) / 127).clamp(min=1e-12).to(scale_dtype)
-    q = torch.round(w.float() / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return q.to(dtype) * scale.to(dtype)[:, None]
-
-
-def quantize_int4(
-    w: torch.Tensor, group_size: int, param_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (q uint8 [N, Kp] in 0..15, scale [N, G], min [N, G]) with
-    w ~ q * scale + min per group of `group_size` columns.
-
-    K is padded to Kp = G * group_size: a last, partial group takes its range from its real
-    columns only, and its padding columns meet zero activations.
-    """
-    n, k = w.shape
-    groups = -(-k // group_size)
-    pad = groups * group_size - k
-    w = w.float()
-    grouped = (F.pad(w, (0, pad)) if pad else w).view(n, groups, group_size)
-    lo, hi = grouped.amin(dim=2), grouped.amax(dim=2)
-    if pad:  # the last group's range from its real columns, not the zeros padding it
-        tail = w[:, (groups - 1) * group_size :]
-        lo[:, -1], hi[:, -1] = tail.amin(dim=1), tail.amax(dim=1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12).to(param_dtype)
-    lo = lo.to(param_dtype)
-    q = (grouped - lo.float()[..., None]).div_(scale.float()[..., None]).round_().clamp_(0, 15)
-    return q.view(n, -1).to(torch.uint8), scale, lo
-
-
-def dequantize_int4(
-    q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, in_features: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The inverse of quantize_int4: [N, K] in `dtype`; as well any codes (8-bit ones too) on
-    a grid of group scales and minimums [N, G]."""
-    n, groups = scale.shape
-    grouped = q.view(n, groups, q.shape[1] // groups).to(dtype)
-    w = grouped * scale.to(dtype)[..., None] + lo.to(dtype)[..., None]
-    return w.flatten(1)[:, :in_features]
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (q e4m3 [R, C], scale float32 [R]) with x ~ q * scale, one scale per row
-    (a weight's output channel, or an activation's token)."""
-    scale = (x.float().abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-    q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale[:, None]).to(dtype)
-
-
-def quantize_fp8_blocks(
-    x: torch.Tensor, block_rows: int, block_cols: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, C] -> (q e4m3 [R, C], scale float32 [ceil(R / block_rows), ceil(C / block_cols)])
-    with x ~ q * scale in each block: an HF fp8 checkpoint's weights in 128 x 128, activations
-    in 1 x 128. A last, partial block takes its range from its real elements."""
-    r, c = x.shape
-    grid_rows, grid_cols = -(-r // block_rows), -(-c // block_cols)
-    x = x.float()
-    if (grid_rows * block_rows, grid_cols * block_cols) != (r, c):
-        x = F.pad(x, (0, grid_cols * block_cols - c, 0, grid_rows * block_rows - r))
-    blocks = x.reshape(grid_rows, block_rows, grid_cols, block_cols)
-    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(x.shape)[:r, :c].contiguous(), scale
-
-
-def dequantize_fp8_blocks(
-    q: torch.Tensor, scale: torch.Tensor, block_rows: int, block_cols: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The inverse of quantize_fp8_blocks: [R, C] in `dtype`."""
-    r, c = q.shape
-    scale = scale.repeat_interleave(block_rows, dim=0)[:r].repeat_interleave(block_cols, dim=1)
-    return (q.float() * scale[:, :c]).to(dtype)
 
 
 # --- the weights a Linear holds -------------------------------------------------------------
@@ -174,54 +95,6 @@ def _uses_gpu_kernels(
     return group_size is None or group_size in sizes or group_size % sizes[-1] == 0
 
 
-def _pack_int4_for_cpu(
-    q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [N, K] in 0..15 with w = q * scale + min per group (scale, min [N, G]) -> torch's
-    CPU int4 kernel's packed weight and its scale and zero [G, N, 2]: the kernel computes
-    (q - 8) * scale + zero."""
-    return _int4pack(q), _scale_zero(scale, lo)
-
-
-def _int4pack(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] in 0..15 -> torch's CPU int4 kernel's packed weight, uint8 [N, K / 2]."""
-    rows = _int4pack_block_rows()
-    if rows is None or q.shape[0] % rows:
-        return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    return _pack_int4_blocks(q, rows)
-
-
-def _scale_zero(scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """Per group (scale, min [N, G]) -> torch's CPU int4 kernel's scale and zero [G, N, 2]."""
-    zero = lo + 8 * scale
-    return torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-
-
-def _pack_int4_blocks(q: torch.Tensor, rows: int) -> torch.Tensor:
-    """q [N, K] (0..15, N a multiple of `rows`) in the layout of torch's CPU int4 packing
-    (_convert_weight_to_int4pack_for_cpu) with blocks of `rows` rows: uint8 [N, K / 2], each
-    block's bytes [K, rows / 2] with byte (k, j) = q[j, k] | q[j + rows / 2, k] << 4.
-
-    NOTE: torch's own op takes int32 codes, whose copy of a large weight costs more than the
-    packing; this one reads the uint8 codes as they are, about three times faster.
-    """
-    n, k = q.shape
-    blocks = q.to(torch.uint8).reshape(n // rows, 2, rows // 2, k)
-    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [N / rows, rows / 2, K]
-    return packed.transpose(1, 2).contiguous().view(n, k // 2)
-
-
-@functools.cache
-def _int4pack_block_rows() -> int | None:
-    """The rows per block of this torch's CPU int4 packing (64 with AVX-512, 32 with AVX2),
-    found by checking _pack_int4_blocks against torch's op on a small random weight; None
-    where neither matches (torch's op packs then)."""
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (128, 96), dtype=torch.uint8, generator=generator)
-    want = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    return next((rows for rows in (64, 32) if torch.equal(_pack_int4_blocks(q, rows), want)), None)
-
-
 class QuantizedWeight(nn.Module):
     """A quantized weight [N, K] and its product: forward(x [T, K]) -> x W^T [T, N] in x's
     dtype. `dtype` is the float dtype the weight had (and the activations have)."""
@@ -247,7 +120,7 @@ class Int8Weight(QuantizedWeight):
         self.packed = None
         if self.cpu_kernel and cpu_kernels.available(weight.dtype):
             q, scale = quantize_int8(weight, torch.float32)
-            self.packed = _pack_int8(q, scale)
+            self.packed = pack_int8_for_octavo(q, scale)
             self.qweight = _frozen(self.packed.data)
             return
         q, scale = quantize_int8(weight, torch.bfloat16 if self.cpu_kernel else weight.dtype)
@@ -319,7 +192,7 @@ class Int4Weight(QuantizedWeight):
             )
             self.qweight = _frozen(self.packed.data)  # codes with their scales and minimums
         elif self.cpu_kernel:
-            packed, scale_zero = _pack_int4_for_cpu(q, scale, lo)
+            packed, scale_zero = pack_int4_for_torch(q, scale, lo)
             self.qweight, self.qscale_zero = _frozen(packed), _frozen(scale_zero)
         elif self.gpu_kernel:
             from octavo.kernels.quant_gemm import pack_int4
@@ -380,9 +253,9 @@ class Q8Weight(QuantizedWeight):
             # high one for Q8_0's -128 s (its zero is then 0), else the low one (a 4-bit
             # group's zero is then Int4Weight's).
             m_high = torch.where(m == -128 * s, m, torch.zeros_like(m))
-            self.high, self.low = map(_frozen, _q8_planes(codes))
-            self.high_scale_zero = _frozen(_scale_zero(16 * s, m_high))  # 16 s h (+ m)
-            self.low_scale_zero = _frozen(_scale_zero(s, m - m_high))  # s l (+ m)
+            self.high, self.low = map(_frozen, q8_planes(codes))
+            self.high_scale_zero = _frozen(scale_zero(16 * s, m_high))  # 16 s h (+ m)
+            self.low_scale_zero = _frozen(scale_zero(s, m - m_high))  # s l (+ m)
         else:
             self.codes = _frozen(codes)
             self.scale, self.min = _frozen(scale.to(dtype)), _frozen(lo.to(dtype))
@@ -408,15 +281,6 @@ class Q8Weight(QuantizedWeight):
         )
 
 
-def _pack_int8(q: torch.Tensor, scale: torch.Tensor) -> cpu_kernels.PackedWeight:
-    """int8 q [N, K] with a float32 scale per row as octavo's CPU kernel reads 8-bit codes:
-    u = q + 128 with min -128 scale (exactly q * scale), one group of all K, padded to runs."""
-    k = q.shape[1]
-    codes = F.pad((q.to(torch.int16) + 128).to(torch.uint8), (0, -k % cpu_kernels.RUN))
-    scale = scale.float()[:, None]
-    return cpu_kernels.pack_weight(codes=codes, scale=scale, lo=-128 * scale, in_features=k)
-
-
 class GroupRows(nn.Module):
     """An embedding table kept as codes u [V, H] (uint8) with a scale and a minimum per group
     of 32 columns [V, H / 32] (float32): w = u * scale + min, as in Q8Weight. A lookup
@@ -434,24 +298,6 @@ class GroupRows(nn.Module):
         """ids [T] -> rows [T, H] in `dtype`."""
         codes, scale, lo = self.codes[ids], self.scale[ids], self.min[ids]
         return dequantize_int4(codes, scale, lo, codes.shape[1], torch.float32).to(self.dtype)
-
-
-# Rows of a Q8Weight's codes split into planes at a time (a multiple of any packing block):
-# the planes of an LM head made whole would take ~150 MB of fresh memory, slow to fault in.
-_Q8_PLANE_ROWS = 4096
-
-
-def _q8_planes(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 codes u [N, K] -> h and l (u = 16 h + l, both 0..15) packed for torch's CPU
-    int4 kernel; in runs of rows where its packing keeps runs apart (a known layout)."""
-    n, k = codes.shape
-    step = n if _int4pack_block_rows() is None else _Q8_PLANE_ROWS
-    high, low = (torch.empty(n, k // 2, dtype=torch.uint8) for _ in range(2))
-    for start in range(0, n, step):
-        u = codes[start : start + step]
-        high[start : start + step] = _int4pack(u >> 4)
-        low[start : start + step] = _int4pack(u & 15)
-    return high, low
 
 
 class Fp8Weight(QuantizedWeight):

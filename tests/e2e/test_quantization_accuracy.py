@@ -128,7 +128,7 @@ def test_gguf_keeps_the_files_q4_blocks(llm_factory, monkeypatch):
     import torch
 
     from octavo.engine.builder import resolve_model
-    from octavo.model import quantization
+    from octavo.model import quantization, rounding
     from octavo.model.layers import Linear
     from octavo.model.loader import load_model
 
@@ -144,12 +144,12 @@ def test_gguf_keeps_the_files_q4_blocks(llm_factory, monkeypatch):
         quant = module.quant
         packed = quant.qweight
         codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
-        back = quantization.dequantize_int4(
+        back = rounding.dequantize_int4(
             codes, quant.scale, quant.min, quant.in_features, torch.float32
         )
         assert torch.equal(back, plain[name].weight), name
     head = kept.lm_head.quant  # the tied Q8_0 embedding: its codes (+ 128) and block scales
     assert isinstance(head, quantization.Q8Weight)
-    expand = lambda t: t.repeat_interleave(32, dim=1)  # noqa: E731
+    expand = lambda t: t.repeat_interleave(32, dim=1)
     back = head.codes.float() * expand(head.scale) + expand(head.min)
     assert torch.equal(back, plain["lm_head"].weight)

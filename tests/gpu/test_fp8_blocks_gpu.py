@@ -20,6 +20,7 @@ from fp8_checkpoints import KEPT_FLOAT, per_block, write_checkpoints
 from model_utils import PagedRunner
 
 from octavo.model import quantization as q
+from octavo.model import rounding
 from octavo.model.hf_config import load_hf_config
 from octavo.model.layers import Linear
 from octavo.model.loader import load_model
@@ -42,17 +43,17 @@ def _layer(n: int, k: int, seed: int) -> tuple[q.Fp8BlockWeight, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     magnitude = 2 ** (torch.rand(-(-n // 128), -(-k // 128), generator=gen) * 8 - 4)
     w = torch.randn(n, k, generator=gen) * per_block(magnitude, (n, k))
-    codes, scale = q.quantize_fp8_blocks(w, 128, 128)
+    codes, scale = rounding.quantize_fp8_blocks(w, 128, 128)
     layer = q.Fp8BlockWeight(codes.cuda(), scale.cuda(), torch.bfloat16)
-    return layer, q.dequantize_fp8_blocks(codes, scale, 128, 128, torch.float64)
+    return layer, rounding.dequantize_fp8_blocks(codes, scale, 128, 128, torch.float64)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, gemv: bool = False) -> torch.Tensor:
     """x quantized per token and 128 columns (W8A8), or as it is (gemv: W8A16, one row)."""
     if gemv:
         return x.cpu().double() @ w.T
-    xq, x_scale = q.quantize_fp8_blocks(x.cpu(), 1, 128)
-    return q.dequantize_fp8_blocks(xq, x_scale, 1, 128, torch.float64) @ w.T
+    xq, x_scale = rounding.quantize_fp8_blocks(x.cpu(), 1, 128)
+    return rounding.dequantize_fp8_blocks(xq, x_scale, 1, 128, torch.float64) @ w.T
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -106,7 +107,7 @@ def test_fp8_checkpoint_loads_on_the_gpu(tmp_path):
         if isinstance(linear, Linear) and not name.startswith(KEPT_FLOAT):
             quant = linear.quant
             assert quant.scaled_mm == HOPPER, name
-            w = q.dequantize_fp8_blocks(
+            w = rounding.dequantize_fp8_blocks(
                 quant.qweight.cpu(), quant.scale.cpu(), 128, 128, torch.float32
             )
             assert torch.equal(w, twin_linears[name].weight), name

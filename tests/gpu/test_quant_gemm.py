@@ -27,6 +27,7 @@ if not INTERPRET and not torch.cuda.is_available():
 
 from octavo.kernels import quant_gemm as qg
 from octavo.model import quantization as q
+from octavo.model import rounding
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -53,7 +54,7 @@ def exact_int4(n: int, k: int, group: int, seed: int):
     codes = torch.randint(0, 16, (n, groups * group), generator=g, device=DEVICE)
     scale = 2.0 ** torch.randint(-2, 0, (n, groups), generator=g, device=DEVICE).double()
     lo = -torch.randint(0, 16, (n, groups), generator=g, device=DEVICE).double() * scale
-    w = q.dequantize_int4(codes, scale, lo, k, torch.float64)
+    w = rounding.dequantize_int4(codes, scale, lo, k, torch.float64)
     return codes.to(torch.uint8), scale, lo, w
 
 
@@ -250,10 +251,10 @@ def test_int4_matches_the_dequantized_reference(nk, group, dtype):
     n, k = nk
     g = _gen(n + k + group)
     weight = torch.randn(n, k, generator=g, device=DEVICE) * 0.02
-    codes, scale, lo = q.quantize_int4(weight, group, dtype)
+    codes, scale, lo = rounding.quantize_int4(weight, group, dtype)
     words = qg.pack_int4(codes, group)
-    w_exact = q.dequantize_int4(codes, scale, lo, k, torch.float64)
-    w_dtype = q.dequantize_int4(codes, scale, lo, k, dtype)
+    w_exact = rounding.dequantize_int4(codes, scale, lo, k, torch.float64)
+    w_dtype = rounding.dequantize_int4(codes, scale, lo, k, dtype)
     for m in ROWS:
         x = torch.randn(m, k, generator=g, device=DEVICE).to(dtype)
         _check_against_reference(qg.int4_linear(x, words, scale, lo, group), x, w_dtype, w_exact)
@@ -267,10 +268,10 @@ def test_int8_matches_the_dequantized_reference(nk, dtype):
     n, k = nk
     g = _gen(n + k)
     weight = torch.randn(n, k, generator=g, device=DEVICE) * 0.02
-    codes, scale = q.quantize_int8(weight, dtype)
+    codes, scale = rounding.quantize_int8(weight, dtype)
     words = qg.pack_int8(codes)
-    w_exact = q.dequantize_int8(codes, scale, torch.float64)
-    w_dtype = q.dequantize_int8(codes, scale, dtype)
+    w_exact = rounding.dequantize_int8(codes, scale, torch.float64)
+    w_dtype = rounding.dequantize_int8(codes, scale, dtype)
     for m in ROWS:
         x = torch.randn(m, k, generator=g, device=DEVICE).to(dtype)
         _check_against_reference(qg.int8_linear(x, words, scale), x, w_dtype, w_exact)
@@ -284,9 +285,9 @@ def test_fp8_gemv_matches_the_dequantized_reference(nk, dtype):
     n, k = nk
     g = _gen(n + k + 8)
     weight = torch.randn(n, k, generator=g, device=DEVICE) * 0.02
-    codes, scale = q.quantize_fp8(weight)
-    w_exact = q.dequantize_fp8(codes, scale, torch.float64)
-    w_dtype = q.dequantize_fp8(codes, scale, dtype)
+    codes, scale = rounding.quantize_fp8(weight)
+    w_exact = rounding.dequantize_fp8(codes, scale, torch.float64)
+    w_dtype = rounding.dequantize_fp8(codes, scale, dtype)
     x = torch.randn(1, k, generator=g, device=DEVICE).to(dtype)
     _check_against_reference(qg.fp8_gemv(x, codes, scale), x, w_dtype, w_exact)
 
@@ -328,14 +329,14 @@ def test_quantized_weights_run_the_kernels_eagerly_and_in_graphs(method, group, 
     weight = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(dtype)
     if method == "int4":
         layer = q.Int4Weight(weight, group)
-        codes, scale, lo = q.quantize_int4(weight, group, dtype)
-        w_exact = q.dequantize_int4(codes, scale, lo, k, torch.float64)
-        w_dtype = q.dequantize_int4(codes, scale, lo, k, dtype)
+        codes, scale, lo = rounding.quantize_int4(weight, group, dtype)
+        w_exact = rounding.dequantize_int4(codes, scale, lo, k, torch.float64)
+        w_dtype = rounding.dequantize_int4(codes, scale, lo, k, dtype)
     else:
         layer = q.Int8Weight(weight)
-        codes, scale = q.quantize_int8(weight, dtype)
-        w_exact = q.dequantize_int8(codes, scale, torch.float64)
-        w_dtype = q.dequantize_int8(codes, scale, dtype)
+        codes, scale = rounding.quantize_int8(weight, dtype)
+        w_exact = rounding.dequantize_int8(codes, scale, torch.float64)
+        w_dtype = rounding.dequantize_int8(codes, scale, dtype)
     assert layer.gpu_kernel and layer.qweight.dtype == torch.int32
     for m in [1, 2, 16, 64, 257, 1500]:
         x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
@@ -368,8 +369,8 @@ def test_fp8_weight_runs_the_gemv_at_one_row_eagerly_and_in_graphs():
     g = _gen(9)
     layer = q.Fp8Weight((torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16())
     assert layer.scaled_mm
-    w_exact = q.dequantize_fp8(layer.qweight, layer.scale, torch.float64)
-    w_dtype = q.dequantize_fp8(layer.qweight, layer.scale, torch.bfloat16)
+    w_exact = rounding.dequantize_fp8(layer.qweight, layer.scale, torch.float64)
+    w_dtype = rounding.dequantize_fp8(layer.qweight, layer.scale, torch.bfloat16)
     x = torch.randn(1, k, generator=g, device="cuda").bfloat16()
     _check_against_reference(layer(x), x, w_dtype, w_exact)
     graph = torch.cuda.CUDAGraph()
@@ -388,6 +389,6 @@ def test_float32_weights_keep_the_dequantizing_path():
     layer = q.Int4Weight(weight)
     assert not layer.gpu_kernel and layer.qweight.dtype == torch.uint8
     x = torch.randn(3, 512, device="cuda")
-    codes, scale, lo = q.quantize_int4(weight, q.GROUP_SIZE, torch.float32)
-    ref = x @ q.dequantize_int4(codes, scale, lo, 512, torch.float32).T
+    codes, scale, lo = rounding.quantize_int4(weight, q.GROUP_SIZE, torch.float32)
+    ref = x @ rounding.dequantize_int4(codes, scale, lo, 512, torch.float32).T
     assert rel_err(layer(x), ref) < 1e-5

@@ -23,12 +23,8 @@ from octavo.model.layers import Linear
 from octavo.model.loader import load_model
 from octavo.model.parallel import set_tp
 from octavo.model.quant_method import check_quantization, checkpoint_method, resolve_quantization
-from octavo.model.quantization import (
-    Fp8BlockWeight,
-    Fp8Weight,
-    dequantize_fp8_blocks,
-    quantize_fp8_blocks,
-)
+from octavo.model.quantization import Fp8BlockWeight, Fp8Weight
+from octavo.model.rounding import dequantize_fp8_blocks, quantize_fp8_blocks
 
 
 def _load(path: str, quantization: str | None = None, load_format: str = "auto"):

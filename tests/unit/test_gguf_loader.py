@@ -12,6 +12,7 @@ from gguf.quants import quantize
 from model_utils import PagedRunner, eos_ids, hf_greedy_choices, hf_logits, rel_err
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from octavo.model import rounding
 from octavo.model.gguf_loader import iter_gguf_weights, unpermute_qk
 from octavo.model.hf_config import get_head_dim, load_hf_config
 from octavo.model.loader import load_model
@@ -337,7 +338,7 @@ def test_q4_k_tensors_keep_their_groups_with_quantization_gguf(tmp_path, monkeyp
         quant = module.quant
         assert module.weight is None and isinstance(quant, quantization.Int4Weight), name
         codes = torch.stack([quant.qweight & 0xF, quant.qweight >> 4], dim=-1)
-        back = quantization.dequantize_int4(
+        back = rounding.dequantize_int4(
             codes.view(quant.qweight.shape[0], -1), quant.scale, quant.min, quant.in_features,
             torch.float32,
         )  # fmt: skip

@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 from test_gguf_loader import TINY, hf_to_gguf_tensors, tiny_hf, write_gguf
 from transformers import LlamaConfig
 
-from octavo.model import quantization
+from octavo.model import quantization, rounding
 from octavo.model.gguf_loader import GGUFTensor, block_codes, block_groups
 from octavo.model.hf_config import load_hf_config
 from octavo.model.layers import Linear
@@ -74,9 +74,7 @@ def _dequantized(quant: quantization.Int4Weight) -> torch.Tensor:
     """An Int4Weight off the CPU kernels (two codes a byte, float32 scales) as float32."""
     packed = quant.qweight
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
-    return quantization.dequantize_int4(
-        codes, quant.scale, quant.min, quant.in_features, torch.float32
-    )
+    return rounding.dequantize_int4(codes, quant.scale, quant.min, quant.in_features, torch.float32)
 
 
 def test_q4_0_and_q4_1_projections_keep_the_files_codes(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from octavo.kernels import cpu as cpu_kernels
-from octavo.model import quant_method
+from octavo.model import cpu_packing, quant_method, rounding
 from octavo.model import quantization as q
 from octavo.model.layers import MergedLinear, RowParallelLinear
 from octavo.model.parallel import set_tp
@@ -49,8 +49,8 @@ def test_int8_matches_dequantized_reference(path, rows, k, n):
     dtype = _dtype(path)
     w, x = torch.randn(n, k, dtype=dtype), torch.randn(rows, k, dtype=dtype)
     weight = q.Int8Weight(w)
-    codes, scale = q.quantize_int8(w, torch.bfloat16 if path == "torch" else torch.float32)
-    ref = x.float() @ q.dequantize_int8(codes, scale, torch.float32).T
+    codes, scale = rounding.quantize_int8(w, torch.bfloat16 if path == "torch" else torch.float32)
+    ref = x.float() @ rounding.dequantize_int8(codes, scale, torch.float32).T
     y = weight(x)
     assert y.dtype == x.dtype and y.shape == (rows, n)
     assert rel_err(y, ref) < _tolerance(path)
@@ -62,8 +62,8 @@ def test_int4_matches_dequantized_reference(path, rows, k, n):
     w, x = torch.randn(n, k, dtype=dtype), torch.randn(rows, k, dtype=dtype)
     weight = q.Int4Weight(w)
     # The reference quantizes the same way, with the parameters in the dtype the path keeps.
-    codes, scale, lo = q.quantize_int4(w, q.GROUP_SIZE, dtype)
-    ref = x.float() @ q.dequantize_int4(codes, scale, lo, k, torch.float32).T
+    codes, scale, lo = rounding.quantize_int4(w, q.GROUP_SIZE, dtype)
+    ref = x.float() @ rounding.dequantize_int4(codes, scale, lo, k, torch.float32).T
     y = weight(x)
     assert y.dtype == x.dtype and y.shape == (rows, n)
     assert rel_err(y, ref) < _tolerance(path)
@@ -73,10 +73,10 @@ def test_int4_matches_dequantized_reference(path, rows, k, n):
 def test_fp8_matches_emulated_reference(rows, k, n):
     w, x = torch.randn(n, k), torch.randn(rows, k) * 3
     weight = q.Fp8Weight(w)
-    xq, x_scale = q.quantize_fp8(x)  # per token
+    xq, x_scale = rounding.quantize_fp8(x)  # per token
     ref = (
-        q.dequantize_fp8(xq, x_scale, torch.float64)
-        @ q.dequantize_fp8(weight.qweight, weight.scale, torch.float64).T
+        rounding.dequantize_fp8(xq, x_scale, torch.float64)
+        @ rounding.dequantize_fp8(weight.qweight, weight.scale, torch.float64).T
     )
     assert rel_err(weight(x), ref) < 1e-5
     assert 1e-3 < rel_err(weight(x), x @ w.T) < 0.1  # activations are quantized too
@@ -87,13 +87,13 @@ def test_fp8_blocks_match_emulated_reference(rows, k, n):
     """W8A8 in 128 x 128 weight blocks and 1 x 128 activation groups (partial last blocks
     included) against both dequantized, then a float64 matmul."""
     w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]  # blocks of different scales
-    codes, scale = q.quantize_fp8_blocks(w, 128, 128)
+    codes, scale = rounding.quantize_fp8_blocks(w, 128, 128)
     weight = q.Fp8BlockWeight(codes, scale, torch.float32)
     x = torch.randn(rows, k) * 3
-    xq, x_scale = q.quantize_fp8_blocks(x, 1, 128)
+    xq, x_scale = rounding.quantize_fp8_blocks(x, 1, 128)
     ref = (
-        q.dequantize_fp8_blocks(xq, x_scale, 1, 128, torch.float64)
-        @ q.dequantize_fp8_blocks(codes, scale, 128, 128, torch.float64).T
+        rounding.dequantize_fp8_blocks(xq, x_scale, 1, 128, torch.float64)
+        @ rounding.dequantize_fp8_blocks(codes, scale, 128, 128, torch.float64).T
     )
     y = weight(x)
     assert y.dtype == x.dtype and y.shape == (rows, n)
@@ -104,9 +104,9 @@ def test_fp8_blocks_match_emulated_reference(rows, k, n):
 def test_fp8_block_round_trip_relative_error():
     w = torch.randn(200, 300) * torch.logspace(-3, 1, 200)[:, None]
     w[128:, 256:] = 0  # an all-zero (partial) block stays zero, with no NaN
-    codes, scale = q.quantize_fp8_blocks(w, 128, 128)
+    codes, scale = rounding.quantize_fp8_blocks(w, 128, 128)
     assert codes.shape == w.shape and scale.shape == (2, 3)
-    back = q.dequantize_fp8_blocks(codes, scale, 128, 128, torch.float32)
+    back = rounding.dequantize_fp8_blocks(codes, scale, 128, 128, torch.float32)
     assert torch.equal(back[128:, 256:], torch.zeros(72, 44))
     per_element = scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
     big = w.abs() > per_element * 2**-6  # e4m3's normal range: 3 mantissa bits
@@ -120,9 +120,9 @@ def test_fp8_block_round_trip_relative_error():
 def test_int8_round_trip_within_half_a_step(seed):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(64, 300, generator=gen) * torch.logspace(-3, 1, 64)[:, None]  # any scale
-    codes, scale = q.quantize_int8(w, torch.float32)
+    codes, scale = rounding.quantize_int8(w, torch.float32)
     assert codes.dtype == torch.int8 and codes.abs().max() == 127
-    err = (q.dequantize_int8(codes, scale, torch.float32) - w).abs()
+    err = (rounding.dequantize_int8(codes, scale, torch.float32) - w).abs()
     # half a step, plus float32's rounding of the product and the difference (a few ulps of w)
     assert (err <= scale[:, None] / 2 + w.abs() * 2**-21).all()
 
@@ -130,10 +130,10 @@ def test_int8_round_trip_within_half_a_step(seed):
 def test_int4_round_trip_within_half_a_step_per_group():
     w = torch.randn(16, 192)  # groups of 128 and of 64 (the last, partial)
     w[:, 128:] = 5 + torch.rand(16, 64)  # far from 0: padding must not widen its range
-    codes, scale, lo = q.quantize_int4(w, 128, torch.float32)
+    codes, scale, lo = rounding.quantize_int4(w, 128, torch.float32)
     assert codes.shape == (16, 256) and scale.shape == lo.shape == (16, 2)
     assert 0 <= codes.min() and codes.max() <= 15
-    back = q.dequantize_int4(codes, scale, lo, 192, torch.float32)
+    back = rounding.dequantize_int4(codes, scale, lo, 192, torch.float32)
     assert back.shape == w.shape
     step = scale.repeat_interleave(128, dim=1)[:, :192]
     assert ((back - w).abs() <= step / 2 * (1 + 1e-5)).all()
@@ -200,12 +200,12 @@ def test_int4_packing_gives_torchs_bytes(n, k):
         pytest.skip("this torch has no CPU int4 kernel")
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in ("AVX512", "AVX2"):
-        assert q._int4pack_block_rows() == {"AVX512": 64, "AVX2": 32}[capability]
+        assert cpu_packing.int4pack_block_rows() == {"AVX512": 64, "AVX2": 32}[capability]
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     want = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-    assert torch.equal(q._int4pack(codes), want)
+    assert torch.equal(cpu_packing.int4pack(codes), want)
     u = torch.randint(0, 256, (n, k), dtype=torch.uint8)
-    high, low = q._q8_planes(u)
+    high, low = cpu_packing.q8_planes(u)
     u = u.to(torch.int32)
     assert torch.equal(high, torch._convert_weight_to_int4pack_for_cpu(u >> 4, 1))
     assert torch.equal(low, torch._convert_weight_to_int4pack_for_cpu(u & 15, 1))
@@ -214,8 +214,8 @@ def test_int4_packing_gives_torchs_bytes(n, k):
 def test_fp8_round_trip_relative_error():
     w = torch.randn(32, 128)
     w[3] = 0  # an all-zero row stays zero, with no NaN
-    codes, scale = q.quantize_fp8(w)
-    back = q.dequantize_fp8(codes, scale, torch.float32)
+    codes, scale = rounding.quantize_fp8(w)
+    back = rounding.dequantize_fp8(codes, scale, torch.float32)
     assert torch.equal(back[3], torch.zeros(128))
     big = w.abs() > scale[:, None] * 2**-6  # e4m3's normal range: 3 mantissa bits
     assert ((back - w).abs()[big] <= w.abs()[big] * 2**-4).all()
@@ -233,8 +233,8 @@ def test_linear_quantize_keeps_bias_and_counts_the_quantized_weight():
     assert {name for name, _ in linear.named_parameters()} == {
         "bias", "quant.qweight", *(() if octavo else ("quant.scale",))
     }  # fmt: skip
-    codes, scale = q.quantize_int8(w, torch.float32 if octavo else torch.bfloat16)
-    ref = x @ q.dequantize_int8(codes, scale, torch.float32).T
+    codes, scale = rounding.quantize_int8(w, torch.float32 if octavo else torch.bfloat16)
+    ref = x @ rounding.dequantize_int8(codes, scale, torch.float32).T
     assert rel_err(linear(x), ref + linear.bias) < 1e-2
     assert rel_err(linear(x), x @ w.T + linear.bias) < 2e-2
 
