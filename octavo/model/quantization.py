@@ -50,8 +50,8 @@ from octavo.model.rounding import (
 GROUP_SIZE = 128
 # Up to this many rows the CPU's int8 kernel beats dequantizing the weight for one float GEMM.
 INT8_KERNEL_MAX_ROWS = 64
-# Whether the CPU paths use torch's weight-packed kernels (the tests turn them off to check
-# the dequantize-then-matmul paths that other devices take).
+# Whether the CPU runs quantized products in packed kernels, octavo's or torch's (the tests
+# turn them off to check the dequantize-then-matmul paths that other devices take).
 CPU_KERNELS = hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(
     torch, "_weight_int8pack_mm"
 )
