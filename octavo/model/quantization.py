@@ -7,12 +7,8 @@
           with one scale per token at each call (one row on Hopper: W8A16, a Triton GEMV).
           An HF fp8 checkpoint keeps its own e4m3 weights and its scale per 128 x 128 block
           (Fp8BlockWeight); its activations take a scale per token and 128 columns.
-    gguf  a GGUF file's Q4_0, Q4_1 and Q4_K tensors kept in their own groups of 32 (int4 as
-          above, with the file's codes, scales and minimums, not new ones), and its Q8_0
-          ones (projections on the CPU kernels, and the LM head) as 8-bit codes with the
-          file's scales (Q8Weight); its other tensors load as without quantization.
-    awq, gptq  an AWQ or GPTQ checkpoint's 4-bit weights kept on their own groups (int4 as
-          above, see model/int4_checkpoint.py); read from a config's quantization_config.
+    gguf  a GGUF file's Q4_0/Q4_1/Q4_K blocks kept as int4 on the file's groups of 32, its
+          Q8_0 ones as 8-bit codes (Q8Weight); awq, gptq: a checkpoint's 4-bit groups.
 
 Each method is a `QuantizedWeight` module that a `Linear` (model/layers.py) holds in place of
 its float weight, built from the shard this rank loaded (model/rounding.py holds the
