@@ -1,7 +1,7 @@
 """Linear weights quantized on load by round-to-nearest, and y = x W^T through them.
 
-    int8  W8A16: int8 weights, one scale per output row (symmetric).
-    int4  W4A16: 4-bit weights in groups of GROUP_SIZE input columns, each with a scale and a
+    int8  int8 weights, one scale per output row (symmetric); activations in the model's dtype.
+    int4  4-bit weights in groups of GROUP_SIZE input columns, each with a scale and a
           minimum (asymmetric, as GGUF's Q4_1 and AWQ): w ~ q * scale + min, q in 0..15.
     fp8   W8A8: e4m3 weights with one scale per output row, and activations quantized to e4m3
           with one scale per token at each call (one row on Hopper: W8A16, a Triton GEMV).
