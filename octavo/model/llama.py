@@ -32,13 +32,13 @@ from octavo.model.layers import (
     MergedLinear,
     QKVLinear,
     RMSNorm,
-    RotaryEmbedding,
     RowParallelLinear,
     SiluAndMul,
     VocabEmbedding,
     default_weight_loader,
 )
 from octavo.model.parallel import check_tp_size, get_tp, kv_head_range
+from octavo.model.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -20,7 +20,8 @@ if not INTERPRET and not torch.cuda.is_available():
 from octavo.kernels.activation import silu_and_mul
 from octavo.kernels.rms_norm import rms_norm
 from octavo.kernels.rope import qk_norm_rope, qk_norm_rope_store
-from octavo.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from octavo.model.layers import RMSNorm, SiluAndMul
+from octavo.model.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -40,7 +40,8 @@ from octavo.kernels.decode_attention import (
 )
 from octavo.kernels.prefill_attention import prefill_attention
 from octavo.kernels.store_kv import store_kv
-from octavo.model.layers import RMSNorm, RotaryEmbedding
+from octavo.model.layers import RMSNorm
+from octavo.model.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cpu" if INTERPRET else "cuda"

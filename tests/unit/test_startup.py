@@ -20,8 +20,8 @@ from transformers import AutoTokenizer, LlamaConfig
 
 from octavo.model import gguf_loader
 from octavo.model import tokenizer as tokenizer_module
-from octavo.model.layers import RotaryEmbedding
 from octavo.model.llama import LlamaForCausalLM
+from octavo.model.rotary import RotaryEmbedding
 from octavo.runner.kv_setup import zeroed_kv_cache
 
 Q = gguf.GGMLQuantizationType

@@ -17,7 +17,8 @@ from octavo.attention.torch_backend import (
     _attend,
     gather_kv,
 )
-from octavo.model.layers import RMSNorm, RotaryEmbedding
+from octavo.model.layers import RMSNorm
+from octavo.model.rotary import RotaryEmbedding
 
 BLOCK_SIZE = 4
 
