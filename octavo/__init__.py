@@ -1,7 +1,13 @@
 """octavo: a readable LLM inference engine with a paged KV cache."""
 
-from octavo.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from octavo.outputs import CompletionOutput, Logprob, RequestOutput
+from octavo.engine.beam_search import BeamSearchParams
+from octavo.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+)
 from octavo.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [

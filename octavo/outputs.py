@@ -1,4 +1,5 @@
-"""What LLM.generate returns: vLLM's RequestOutput and CompletionOutput.
+"""What LLM.generate and LLM.beam_search return: vLLM's RequestOutput, CompletionOutput and
+BeamSearchOutput.
 
 Each pickles as its constructor's positional arguments (`__reduce__`) rather than as a dict
 of its fields, which is cheaper both ways: `octavo serve`'s engine process sends every step's
@@ -98,3 +99,26 @@ class RequestOutput:
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
         return self
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished hypothesis (vLLM's shape). `tokens` is the prompt then the generated
+    tokens (a final EOS included); `logprobs` has one dict per generated token, the top-K
+    candidates of that step; `score` is HF's length-penalized score the outputs are
+    sorted by."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    score: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best hypotheses of one prompt, best first (at most beam_width of them)."""
+
+    sequences: list[BeamSearchSequence]

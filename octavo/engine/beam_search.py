@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from octavo.core.request import Request, RequestStatus
 from octavo.core.stop import StopChecker
-from octavo.outputs import Logprob
+from octavo.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
 from octavo.sampling_params import SamplingParams, _as_float, _as_int, _check
 
 if TYPE_CHECKING:
@@ -97,29 +97,6 @@ class BeamSearchParams:
         self.length_penalty = _as_float("length_penalty", self.length_penalty, "a finite number")
         value = self.early_stopping
         _check(value in (True, False, "never"), "early_stopping", "True, False or 'never'", value)
-
-
-@dataclass
-class BeamSearchSequence:
-    """One finished hypothesis (vLLM's shape). `tokens` is the prompt then the generated
-    tokens (a final EOS included); `logprobs` has one dict per generated token, the top-K
-    candidates of that step; `score` is HF's length-penalized score the outputs are
-    sorted by."""
-
-    tokens: list[int]
-    logprobs: list[dict[int, Logprob]]
-    cum_logprob: float = 0.0
-    score: float = 0.0
-    text: str | None = None
-    finish_reason: str | None = None  # "stop" (EOS) or "length"
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class BeamSearchOutput:
-    """The best hypotheses of one prompt, best first (at most beam_width of them)."""
-
-    sequences: list[BeamSearchSequence]
 
 
 @dataclass

@@ -8,11 +8,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from octavo.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from octavo.engine.beam_search import BeamSearchParams, beam_search
 from octavo.engine.builder import build_engine
 from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.model.tokenizer import apply_chat_template
-from octavo.outputs import RequestOutput
+from octavo.outputs import BeamSearchOutput, RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
