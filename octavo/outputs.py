@@ -1,7 +1,7 @@
 """What LLM.generate and LLM.beam_search return: vLLM's RequestOutput, CompletionOutput and
 BeamSearchOutput.
 
-Each pickles as its constructor's positional arguments (`__reduce__`) rather than as a dict
+RequestOutput and its parts pickle as their constructors' positional arguments (`__reduce__`), not a dict
 of its fields, which is cheaper both ways: `octavo serve`'s engine process sends every step's
 outputs through a pipe (see docs/PERFORMANCE.md).
 NOTE: a new field must be added to `__reduce__` too, and to the positional calls in
