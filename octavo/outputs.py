@@ -1,9 +1,9 @@
 """What LLM.generate and LLM.beam_search return: vLLM's RequestOutput, CompletionOutput and
 BeamSearchOutput.
 
-RequestOutput and its parts pickle as their constructors' positional arguments (`__reduce__`), not a dict
-of its fields, which is cheaper both ways: `octavo serve`'s engine process sends every step's
-outputs through a pipe (see docs/PERFORMANCE.md).
+RequestOutput and its parts pickle as their constructors' positional arguments
+(`__reduce__`) rather than as dicts of their fields, which is cheaper both ways: `octavo
+serve`'s engine process sends every step's outputs through a pipe (see docs/PERFORMANCE.md).
 NOTE: a new field must be added to `__reduce__` too, and to the positional calls in
 engine/output_processor.py (tests/unit/test_outputs.py checks both).
 """
