@@ -5,9 +5,10 @@ from __future__ import annotations
 import copy
 import enum
 import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from octavo.param_checks import as_float, as_int, as_list, check, to_float
 
 GREEDY_TEMPERATURE = 1e-5  # a temperature below this means greedy
 MAX_LOGPROBS = 20  # the most top log-probs a request may ask for per token
@@ -73,13 +74,13 @@ class StructuredOutputsParams:
         if name == "choice":
             ok = isinstance(self.choice, (list, tuple)) and bool(self.choice)
             ok = ok and all(isinstance(c, str) for c in self.choice)
-            _check(ok, "structured_outputs.choice", "a non-empty list of strings", self.choice)
+            check(ok, "structured_outputs.choice", "a non-empty list of strings", self.choice)
             self.choice = list(self.choice)
         else:
             value = getattr(self, name)
-            _check(isinstance(value, kinds[name]), f"structured_outputs.{name}",
+            check(isinstance(value, kinds[name]), f"structured_outputs.{name}",
                    " or ".join(k.__name__ for k in kinds[name]), value)  # fmt: skip
-        _check(isinstance(self.disable_any_whitespace, bool),
+        check(isinstance(self.disable_any_whitespace, bool),
                "structured_outputs.disable_any_whitespace", "a bool", self.disable_any_whitespace)  # fmt: skip
 
 
@@ -138,91 +139,91 @@ class SamplingParams:
         self._validate_outputs(max_logprobs)
 
     def _validate_sampling(self) -> None:
-        self.n = _as_int("n", self.n, f"an integer in [1, {MAX_N}]", lo=1, hi=MAX_N)
+        self.n = as_int("n", self.n, f"an integer in [1, {MAX_N}]", lo=1, hi=MAX_N)
         # The sampler scales float32 logits by log2(e) / temperature, which must stay a
         # normal float32: at 0 (a flushed subnormal) or inf a banned -inf logit becomes NaN,
         # which no ban or grammar survives.
         allowed = f"a number in [0, {MAX_TEMPERATURE:.0e}]"
-        self.temperature = _as_float(
+        self.temperature = as_float(
             "temperature", self.temperature, allowed, lo=0, hi=MAX_TEMPERATURE
         )
-        self.top_p = _as_float("top_p", self.top_p, "a number in (0, 1]", hi=1)
-        _check(self.top_p > 0, "top_p", "a number in (0, 1]", self.top_p)
+        self.top_p = as_float("top_p", self.top_p, "a number in (0, 1]", hi=1)
+        check(self.top_p > 0, "top_p", "a number in (0, 1]", self.top_p)
         if self.top_k is not None:
             allowed = "a positive integer, or None / 0 / -1 to disable"
-            top_k = _as_int("top_k", self.top_k, allowed, lo=-1)
+            top_k = as_int("top_k", self.top_k, allowed, lo=-1)
             self.top_k = None if top_k in (0, -1) else top_k
-        self.min_p = _as_float("min_p", self.min_p, "a number in [0, 1]", lo=0, hi=1)
+        self.min_p = as_float("min_p", self.min_p, "a number in [0, 1]", lo=0, hi=1)
         if self.seed is not None:
-            self.seed = _as_int("seed", self.seed, "an integer or None")
+            self.seed = as_int("seed", self.seed, "an integer or None")
         for name in ("presence_penalty", "frequency_penalty"):
-            setattr(self, name, _as_float(name, getattr(self, name), "in [-2, 2]", lo=-2, hi=2))
+            setattr(self, name, as_float(name, getattr(self, name), "in [-2, 2]", lo=-2, hi=2))
         # The sampler applies it in float32: values outside float32's normal range are refused.
         allowed = f"a number in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (> 0, float32's range)"
-        self.repetition_penalty = _as_float(
+        self.repetition_penalty = as_float(
             "repetition_penalty", self.repetition_penalty, allowed, lo=FLOAT32_TINY, hi=FLOAT32_MAX
         )
         if self.logit_bias is not None:
             # Any negative bias, -inf included, bans a token in effect; a positive one is
             # capped so that a biased logit over a small temperature stays finite.
             allowed = f"a dict of token ids (integers >= 0) to numbers <= {MAX_LOGIT_BIAS}"
-            _check(isinstance(self.logit_bias, dict), "logit_bias", allowed, self.logit_bias)
+            check(isinstance(self.logit_bias, dict), "logit_bias", allowed, self.logit_bias)
             self.logit_bias = {
-                _as_int("logit_bias", t, allowed, lo=0): _as_bias(v, allowed)
+                as_int("logit_bias", t, allowed, lo=0): _as_bias(v, allowed)
                 for t, v in self.logit_bias.items()
             }
         if self.allowed_token_ids is not None:
             allowed = "a non-empty list of token ids (integers >= 0), or None"
-            ids = _as_list("allowed_token_ids", self.allowed_token_ids, allowed, allow_str=False)
-            _check(bool(ids), "allowed_token_ids", allowed, self.allowed_token_ids)
-            ids = [_as_int("allowed_token_ids", t, allowed, lo=0) for t in ids]
+            ids = as_list("allowed_token_ids", self.allowed_token_ids, allowed, allow_str=False)
+            check(bool(ids), "allowed_token_ids", allowed, self.allowed_token_ids)
+            ids = [as_int("allowed_token_ids", t, allowed, lo=0) for t in ids]
             self.allowed_token_ids = list(dict.fromkeys(ids))  # a set: repeats say nothing
         if self.structured_outputs is not None:
             spec = self.structured_outputs
             allowed = "a StructuredOutputsParams or None"
-            _check(isinstance(spec, StructuredOutputsParams), "structured_outputs", allowed, spec)
+            check(isinstance(spec, StructuredOutputsParams), "structured_outputs", allowed, spec)
             spec.validate()
         allowed = "a string with a non-space character, or a list of them"
-        self.bad_words = _as_list("bad_words", self.bad_words, allowed)
+        self.bad_words = as_list("bad_words", self.bad_words, allowed)
         for word in self.bad_words:
-            _check(isinstance(word, str) and word.strip() != "", "bad_words", allowed, word)
+            check(isinstance(word, str) and word.strip() != "", "bad_words", allowed, word)
 
     def _validate_stopping(self) -> None:
         if self.max_tokens is not None:
             allowed = "an integer >= 1, or None for the context limit"
-            self.max_tokens = _as_int("max_tokens", self.max_tokens, allowed, lo=1)
-        self.min_tokens = _as_int("min_tokens", self.min_tokens, "an integer >= 0", lo=0)
+            self.max_tokens = as_int("max_tokens", self.max_tokens, allowed, lo=1)
+        self.min_tokens = as_int("min_tokens", self.min_tokens, "an integer >= 0", lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        self.stop = _as_list("stop", self.stop, "a non-empty string or a list of them")
+        self.stop = as_list("stop", self.stop, "a non-empty string or a list of them")
         for s in self.stop:
-            _check(isinstance(s, str) and s != "", "stop", "non-empty strings", s)
+            check(isinstance(s, str) and s != "", "stop", "non-empty strings", s)
         allowed = "a list of integers >= 0"
-        ids = _as_list("stop_token_ids", self.stop_token_ids, allowed, allow_str=False)
-        ids = [_as_int("stop_token_ids", t, allowed, lo=0) for t in ids]
+        ids = as_list("stop_token_ids", self.stop_token_ids, allowed, allow_str=False)
+        ids = [as_int("stop_token_ids", t, allowed, lo=0) for t in ids]
         self.stop_token_ids = list(dict.fromkeys(ids))  # a set: repeats say nothing
         for name in ("include_stop_str_in_output", "ignore_eos"):
-            _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
+            check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
 
     def _validate_outputs(self, max_logprobs: int) -> None:
         allowed = f"an integer in [0, {max_logprobs}] or None"
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                value = _as_int(name, getattr(self, name), allowed, lo=0, hi=max_logprobs)
+                value = as_int(name, getattr(self, name), allowed, lo=0, hi=max_logprobs)
                 setattr(self, name, value)
         if self.truncate_prompt_tokens is not None:
             allowed = "an integer >= 1, -1 for max_model_len, or None"
-            value = _as_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allowed, lo=-1)
-            _check(value != 0, "truncate_prompt_tokens", allowed, value)
+            value = as_int("truncate_prompt_tokens", self.truncate_prompt_tokens, allowed, lo=-1)
+            check(value != 0, "truncate_prompt_tokens", allowed, value)
             self.truncate_prompt_tokens = value
         for name in ("skip_special_tokens", "detokenize"):
-            _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
+            check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
         if self.stop and not self.detokenize:
             raise ValueError("detokenize must be True for stop strings, which match text")
         value = self.output_kind
-        _check(isinstance(value, RequestOutputKind), "output_kind", "a RequestOutputKind", value)
+        check(isinstance(value, RequestOutputKind), "output_kind", "a RequestOutputKind", value)
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -363,51 +364,8 @@ class SamplingParams:
         return child
 
 
-def _check(ok: bool, name: str, allowed: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _as_int(
-    name: str, value: object, allowed: str, lo: int | None = None, hi: int | None = None
-) -> int:
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    _check(ok, name, allowed, value)
-    result = int(value)  # type: ignore[arg-type]
-    _check((lo is None or result >= lo) and (hi is None or result <= hi), name, allowed, value)
-    return result
-
-
-def _as_float(
-    name: str, value: object, allowed: str, lo: float | None = None, hi: float | None = None
-) -> float:
-    result = _to_float(value)
-    _check(math.isfinite(result), name, allowed, value)
-    _check((lo is None or result >= lo) and (hi is None or result <= hi), name, allowed, value)
-    return result
-
-
-def _to_float(value: object) -> float:
-    """float(value) for a real number (an int too large for a float: +-inf), else NaN."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        return math.nan
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
-
-
 def _as_bias(value: object, allowed: str) -> float:
     """A logit bias as a float; one at or below BAN_LOGIT_BIAS is a ban: -inf."""
-    result = _to_float(value)
-    _check(result <= MAX_LOGIT_BIAS, "logit_bias", allowed, value)  # NaN fails too
+    result = to_float(value)
+    check(result <= MAX_LOGIT_BIAS, "logit_bias", allowed, value)  # NaN fails too
     return -math.inf if result <= BAN_LOGIT_BIAS else result
-
-
-def _as_list(name: str, value: object, allowed: str, allow_str: bool = True) -> list:
-    if value is None:
-        return []
-    if isinstance(value, str) and allow_str:
-        return [value]
-    _check(isinstance(value, (list, tuple)), name, allowed, value)
-    return list(value)  # type: ignore[arg-type]

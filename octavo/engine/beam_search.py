@@ -36,7 +36,8 @@ from tqdm.auto import tqdm
 from octavo.core.request import Request, RequestStatus
 from octavo.core.stop import StopChecker
 from octavo.outputs import BeamSearchOutput, BeamSearchSequence, Logprob
-from octavo.sampling_params import SamplingParams, _as_float, _as_int, _check
+from octavo.param_checks import as_float, as_int, check
+from octavo.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from octavo.engine.engine import Engine
@@ -89,14 +90,14 @@ class BeamSearchParams:
     def validate(self) -> None:
         """Checks every field, normalizing as at construction."""
         allowed = f"an integer in [1, {MAX_BEAM_WIDTH}]"
-        self.beam_width = _as_int("beam_width", self.beam_width, allowed, 1, MAX_BEAM_WIDTH)
-        self.max_tokens = _as_int("max_tokens", self.max_tokens, "an integer >= 1", lo=1)
+        self.beam_width = as_int("beam_width", self.beam_width, allowed, 1, MAX_BEAM_WIDTH)
+        self.max_tokens = as_int("max_tokens", self.max_tokens, "an integer >= 1", lo=1)
         for name in ("ignore_eos", "include_stop_str_in_output"):
-            _check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
-        self.temperature = _as_float("temperature", self.temperature, "a number >= 0", lo=0)
-        self.length_penalty = _as_float("length_penalty", self.length_penalty, "a finite number")
+            check(isinstance(getattr(self, name), bool), name, "a bool", getattr(self, name))
+        self.temperature = as_float("temperature", self.temperature, "a number >= 0", lo=0)
+        self.length_penalty = as_float("length_penalty", self.length_penalty, "a finite number")
         value = self.early_stopping
-        _check(value in (True, False, "never"), "early_stopping", "True, False or 'never'", value)
+        check(value in (True, False, "never"), "early_stopping", "True, False or 'never'", value)
 
 
 @dataclass
