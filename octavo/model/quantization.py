@@ -64,9 +64,6 @@ def quantize_weight(method: str, weight: torch.Tensor) -> QuantizedWeight:
     return classes[method](weight)
 
 
-# --- the weights a Linear holds -------------------------------------------------------------
-
-
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     """A parameter, so that the weight counts among the model's (e.g. in memory floors)."""
     return nn.Parameter(t, requires_grad=False)
