@@ -95,7 +95,8 @@ def gguf_to_hf_config(path: str) -> GGUFConfig:
     NOTE: the lm_head is tied exactly when the file has no `output.weight`. A `rope_freqs`
     tensor (llama.cpp's form of Llama 3.1 rope scaling) becomes `config.rope_freq_factors`.
     """
-    from octavo.model.gguf_loader import dequantize_tensor, open_gguf
+    from octavo.model.gguf_blocks import dequantize_tensor
+    from octavo.model.gguf_loader import open_gguf
 
     gguf_file = open_gguf(path)
     meta = gguf_file.metadata

@@ -318,7 +318,8 @@ def _keep_gguf_embedding(net: nn.Module, path: str) -> None:
     """A Q4_0/Q4_1/Q4_K/Q8_0 token embedding keeps its codes and groups (GroupRows) in place of
     its float table, unless a tied LM head still multiplies by that table; on one rank only.
     The table becomes an empty parameter that loads nothing."""
-    from octavo.model.gguf_loader import BLOCK_TYPES, block_codes, block_groups, open_gguf
+    from octavo.model.gguf_blocks import BLOCK_TYPES, block_codes, block_groups
+    from octavo.model.gguf_loader import open_gguf
     from octavo.model.layers import LMHead, VocabEmbedding
     from octavo.model.parallel import get_tp
 
@@ -351,7 +352,8 @@ def _empty_table(table: nn.Parameter) -> nn.Parameter:
 def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
     """A Q8_0 LM head (or a Q8_0 embedding it shares) computes the logits from its int8
     blocks (Q8Weight); on one rank only, where the head holds the whole vocabulary."""
-    from octavo.model.gguf_loader import Q8_0, block_codes, block_groups, open_gguf
+    from octavo.model.gguf_blocks import Q8_0, block_codes, block_groups
+    from octavo.model.gguf_loader import open_gguf
     from octavo.model.layers import LMHead, VocabEmbedding
     from octavo.model.parallel import get_tp
 

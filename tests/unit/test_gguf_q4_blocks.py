@@ -13,7 +13,7 @@ from test_gguf_loader import TINY, hf_to_gguf_tensors, tiny_hf, write_gguf
 from transformers import LlamaConfig
 
 from octavo.model import quantization, rounding
-from octavo.model.gguf_loader import GGUFTensor, block_codes, block_groups
+from octavo.model.gguf_blocks import GGUFTensor, block_codes, block_groups
 from octavo.model.hf_config import load_hf_config
 from octavo.model.layers import Linear
 from octavo.model.loader import load_model

@@ -18,7 +18,7 @@ from gguf.quants import dequantize, quantize
 from model_utils import TINY
 from transformers import AutoTokenizer, LlamaConfig
 
-from octavo.model import gguf_loader
+from octavo.model import gguf_blocks, gguf_loader
 from octavo.model import tokenizer as tokenizer_module
 from octavo.model.llama import LlamaForCausalLM
 from octavo.model.rotary import RotaryEmbedding
@@ -74,7 +74,7 @@ def test_fast_dequantizers_give_the_gguf_packages_floats(tmp_path):
     read = gguf_loader.read_gguf(str(path))
     for name, (data, qtype) in tensors.items():
         expected = dequantize(quantize(data, qtype), qtype).astype(np.float32)
-        got = gguf_loader.dequantize_tensor(read.tensors[name])
+        got = gguf_blocks.dequantize_tensor(read.tensors[name])
         assert got.dtype == torch.float32 and got.shape == (6, 64), qtype.name
         assert torch.equal(got, torch.from_numpy(expected)), qtype.name
 
