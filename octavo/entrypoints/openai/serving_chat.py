@@ -27,11 +27,10 @@ from octavo.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     random_id,
 )
+from octavo.entrypoints.openai.request_params import reject_unsupported, sampling_params
 from octavo.entrypoints.openai.serving import (
     OpenAIError,
     ServingContext,
-    reject_unsupported,
-    sampling_params,
     start_stream,
     unless_disconnected,
 )

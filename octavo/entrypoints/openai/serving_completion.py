@@ -22,11 +22,10 @@ from octavo.entrypoints.openai.protocol import (
     CompletionResponse,
     random_id,
 )
+from octavo.entrypoints.openai.request_params import reject_unsupported, sampling_params
 from octavo.entrypoints.openai.serving import (
     OpenAIError,
     ServingContext,
-    reject_unsupported,
-    sampling_params,
     start_stream,
     unless_disconnected,
 )
