@@ -20,106 +20,26 @@ import functools
 import logging
 import queue
 import threading
-import traceback
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from octavo.core.request import Request
 from octavo.engine.engine import Engine, request_id_list
+from octavo.engine.engine_loop import (
+    STOP,
+    AbortCommand,
+    AddCommand,
+    CallCommand,
+    EngineDeadError,
+    EngineStepError,
+    apply_command,
+    step_engine,
+)
 from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.outputs import RequestOutput
-from octavo.runner.multiproc import WorkerDied
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is not running (never started, stopped, or crashed)."""
-
-
-class EngineStepError(RuntimeError):
-    """A step of the engine failed; the requests in that step were aborted."""
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-
-
-@dataclass
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclass
-class _Call:
-    fn: Callable[[Engine], Any]
-    future: concurrent.futures.Future
-
-
-_STOP = object()
-
-
-def apply_command(
-    engine: Engine,
-    live: dict[str, Request],
-    command: _Add | _Abort,
-    reject: Callable[[str, ValueError], None],
-    fail: Callable[[list[str], EngineStepError], None],
-) -> list[RequestOutput]:
-    """Adds or aborts requests in `engine`, keeping `live` (id -> request) in step. A
-    prompt or parameters the engine refuses go to `reject(request_id, error)`; any other
-    failure to add a request goes to `fail([request_id], error)`, and the loop goes on.
-    Returns the final outputs (finish reason "abort") of the requests an abort ended."""
-    if isinstance(command, _Add):
-        try:
-            request = engine.add_request(command.prompt, command.params, command.request_id)
-        except ValueError as e:
-            reject(command.request_id, e)
-        except Exception as e:  # noqa: BLE001 - a bug, not the caller's input
-            logger.error("adding a request failed:\n%s", traceback.format_exc())
-            fail([command.request_id], EngineStepError(f"the engine could not add it: {e!r}"))
-        else:
-            live[command.request_id] = request
-        return []
-    outputs = engine.abort_request(command.request_ids)
-    for request_id in command.request_ids:
-        live.pop(request_id, None)
-    return outputs
-
-
-def step_engine(
-    engine: Engine,
-    live: dict[str, Request],
-    fail: Callable[[list[str], EngineStepError], None],
-) -> list[RequestOutput]:
-    """One step of `engine`; finished requests leave `live`. If the step fails, the engine
-    has aborted the requests in it: those go to `fail(request_ids, error)`. If it aborted
-    none, all are aborted, since the engine's state is unknown. Returns the step's outputs
-    ([] after a failure). A dead tensor-parallel worker fails every request, and is raised
-    again: the engine cannot go on."""
-    try:
-        outputs = engine.step()
-    except Exception as e:
-        logger.error("engine step failed:\n%s", traceback.format_exc())
-        dropped = [rid for rid, request in live.items() if request.is_finished]
-        if isinstance(e, WorkerDied) or not dropped and live:
-            dropped = list(live)
-            engine.abort_request(dropped)
-        for request_id in dropped:
-            del live[request_id]
-        fail(dropped, EngineStepError(f"the engine failed on this request: {e!r}"))
-        if isinstance(e, WorkerDied):
-            raise
-        return []
-    for out in outputs:
-        if out.finished:
-            live.pop(out.request_id, None)
-    return outputs
 
 
 class AsyncEngine:
@@ -191,7 +111,7 @@ class AsyncEngine:
         """Stops the engine thread after its current step; unfinished requests are aborted."""
         if self._thread is None:
             return
-        self._commands.put(_STOP)
+        self._commands.put(STOP)
         self._started.set()  # a thread from `build` that was never started: it stops at once
         await asyncio.to_thread(self._thread.join)
         self._thread = self._loop = None
@@ -269,7 +189,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         engine_id = self._engine_ids[request_id] = f"{self._calls}#{request_id}"
         self._calls += 1
-        self._send(_Add(engine_id, prompt, params))
+        self._send(AddCommand(engine_id, prompt, params))
         deltas = params.output_kind is RequestOutputKind.DELTA
         finished = False
         try:
@@ -286,14 +206,14 @@ class AsyncEngine:
         finally:
             self._forget(request_id)
             if not finished:  # aborting an id the engine no longer has is a no-op
-                self._send(_Abort([engine_id]))
+                self._send(AbortCommand([engine_id]))
 
     def _forget(self, request_id: str) -> None:
         """On the event loop: the request's consumer is gone."""
         self._streams.pop(request_id, None)
         self._engine_ids.pop(request_id, None)
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: AddCommand | AbortCommand) -> None:
         self._commands.put(command)
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
@@ -303,7 +223,7 @@ class AsyncEngine:
         ids = request_id_list(request_ids)
         engine_ids = [self._engine_ids[r] for r in ids if r in self._engine_ids]
         if engine_ids:
-            self._send(_Abort(engine_ids))
+            self._send(AbortCommand(engine_ids))
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Runs `fn(engine)` on the engine thread between two steps and returns its result:
@@ -318,7 +238,7 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(_Call(fn, future))
+        self._commands.put(CallCommand(fn, future))
         return future
 
     # ---- the engine thread ------------------------------------------------------------
@@ -352,12 +272,12 @@ class AsyncEngine:
             except queue.Empty:
                 return True
             block = False
-            if command is _STOP:
+            if command is STOP:
                 return False
             self._apply(command)
 
-    def _apply(self, command: _Add | _Abort | _Call) -> None:
-        if not isinstance(command, _Call):
+    def _apply(self, command: AddCommand | AbortCommand | CallCommand) -> None:
+        if not isinstance(command, CallCommand):
             reject = functools.partial(self._post, self._deliver_error)
             fail = functools.partial(self._post, self._fail)
             aborted = apply_command(self.engine, self._live, command, reject, fail)
@@ -392,7 +312,7 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Call):
+            if isinstance(command, CallCommand):
                 command.future.cancel()
 
     def _post(self, fn: Callable, *args: Any) -> None:

@@ -1,7 +1,7 @@
 """The Engine in a process of its own, behind AsyncEngine's asyncio interface: `octavo serve`.
 
     server process (event loop)                       engine process (owns the Engine)
-    generate() -> writer thread --_Add / _Abort / _Stop--> pipe -> drain commands; step()
+    generate() -> writer thread --AddCommand / AbortCommand / _Stop--> pipe -> drain commands; step()
     reader thread <-- ("step", outputs, stats) <-- pipe <--         one message per step
 
 The event loop never waits on the pipe: a long prompt fills the pipe's buffer until the engine
@@ -33,11 +33,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from octavo.engine.async_engine import (
-    AsyncEngine,
+from octavo.engine.async_engine import AsyncEngine
+from octavo.engine.engine_loop import (
+    AddCommand,
     EngineDeadError,
     EngineStepError,
-    _Add,
     apply_command,
     step_engine,
 )
@@ -182,7 +182,7 @@ class EngineProcess(AsyncEngine):
                 else:
                     logger.warning("could not send %s to the engine process: %r", type(command), e)
                     error = ValueError(f"the request cannot be sent to the engine process: {e!r}")
-                if isinstance(command, _Add):
+                if isinstance(command, AddCommand):
                     self._post(self._deliver_error, command.request_id, error)
             if isinstance(command, _Stop):
                 return

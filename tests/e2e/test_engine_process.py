@@ -22,7 +22,8 @@ from engine_utils import KV_CACHE_MEMORY
 from server_fixture import ServerThread, wait_for
 
 from octavo import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
-from octavo.engine.async_engine import AsyncEngine, EngineStepError, step_engine
+from octavo.engine.async_engine import AsyncEngine
+from octavo.engine.engine_loop import EngineStepError, step_engine
 from octavo.engine.engine_process import EngineProcess, _prompt_ids_once
 from octavo.entrypoints.openai.api_server import build_app
 

@@ -1,0 +1,107 @@
+"""What every engine loop does with the engine (AsyncEngine's thread, the engine process):
+apply a command (add or abort requests) and run a step, keeping the live requests in step
+and turning failures into per-request errors; the loops' commands and errors."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from octavo.core.request import Request
+from octavo.engine.engine import Engine
+from octavo.outputs import RequestOutput
+from octavo.runner.multiproc import WorkerDied
+from octavo.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (never started, stopped, or crashed)."""
+
+
+class EngineStepError(RuntimeError):
+    """A step of the engine failed; the requests in that step were aborted."""
+
+
+@dataclass
+class AddCommand:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AbortCommand:
+    request_ids: list[str]
+
+
+@dataclass
+class CallCommand:
+    fn: Callable[[Engine], Any]
+    future: concurrent.futures.Future
+
+
+STOP = object()
+
+
+def apply_command(
+    engine: Engine,
+    live: dict[str, Request],
+    command: AddCommand | AbortCommand,
+    reject: Callable[[str, ValueError], None],
+    fail: Callable[[list[str], EngineStepError], None],
+) -> list[RequestOutput]:
+    """Adds or aborts requests in `engine`, keeping `live` (id -> request) in step. A
+    prompt or parameters the engine refuses go to `reject(request_id, error)`; any other
+    failure to add a request goes to `fail([request_id], error)`, and the loop goes on.
+    Returns the final outputs (finish reason "abort") of the requests an abort ended."""
+    if isinstance(command, AddCommand):
+        try:
+            request = engine.add_request(command.prompt, command.params, command.request_id)
+        except ValueError as e:
+            reject(command.request_id, e)
+        except Exception as e:  # noqa: BLE001 - a bug, not the caller's input
+            logger.error("adding a request failed:\n%s", traceback.format_exc())
+            fail([command.request_id], EngineStepError(f"the engine could not add it: {e!r}"))
+        else:
+            live[command.request_id] = request
+        return []
+    outputs = engine.abort_request(command.request_ids)
+    for request_id in command.request_ids:
+        live.pop(request_id, None)
+    return outputs
+
+
+def step_engine(
+    engine: Engine,
+    live: dict[str, Request],
+    fail: Callable[[list[str], EngineStepError], None],
+) -> list[RequestOutput]:
+    """One step of `engine`; finished requests leave `live`. If the step fails, the engine
+    has aborted the requests in it: those go to `fail(request_ids, error)`. If it aborted
+    none, all are aborted, since the engine's state is unknown. Returns the step's outputs
+    ([] after a failure). A dead tensor-parallel worker fails every request, and is raised
+    again: the engine cannot go on."""
+    try:
+        outputs = engine.step()
+    except Exception as e:
+        logger.error("engine step failed:\n%s", traceback.format_exc())
+        dropped = [rid for rid, request in live.items() if request.is_finished]
+        if isinstance(e, WorkerDied) or not dropped and live:
+            dropped = list(live)
+            engine.abort_request(dropped)
+        for request_id in dropped:
+            del live[request_id]
+        fail(dropped, EngineStepError(f"the engine failed on this request: {e!r}"))
+        if isinstance(e, WorkerDied):
+            raise
+        return []
+    for out in outputs:
+        if out.finished:
+            live.pop(out.request_id, None)
+    return outputs
