@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from octavo.core.request import Request
-from octavo.engine.engine import Engine, request_id_list
+from octavo.engine.engine import Engine
 from octavo.engine.engine_loop import (
     STOP,
     AbortCommand,
@@ -36,6 +36,7 @@ from octavo.engine.engine_loop import (
     step_engine,
 )
 from octavo.engine.gc_heap import frozen_gc_heap
+from octavo.engine.prompts import request_id_list
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 

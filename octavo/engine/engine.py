@@ -27,6 +27,7 @@ from octavo.core.request import Request, RequestStatus
 from octavo.core.sched_output import SchedulerOutput
 from octavo.core.scheduler import Scheduler
 from octavo.engine.output_processor import OutputProcessor
+from octavo.engine.prompts import check_prompt_ids, request_id_list, tokenize_prompt
 from octavo.engine.structured_output import (
     Grammar,
     GrammarBitmaskBuilder,
@@ -38,16 +39,6 @@ from octavo.outputs import RequestOutput
 from octavo.runner.interface import Runner
 from octavo.runner.outputs import ModelRunnerOutput, PendingOutput, TokenLogprobs
 from octavo.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
-
-
-def request_id_list(request_ids: object) -> list[str]:
-    """The ids of an abort: one str or an iterable of them; ValueError for anything else."""
-    ids = [request_ids] if isinstance(request_ids, str) else request_ids
-    if isinstance(ids, Iterable):
-        ids = list(ids)
-    if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
-        raise ValueError("request_ids must be a str or an iterable of str")
-    return ids
 
 
 @dataclass
@@ -115,10 +106,11 @@ class Engine:
         # (again: a field may have been assigned since construction) rebuilds its lists.
         params = copy.copy(params)
         params.validate(max_logprobs)
-        text, token_ids = self._tokenize(
-            prompt, params.prompt_tokens_kept(self.scheduler_config.max_model_len)
+        max_model_len = self.scheduler_config.max_model_len
+        text, token_ids = tokenize_prompt(
+            self.tokenizer, prompt, params.prompt_tokens_kept(max_model_len)
         )
-        self._validate_prompt(token_ids)
+        check_prompt_ids(token_ids, max_model_len, self.vocab_size)
         if (params.stop or params.bad_words) and self.tokenizer is None:
             field = "stop strings" if params.stop else "bad_words"
             raise ValueError(f"{field} need a tokenizer, and this model has none")
@@ -178,34 +170,6 @@ class Engine:
         """True while a request is unfinished (a step in flight for finished requests only
         is finished by the next step() or dropped)."""
         return self.scheduler.has_unfinished_requests()
-
-    def _tokenize(
-        self, prompt: str | list[int], keep_last: int | None = None
-    ) -> tuple[str | None, list[int]]:
-        """The prompt's text (None for ids) and ids, at most `keep_last` of them."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead")
-            ids = encode_text(self.tokenizer, prompt, add_special_tokens=True, keep_last=keep_last)
-            return prompt, ids
-        # NOTE: set(map(type, ...)) walks the list in C: prompts are 100k+ tokens at times.
-        if isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:
-            return None, list(prompt if keep_last is None else prompt[-keep_last:])
-        raise ValueError("a prompt must be a str or a list of int token ids")
-
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        max_len = self.scheduler_config.max_model_len
-        if len(token_ids) > max_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, more than max_model_len={max_len}"
-            )
-        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
-            bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
-            raise ValueError(
-                f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-            )
 
     # ---- the step ---------------------------------------------------------------------
 
