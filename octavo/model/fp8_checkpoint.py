@@ -16,6 +16,7 @@ A fused part or a rank's slice that starts or ends inside a block is a ValueErro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 
@@ -23,8 +24,9 @@ import torch
 from torch import nn
 
 from octavo.model.layers import Linear
-from octavo.model.placement import weight_loaders
-from octavo.model.quantization import FP8_BLOCK
+from octavo.model.placement import Files, place, weight_loaders
+from octavo.model.quantization import Fp8BlockWeight
+from octavo.model.rounding import FP8_BLOCK
 
 SCALE_SUFFIX = ".weight_scale_inv"
 
@@ -172,3 +174,20 @@ def _loaders_onto(
 
         loaders[param] = load
     return weight_loaders(loaders)
+
+
+def keep_fp8_codes(
+    net: nn.Module, weights: Files, grids: dict[Linear, BlockGrid], device: torch.device
+) -> None:
+    """Gives each Linear of `grids` (Fp8Checkpoint.place_scales) an Fp8BlockWeight on its
+    e4m3 codes from the checkpoint's `weights`, placed into scratch one Linear at a time (as
+    keep_int4_codes)."""
+
+    def keep(m: Linear, codes: torch.Tensor) -> None:
+        m.quant = Fp8BlockWeight(codes, grids.pop(m).blocks, m.weight.dtype)
+        m.weight = None
+
+    fp8 = torch.float8_e4m3fn
+    make = {m: functools.partial(torch.empty, tuple(m.weight.shape), dtype=fp8, device=device)
+            for m in grids}  # fmt: skip
+    place(net, make, weights(), finish=keep)

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from octavo.model.fp8_checkpoint import keep_fp8_codes
 from octavo.model.int4_checkpoint import CHECKPOINT_METHODS, int4_format, iter_int4_weights
 from octavo.model.layers import LINEAR_WEIGHT_DEVICE, Linear, RMSNorm, default_weight_loader
 from octavo.model.placement import (
     cpu_threads,
     gguf_groups,
     int4_groups,
-    keep_fp8_codes,
     keep_gguf_blocks,
     keep_gguf_vocab,
     keep_int4_codes,

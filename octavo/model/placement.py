@@ -20,12 +20,10 @@ from torch import nn
 
 from octavo.model.int4_checkpoint import int4_format, iter_int4_weights
 from octavo.model.layers import Linear
-from octavo.model.quantization import Fp8BlockWeight, GroupRows, Int4Weight, Q8Weight
+from octavo.model.quantization import GroupRows, Int4Weight, Q8Weight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-    from octavo.model.fp8_checkpoint import BlockGrid
 
 Files = Callable[[], Iterator[tuple[str, torch.Tensor]]]  # a checkpoint's tensors, read anew
 
@@ -217,23 +215,6 @@ def keep_int4_codes(
     make = {m: functools.partial(_scratch, m, m.weight.shape[1], torch.uint8, device)
             for m in grids}  # fmt: skip
     place(net, make, codes, finish=keep)
-
-
-def keep_fp8_codes(
-    net: nn.Module, weights: Files, grids: dict[Linear, BlockGrid], device: torch.device
-) -> None:
-    """Gives each Linear of `grids` (Fp8Checkpoint.place_scales) an Fp8BlockWeight on its
-    e4m3 codes from the checkpoint's `weights`, placed into scratch one Linear at a time (as
-    keep_int4_codes)."""
-
-    def keep(m: Linear, codes: torch.Tensor) -> None:
-        m.quant = Fp8BlockWeight(codes, grids.pop(m).blocks, m.weight.dtype)
-        m.weight = None
-
-    fp8 = torch.float8_e4m3fn
-    make = {m: functools.partial(torch.empty, tuple(m.weight.shape), dtype=fp8, device=device)
-            for m in grids}  # fmt: skip
-    place(net, make, weights(), finish=keep)
 
 
 def quantize_as_placed(

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from octavo.model.rounding import FP8_BLOCK
+
 if TYPE_CHECKING:
     import torch
 
 METHODS = ("int8", "int4", "fp8", "gguf", "awq", "gptq")
 QUANTIZATION_CHOICES = ("auto", "none", *METHODS)  # the CLI's: "none" is None
-FP8_BLOCK = 128  # an HF fp8 checkpoint's weight_block_size, each way
 
 
 def resolve_quantization(

@@ -32,8 +32,8 @@ from octavo.model.cpu_packing import (
     q8_planes,
     scale_zero,
 )
-from octavo.model.quant_method import FP8_BLOCK
 from octavo.model.rounding import (
+    FP8_BLOCK,
     dequantize_fp8_blocks,
     dequantize_int4,
     dequantize_int8,

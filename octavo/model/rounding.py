@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+FP8_BLOCK = 128  # an HF fp8 checkpoint's weight_block_size, each way
 
 
 def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
