@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from octavo.model.rounding import FP8_BLOCK
-
 if TYPE_CHECKING:
     import torch
 
@@ -71,6 +69,8 @@ def parse_fp8_config(config: dict) -> tuple[int, int]:
     Raises:
         ValueError: naming the field octavo cannot read.
     """
+    from octavo.model.rounding import FP8_BLOCK  # here: the CLI imports this module, not torch
+
     block = config.get("weight_block_size")
     if block is None:
         raise ValueError(
