@@ -163,19 +163,16 @@ def paged_attention(
 
 
 def attention_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether paged_attention takes these: float32 q and cache, head_dim in 16s."""
+    """Whether paged_attention takes these: float32 q and cache on the CPU, head_dim in 16s
+    (the torch backend serves as the GPU kernels' oracle too: it keeps SDPA there)."""
     return (
-        library() is not None
+        q.is_cpu
+        and kv_cache.is_cpu
         and q.dtype == kv_cache.dtype == torch.float32
+        and available(torch.float32)
         and q.shape[-1] % 16 == 0
         and kv_cache.is_contiguous()
     )
-
-
-def reference_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """The product in torch (the weight dequantized to float32): what `linear` is tested
-    against."""
-    return F.linear(x, dequantize(w))
 
 
 def dequantize(w: PackedWeight) -> torch.Tensor:

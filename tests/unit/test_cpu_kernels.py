@@ -184,3 +184,12 @@ def test_compute_mode_names_the_products_dtype(monkeypatch):
     assert cpu.compute_mode(cpu_dev, torch.float32, torch.float32, False, 64) == (
         torch.float32, False
     )  # fmt: skip
+
+
+def test_attention_is_ours_only_for_float32_tensors_on_the_cpu():
+    """The torch backend is the GPU kernels' oracle too: off the CPU it keeps SDPA."""
+    q, cache = torch.zeros(2, 4, 64), torch.zeros(2, 3, 16, 2, 64)
+    assert cpu.attention_supported(q, cache)
+    assert not cpu.attention_supported(q.to("meta"), cache.to("meta"))
+    assert not cpu.attention_supported(q.bfloat16(), cache.bfloat16())
+    assert not cpu.attention_supported(q[..., :40], cache[..., :40].contiguous())
