@@ -66,9 +66,9 @@ class Engine:
         async_scheduling: bool = False,
         compute_mode: tuple[object, bool] | None = None,
     ) -> None:
-        """compute_mode: the (torch) dtype of the forward's products and whether a token's result is
-        independent of the batch (kernels/cpu.compute_mode); by default the runner's dtype,
-        and no."""
+        """compute_mode: the (torch) dtype of the forward's products, and whether a token's
+        result is independent of the batch (kernels/cpu.compute_mode); by default the
+        runner's dtype, and no."""
         self.runner = runner
         self.compute_dtype, self.batch_invariant = compute_mode or (runner.dtype, False)
         self.tokenizer = tokenizer
