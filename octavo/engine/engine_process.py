@@ -1,8 +1,9 @@
 """The Engine in a process of its own, behind AsyncEngine's asyncio interface: `octavo serve`.
 
-    server process (event loop)                       engine process (owns the Engine)
-    generate() -> writer thread --AddCommand / AbortCommand / _Stop--> pipe -> drain commands; step()
-    reader thread <-- ("step", outputs, stats) <-- pipe <--         one message per step
+    server process (event loop)                      engine process (owns the Engine)
+    generate() -> writer thread --AddCommand / AbortCommand / _Stop--> pipe
+                                                     -> drain commands; step()
+    reader thread <-- ("step", outputs, stats) <-- pipe <-- one message per step
 
 The event loop never waits on the pipe: a long prompt fills the pipe's buffer until the engine
 process reads it between two steps, so a writer thread sends the commands.
