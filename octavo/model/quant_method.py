@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from octavo.kernels.capability import check_fp8_device
+
 if TYPE_CHECKING:
     import torch
 
@@ -45,20 +47,6 @@ def check_quantization(
         check_fp8_device("quantization='fp8'", device)
     if hf_config is not None:
         check_checkpoint_quantization(method, hf_config, load_format)
-
-
-def check_fp8_device(option: str, device: torch.device) -> None:
-    """Raises ValueError, naming `option`, on a CUDA GPU without FP8 (below sm89)."""
-    if device.type != "cuda":
-        return
-    import torch
-
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
-        raise ValueError(
-            f"{option} needs a GPU with FP8 support (compute capability 8.9 or newer); this "
-            f"one has {capability[0]}.{capability[1]}"
-        )
 
 
 def parse_fp8_config(config: dict) -> tuple[int, int]:
