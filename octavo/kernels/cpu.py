@@ -3,8 +3,9 @@
 Float32 products whose rows never depend on the batch (float32, 4-bit and 8-bit weights)
 and causal attention over the paged float32 KV cache. The library is compiled for this
 machine (`-march=native`) into octavo's cache and loaded with ctypes; the calls release
-the GIL and run on torch's OpenMP threads. `library()` is None where no compiler is found
-or the build fails its self-check; the callers then keep torch's own ops.
+the GIL and run on torch's OpenMP threads, as many as torch.get_num_threads().
+`library()` is None where no compiler is found or the build fails its self-check; the
+callers then keep torch's own ops.
 
 Weights come packed by `pack_weight`, a row of bytes for each output feature:
 
@@ -100,7 +101,7 @@ def _linear(x, kind, data, group, out_features, in_features) -> torch.Tensor:
         row_bytes = data.stride(0) * data.element_size()
         library().octavo_linear(
             kind, x.data_ptr(), x.stride(0), rows, in_features, data.data_ptr(), row_bytes,
-            group, out_features, y.data_ptr(), out_features,
+            group, out_features, y.data_ptr(), out_features, torch.get_num_threads(),
         )  # fmt: skip
     return y
 
@@ -157,7 +158,7 @@ def paged_attention(
         q.data_ptr(), out.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim,
         kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_size,
         block_tables.data_ptr(), block_tables.stride(0), token_seq.data_ptr(),
-        token_ctx.data_ptr(), ctypes.c_float(scale),
+        token_ctx.data_ptr(), ctypes.c_float(scale), torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -203,9 +204,9 @@ def library() -> ctypes.CDLL | None:
         print(f"octavo: CPU kernels unavailable ({e}); using torch's ops", file=sys.stderr)
         return None
     p, i, f, long_ = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-    lib.octavo_linear.argtypes = [i, p, long_, i, i, p, long_, i, i, p, long_]
+    lib.octavo_linear.argtypes = [i, p, long_, i, i, p, long_, i, i, p, long_, i]
     lib.octavo_linear.restype = None
-    lib.octavo_paged_attention.argtypes = [p, p, i, i, i, i, p, p, i, p, long_, p, p, f]
+    lib.octavo_paged_attention.argtypes = [p, p, i, i, i, i, p, p, i, p, long_, p, p, f, i]
     lib.octavo_paged_attention.restype = None
     if lib.octavo_self_check() != 0:
         print("octavo: CPU kernels failed their self-check; using torch's ops", file=sys.stderr)

@@ -276,11 +276,12 @@ static void dequantize_rows(int kind, int nr, int K, const uint8_t *w, long row_
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) W^T, W's rows row_bytes apart:
  * float32 (W_F32), or blocks of `group` columns (W_Q4, W_Q8; see weight16). A product of
  * more rows than one tile dequantizes each thread's weight rows once per block of rows and
- * runs the float32 tile on them: the same values, the same sums. */
+ * runs the float32 tile on them: the same values, the same sums. `threads`: how many share
+ * the work (torch's count: OpenMP's own is per calling thread). */
 void octavo_linear(int kind, const float *x, long ldx, int M, int K, const void *w,
-                   long row_bytes, int group, int N, float *y, long ldy) {
+                   long row_bytes, int group, int N, float *y, long ldy, int threads) {
     const int ntiles = (N + NR - 1) / NR, staged = kind != W_F32 && M > MR;
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         const int K16 = (K + VL - 1) / VL * VL;
         float *buf = staged ? malloc((size_t)NR * K16 * sizeof(float)) : NULL;
@@ -333,14 +334,14 @@ static inline float dot(const float *a, const float *b, int D) {
  * int32; token t belongs to sequence seq[t] and sees its first ctx[t] cached positions.
  * D is a multiple of 16; the H / KVH query heads of a KV head read it together. Scores,
  * their softmax and the weighted sum of values each run over positions 0, 1, 2, ... in
- * order, whatever else the call holds. */
+ * order, whatever else the call holds. `threads` as in octavo_linear. */
 void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, int D,
                             const float *kcache, const float *vcache, int block_size,
                             const int32_t *block_tables, long bt_stride, const int32_t *seq,
-                            const int32_t *ctx, float softmax_scale) {
+                            const int32_t *ctx, float softmax_scale, int threads) {
     const int G = H / KVH, nd = D / VL;
     const long slot = (long)KVH * D; /* floats from one position to the next in a block */
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
     {
         float *s = NULL, *inv = malloc(G * sizeof(float));
         vf *o = aligned_alloc(64, (size_t)G * nd * sizeof(vf)); /* sizeof(vf) is 64 */
@@ -410,8 +411,8 @@ int octavo_self_check(void) {
         }
         const void *wk = kind == W_F32 ? (const void *)w : (const void *)q;
         const long row_bytes = kind == W_F32 ? K * 4 : G * block;
-        octavo_linear(kind, x, K, 1, K, wk, row_bytes, 32, N, y1, N);
-        octavo_linear(kind, x, K, M, K, wk, row_bytes, 32, N, y7, N);
+        octavo_linear(kind, x, K, 1, K, wk, row_bytes, 32, N, y1, N, 2);
+        octavo_linear(kind, x, K, M, K, wk, row_bytes, 32, N, y7, N, 2);
         if (memcmp(y1, y7, sizeof y1)) return 1 + kind;
     }
     return 0;
