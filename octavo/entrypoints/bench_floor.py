@@ -1,4 +1,4 @@
-"""The physical floor of an offline workload (BENCHMARKS.md): bytes over the copy bandwidth
+"""The physical floor of an offline workload: bytes over the copy bandwidth
 and FLOPs over the matmul rate, both measured in the same process. Beside it, two bounds for
 engines that run a step's kernels one after another: the serial floor (any schedule) and the
 FCFS serial estimate (this workload's schedule)."""
@@ -33,7 +33,7 @@ class Floor:
 
     @property
     def seconds(self) -> float:
-        """BENCHMARKS.md's floor: the larger of the memory and compute floors."""
+        """The overlapped floor: the larger of the memory and compute floors."""
         return max(self.memory_s, self.compute_s)
 
 
@@ -205,7 +205,7 @@ def serial_floor(work: SerialWork, ceilings: DeviceCeilings) -> float:
     The longest request needs max_out steps (its prefill, then one per later token), each
     reading every weight; GEMMs take at least their weight reads and at least their FLOPs.
     Attention FLOPs and the prefill's own KV traffic are left out, so it stays a floor.
-    Unlike BENCHMARKS.md's floor (the larger of memory and compute over the whole run) it
+    Unlike the overlapped floor (the larger of memory and compute over the whole run) it
     does not let attention's memory time hide the GEMMs' arithmetic.
     """
     steps = max(work.output_lens, default=0)

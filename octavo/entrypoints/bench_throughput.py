@@ -7,7 +7,7 @@ Workloads:
   count as output for both.
 - `single`: one request of the `cpu` workload's kind (64 prompt tokens, 128 greedy output
   tokens): single-stream decode; peer `hf`: `generate` on the one prompt.
-- `nanovllm`: the nano-vllm workload of BENCHMARKS.md (256 requests, random token ids,
+- `nanovllm`: the nano-vllm workload, as nano-vllm's bench.py (256 requests, random token ids,
   temperature 0.6, ignore_eos), for a dummy-weight model such as the bundled `qwen3-0.6b`.
 """
 
