@@ -138,7 +138,7 @@ def hf_startup_child() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from octavo.model.embedded import embedded_model_path
+    from octavo.checkpoint.embedded import embedded_model_path
 
     directory, name = os.path.split(embedded_model_path())
     AutoTokenizer.from_pretrained(directory, gguf_file=name)

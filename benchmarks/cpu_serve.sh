@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 rates=${*:-0.5 2}
 out=${OUT:-docs/results/cpu/serve}
 mkdir -p "$out"
-gguf=$(python -c "from octavo.model.embedded import embedded_model_path; print(embedded_model_path())")
+gguf=$(python -c "from octavo.checkpoint.embedded import embedded_model_path; print(embedded_model_path())")
 common=(--num-prompts 32 --input-len 64 --max-tokens 64 --seed 0)
 
 wait_up() {  # url, seconds

@@ -59,7 +59,7 @@ from octavo.kernels.decode_attention import (
 )
 from octavo.kernels.prefill_attention import default_prefill_config, prefill_attention
 from octavo.kernels.store_kv import store_kv
-from octavo.model import rounding
+from octavo.quant import rounding
 from octavo.runner.gemm_tuning import graph_us
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16

@@ -50,8 +50,8 @@ import octavo
 from octavo import LLM, SamplingParams
 from octavo.engine.builder import resolve_model
 from octavo.entrypoints.bench_throughput import measured_floor, nanovllm_workload
-from octavo.model.tokenizer import load_tokenizer
 from octavo.sampling_params import RequestOutputKind
+from octavo.tokenizer.tokenizer import load_tokenizer
 
 BUCKETS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256)]
 

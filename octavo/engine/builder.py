@@ -8,19 +8,20 @@ from importlib import resources
 
 import torch
 
+from octavo.checkpoint.embedded import embedded_model_path
+from octavo.checkpoint.hf_config import load_hf_config
 from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig
 from octavo.engine.engine import Engine
 from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.kernels.cpu import compute_mode
-from octavo.model.embedded import embedded_model_path
-from octavo.model.hf_config import get_head_dim, get_num_kv_heads, load_hf_config
+from octavo.model.config import get_head_dim, get_num_kv_heads
 from octavo.model.parallel import check_tp_size
-from octavo.model.quant_method import check_quantization, resolve_quantization
-from octavo.model.tokenizer import eos_token_ids, load_tokenizer
+from octavo.quant import check_quantization, resolve_quantization
 from octavo.runner import kv_setup
 from octavo.runner.interface import Runner
 from octavo.runner.model_runner import ModelRunner
 from octavo.runner.multiproc import MultiprocRunner
+from octavo.tokenizer.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Protocol
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
-from octavo.model.fast_tokenizer import FastTokenizer
+from octavo.tokenizer.fast_tokenizer import FastTokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 # Past this many held-back tokens, finalize at a safe split (see _finalize_held_tokens);

@@ -34,11 +34,11 @@ from octavo.engine.structured_output import (
     GrammarCompiler,
     accept_tokens,
 )
-from octavo.model.tokenizer import encode_text
 from octavo.outputs import RequestOutput
 from octavo.runner.interface import Runner
 from octavo.runner.outputs import ModelRunnerOutput, PendingOutput, TokenLogprobs
 from octavo.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from octavo.tokenizer.tokenizer import encode_text
 
 
 @dataclass

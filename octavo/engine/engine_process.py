@@ -264,7 +264,7 @@ def _wait_built(process, conn) -> tuple[int, int, dict]:
 
 def _server_tokenizer(options: dict):
     from octavo.engine.builder import resolve_model
-    from octavo.model.tokenizer import load_tokenizer
+    from octavo.tokenizer.tokenizer import load_tokenizer
 
     return load_tokenizer(options.get("tokenizer") or resolve_model(options.get("model")))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from octavo.model.tokenizer import encode_text
+from octavo.tokenizer.tokenizer import encode_text
 
 
 def request_id_list(request_ids: object) -> list[str]:

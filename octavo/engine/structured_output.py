@@ -23,9 +23,9 @@ import logging
 import torch
 
 from octavo.core.sched_output import GrammarBitmask
-from octavo.model.fast_tokenizer import FastTokenizer
 from octavo.runner.penalties import bitmask_width, outside_of_bitmask
 from octavo.sampling_params import StructuredOutputsParams
+from octavo.tokenizer.fast_tokenizer import FastTokenizer
 
 logger = logging.getLogger(__name__)
 

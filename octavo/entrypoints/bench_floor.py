@@ -88,7 +88,7 @@ def _matmul_rate(dtype: torch.dtype, device: str, n: int = 8192) -> float:
 def meta_model(hf_config, dtype: torch.dtype) -> torch.nn.Module:
     """The whole model (world size 1) on the meta device: its parameters' shapes, no memory;
     what a floor counts when the model's shards live in other processes."""
-    from octavo.model.loader import _default_dtype
+    from octavo.checkpoint.loader import _default_dtype
     from octavo.model.registry import get_model_class
 
     with _default_dtype(dtype), torch.device("meta"):
@@ -123,7 +123,7 @@ def workload_floor(
     """memory floor = (KV read by all decode steps + weights x longest output) / bandwidth;
     compute floor = 2 x params x all tokens / matmul rate; the floor is the larger. The KV
     cache holds `kv_dtype`."""
-    from octavo.model.hf_config import get_head_dim
+    from octavo.model.config import get_head_dim
 
     params = weights_read_per_step(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in params)

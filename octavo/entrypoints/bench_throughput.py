@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.parallel_args import add_parallel_args
-from octavo.model.quant_method import QUANTIZATION_CHOICES
+from octavo.quant import QUANTIZATION_CHOICES
 
 
 @dataclass

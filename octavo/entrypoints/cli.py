@@ -18,7 +18,7 @@ from typing import Self
 
 from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.parallel_args import add_parallel_args
-from octavo.model.quant_method import QUANTIZATION_CHOICES
+from octavo.quant import QUANTIZATION_CHOICES
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 EXIT_USAGE = 2
@@ -206,7 +206,7 @@ def stream_generation(
 def stream_chat_reply(llm, conversation: list[dict], params: SamplingParams) -> Iterator[str]:
     """Yields the assistant's reply to `conversation` piece by piece as it is generated;
     Ctrl-C ends it early."""
-    from octavo.model.tokenizer import apply_chat_template
+    from octavo.tokenizer.tokenizer import apply_chat_template
 
     ids = apply_chat_template(llm.engine.tokenizer, conversation)
     for _, text, _ in stream_generation(llm.engine, [ids], params):
@@ -221,7 +221,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = _llm(args)
     inputs: list[str | list[int]] = list(prompts)
     if args.chat:
-        from octavo.model.tokenizer import apply_chat_template
+        from octavo.tokenizer.tokenizer import apply_chat_template
 
         tokenizer = llm.engine.tokenizer
         inputs = [apply_chat_template(tokenizer, [{"role": "user", "content": p}]) for p in prompts]

@@ -11,9 +11,9 @@ from tqdm.auto import tqdm
 from octavo.engine.beam_search import BeamSearchParams, beam_search
 from octavo.engine.builder import build_engine
 from octavo.engine.gc_heap import frozen_gc_heap
-from octavo.model.tokenizer import apply_chat_template
 from octavo.outputs import BeamSearchOutput, RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
+from octavo.tokenizer.tokenizer import apply_chat_template
 
 PromptType = str | dict[str, Any] | list[int]
 Conversation = list[dict[str, Any]]

@@ -1,5 +1,5 @@
 """Dynamic fp8 (e4m3) quantization of activations in one kernel, for the fp8 weights'
-scaled matmuls (octavo.model.quantization): x [T, K] -> (q, scale) with x ~ q * scale, one
+scaled matmuls (octavo.quant.weights): x [T, K] -> (q, scale) with x ~ q * scale, one
 scale per token (`per_token_quant_fp8`) or per token and group of G columns
 (`per_group_quant_fp8`); scale = max|x| / 448 over what it covers. The torch references are
 `quantize_fp8` and `quantize_fp8_blocks`; the same rounding (to nearest, clamped to +-448)

@@ -1,6 +1,6 @@
 """Weight-only quantized GEMMs, y = x W^T with W dequantized inside the kernel: int4 with a
 scale and a minimum per group of input columns (W4A16), int8 with a scale per row (W8A16).
-The torch reference is model/quantization.py's dequantize_int4 / dequantize_int8 + F.linear.
+The torch reference is quant/weights.py's dequantize_int4 / dequantize_int8 + F.linear.
 
 Storage (what Int4Weight and Int8Weight keep on CUDA; `pack_int4`, `pack_int8`): int32 words
 [N, Kp * BITS / 32], rows along K. A word holds 32 / BITS codes ("fields", lowest bits first)

@@ -9,7 +9,7 @@ checkpoint tensors, each into its own row range:
     rows: | q: H * D | k: KVH * D | v: KVH * D |
 
 Under tensor parallelism (model/parallel.py) the loaders take the whole checkpoint tensor and
-copy their rank's slice; a lazy tensor (model/loader.py) reads only that slice from disk.
+copy their rank's slice; a lazy tensor (checkpoint/loader.py) reads only that slice from disk.
 
 RMSNorm and SiluAndMul pick their kernel by the input's device, in one `if x.is_cuda` each:
 on CUDA one Triton kernel (octavo/kernels, imported there, so the CPU path never imports
@@ -34,7 +34,7 @@ from octavo.model.parallel import (
     kv_head_range,
     shard_range,
 )
-from octavo.model.quantization import quantize_weight
+from octavo.quant.weights import quantize_weight
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -103,7 +103,7 @@ def _capturing(x: torch.Tensor) -> bool:
 
 # Where new Linear weights are made (None: torch's default device). The loader makes them on
 # "meta" where a checkpoint's own quantized tensors will stand in for them, so that a float
-# weight never takes memory; one that stays float is made on the device then (model/loader.py).
+# weight never takes memory; one that stays float is made on the device then (checkpoint/loader.py).
 LINEAR_WEIGHT_DEVICE: ContextVar[str | None] = ContextVar("linear_weight_device", default=None)
 
 
@@ -130,7 +130,7 @@ class Linear(nn.Module):
 
     def quantize(self, method: str) -> None:
         """Replaces the loaded weight (this rank's shard) by its `method` quantization
-        (model/quantization.py); `weight` is None from then on."""
+        (quant/weights.py); `weight` is None from then on."""
         self.quant = quantize_weight(method, self.weight.detach())
         self.weight = None
 

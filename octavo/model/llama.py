@@ -21,12 +21,7 @@ from torch import nn
 
 from octavo.attention.backend import AttentionMetadata
 from octavo.attention.layer import Attention
-from octavo.model.hf_config import (
-    get_head_dim,
-    get_num_kv_heads,
-    get_rope_scaling,
-    get_rope_theta,
-)
+from octavo.model.config import get_head_dim, get_num_kv_heads, get_rope_scaling, get_rope_theta
 from octavo.model.layers import (
     LMHead,
     MergedLinear,

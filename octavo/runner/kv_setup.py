@@ -14,7 +14,7 @@ from octavo.attention.backend import AttentionBackend, build_metadata
 from octavo.attention.layer import bind_kv_caches
 from octavo.config import CacheConfig
 from octavo.kernels.capability import check_fp8_device
-from octavo.model.hf_config import get_head_dim, get_num_kv_heads
+from octavo.model.config import get_head_dim, get_num_kv_heads
 from octavo.model.layers import Linear
 from octavo.model.parallel import get_tp, kv_head_range
 from octavo.runner.inputs import InputBuilder

@@ -13,9 +13,9 @@ import torch
 from octavo.attention.backend import AttentionMetadata
 from octavo.attention.layer import bind_kv_caches
 from octavo.attention.registry import get_attention_backend
+from octavo.checkpoint.loader import load_model
 from octavo.config import CacheConfig
 from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
-from octavo.model.loader import load_model
 from octavo.model.parallel import broadcast_from_first
 from octavo.runner import kv_setup
 from octavo.runner.cuda_graph import (

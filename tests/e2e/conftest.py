@@ -55,7 +55,7 @@ def llm(llm_factory):
 
 @pytest.fixture(scope="session")
 def chat_prompt_ids(llm):
-    from octavo.model.tokenizer import apply_chat_template
+    from octavo.tokenizer.tokenizer import apply_chat_template
 
     tok = llm.get_tokenizer()
     return [apply_chat_template(tok, [{"role": "user", "content": p}]) for p in CHAT_PROMPTS]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from octavo import BeamSearchParams
-from octavo.model.tokenizer import apply_chat_template
+from octavo.tokenizer.tokenizer import apply_chat_template
 
 QUESTIONS = [
     "What is 12 times 12?",

@@ -43,7 +43,7 @@ def results(outputs) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
 
 @pytest.fixture(scope="module")
 def prompt_ids(llm):
-    from octavo.model.tokenizer import apply_chat_template
+    from octavo.tokenizer.tokenizer import apply_chat_template
 
     tok = llm.get_tokenizer()
     chats = CHAT_PROMPTS + MORE_PROMPTS

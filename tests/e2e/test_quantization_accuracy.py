@@ -127,10 +127,11 @@ def test_gguf_keeps_the_files_q4_blocks(llm_factory, monkeypatch):
     (float32 scales, as off the CPU kernels), exactly the float32 load's weights."""
     import torch
 
+    from octavo.checkpoint.loader import load_model
     from octavo.engine.builder import resolve_model
-    from octavo.model import quantization, rounding
     from octavo.model.layers import Linear
-    from octavo.model.loader import load_model
+    from octavo.quant import rounding
+    from octavo.quant import weights as quantization
 
     runner = llm_factory().engine.runner
     plain = dict(runner.model.named_modules())

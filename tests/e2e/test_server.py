@@ -22,7 +22,7 @@ import octavo
 from octavo import SamplingParams
 from octavo.entrypoints.openai.api_server import build_app
 from octavo.entrypoints.openai.protocol import CompletionRequest
-from octavo.model.tokenizer import apply_chat_template
+from octavo.tokenizer.tokenizer import apply_chat_template
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"

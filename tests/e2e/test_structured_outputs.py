@@ -23,7 +23,7 @@ PERSON = {
 
 
 def chat(llm, question: str) -> dict:
-    from octavo.model.tokenizer import apply_chat_template
+    from octavo.tokenizer.tokenizer import apply_chat_template
 
     messages = [{"role": "user", "content": question}]
     return {"prompt_token_ids": apply_chat_template(llm.get_tokenizer(), messages)}

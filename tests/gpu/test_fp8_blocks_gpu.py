@@ -19,11 +19,11 @@ if not torch.cuda.is_available():
 from fp8_checkpoints import KEPT_FLOAT, per_block, write_checkpoints
 from model_utils import PagedRunner
 
-from octavo.model import quantization as q
-from octavo.model import rounding
-from octavo.model.hf_config import load_hf_config
+from octavo.checkpoint.hf_config import load_hf_config
+from octavo.checkpoint.loader import load_model
 from octavo.model.layers import Linear
-from octavo.model.loader import load_model
+from octavo.quant import rounding
+from octavo.quant import weights as q
 
 pytestmark = pytest.mark.gpu
 HOPPER = torch.cuda.get_device_capability()[0] == 9  # where torch's block-scaled GEMM runs

@@ -18,9 +18,9 @@ if not torch.cuda.is_available():
 from int4_checkpoints import write_checkpoint
 from model_utils import PagedRunner, hf_logits, rel_err
 
-from octavo.model.hf_config import load_hf_config
+from octavo.checkpoint.hf_config import load_hf_config
+from octavo.checkpoint.loader import load_model
 from octavo.model.layers import Linear
-from octavo.model.loader import load_model
 
 CUDA = torch.device("cuda")
 # Heads of 128 and an MLP of 4096: projections of 1-8 M weights, 8 layers of them, so that a

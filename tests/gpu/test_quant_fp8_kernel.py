@@ -16,7 +16,7 @@ if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
 
 from octavo.kernels.quant_fp8 import per_group_quant_fp8, per_token_quant_fp8
-from octavo.model.rounding import quantize_fp8, quantize_fp8_blocks
+from octavo.quant.rounding import quantize_fp8, quantize_fp8_blocks
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cpu" if INTERPRET else "cuda"

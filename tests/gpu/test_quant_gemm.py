@@ -26,8 +26,8 @@ if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
 
 from octavo.kernels import quant_gemm as qg
-from octavo.model import quantization as q
-from octavo.model import rounding
+from octavo.quant import rounding
+from octavo.quant import weights as q
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from model_utils import TINY
 from transformers import LlamaConfig
 
+from octavo.checkpoint.loader import load_model
 from octavo.entrypoints.bench_floor import (
     DeviceCeilings,
     copy_sizes,
@@ -17,7 +18,6 @@ from octavo.entrypoints.bench_floor import (
     weights_read_per_step,
     workload_floor,
 )
-from octavo.model.loader import load_model
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -40,8 +40,8 @@ def test_weights_read_per_step(tied):
 @pytest.mark.parametrize("name", ["qwen3-32b", "llama-3.1-70b"])
 def test_meta_model_counts_a_bundled_models_parameters_without_memory(name):
     """A tensor-parallel floor builds the whole model on the meta device (rotary scaling too)."""
+    from octavo.checkpoint.hf_config import load_hf_config
     from octavo.engine.builder import resolve_model
-    from octavo.model.hf_config import load_hf_config
 
     cfg = load_hf_config(resolve_model(name))
     model = meta_model(cfg, torch.bfloat16)
@@ -133,8 +133,8 @@ def test_weights_read_per_step_of_kept_gguf_blocks(tmp_path):
     from test_gguf_loader import TINY as GGUF_TINY
     from test_gguf_loader import hf_to_gguf_tensors, tiny_hf, write_gguf
 
+    from octavo.checkpoint.hf_config import load_hf_config
     from octavo.entrypoints.bench_floor import lm_head_params, lm_head_weights
-    from octavo.model.hf_config import load_hf_config
 
     cfg = LlamaConfig(**GGUF_TINY, tie_word_embeddings=True)
     qtypes = {"token_embd.weight": gguf.GGMLQuantizationType.Q8_0}

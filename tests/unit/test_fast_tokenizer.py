@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from octavo.model import tokenizer as tokenizer_module
-from octavo.model.fast_tokenizer import FastTokenizer
+from octavo.tokenizer import tokenizer as tokenizer_module
+from octavo.tokenizer.fast_tokenizer import FastTokenizer
 
 TEXTS = [
     "Hello, world!",

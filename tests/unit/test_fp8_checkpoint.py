@@ -1,4 +1,4 @@
-"""HF fp8 checkpoints read as they are (model/fp8_checkpoint.py), on a tiny random Qwen3 /
+"""HF fp8 checkpoints read as they are (quant/fp8_checkpoint.py), on a tiny random Qwen3 /
 Llama written in the layout of Qwen3's FP8 releases next to its dequantized float32 twin
 (tests/fp8_checkpoints.py).
 
@@ -18,13 +18,13 @@ from model_utils import PagedRunner, rel_err
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from octavo.model.hf_config import load_hf_config
+from octavo.checkpoint.hf_config import load_hf_config
+from octavo.checkpoint.loader import load_model
 from octavo.model.layers import Linear
-from octavo.model.loader import load_model
 from octavo.model.parallel import set_tp
-from octavo.model.quant_method import check_quantization, checkpoint_method, resolve_quantization
-from octavo.model.quantization import Fp8BlockWeight, Fp8Weight
-from octavo.model.rounding import dequantize_fp8_blocks, quantize_fp8_blocks
+from octavo.quant import check_quantization, checkpoint_method, resolve_quantization
+from octavo.quant.rounding import dequantize_fp8_blocks, quantize_fp8_blocks
+from octavo.quant.weights import Fp8BlockWeight, Fp8Weight
 
 
 def _load(path: str, quantization: str | None = None, load_format: str = "auto"):

@@ -12,10 +12,11 @@ from gguf.quants import quantize
 from model_utils import PagedRunner, eos_ids, hf_greedy_choices, hf_logits, rel_err
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from octavo.model import rounding
-from octavo.model.gguf_loader import iter_gguf_weights, unpermute_qk
-from octavo.model.hf_config import get_head_dim, load_hf_config
-from octavo.model.loader import load_model
+from octavo.checkpoint.gguf import iter_gguf_weights, unpermute_qk
+from octavo.checkpoint.hf_config import load_hf_config
+from octavo.checkpoint.loader import load_model
+from octavo.model.config import get_head_dim
+from octavo.quant import rounding
 
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
@@ -308,8 +309,8 @@ def test_q4_k_tensors_keep_their_groups_with_quantization_gguf(tmp_path, monkeyp
     the file's own scales and minimums per 32 columns, which dequantize (float32 scales, as off
     the CPU kernels) to exactly the weights the float load reads through the gguf package; with
     the CPU kernels its logits follow the float model's (bfloat16 activations)."""
-    from octavo.model import quantization
     from octavo.model.layers import Linear
+    from octavo.quant import weights as quantization
 
     cfg = LlamaConfig(
         **(TINY | {"hidden_size": 256, "intermediate_size": 512}), tie_word_embeddings=True

@@ -12,12 +12,13 @@ from gguf.quants import dequantize
 from test_gguf_loader import TINY, hf_to_gguf_tensors, tiny_hf, write_gguf
 from transformers import LlamaConfig
 
-from octavo.model import quantization, rounding
-from octavo.model.gguf_blocks import GGUFTensor, block_codes, block_groups
-from octavo.model.hf_config import load_hf_config
+from octavo.checkpoint.gguf_blocks import GGUFTensor, block_codes, block_groups
+from octavo.checkpoint.hf_config import load_hf_config
+from octavo.checkpoint.loader import load_model
 from octavo.model.layers import Linear
-from octavo.model.loader import load_model
 from octavo.model.parallel import set_tp
+from octavo.quant import rounding
+from octavo.quant import weights as quantization
 
 Q = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""AWQ and GPTQ checkpoints (model/int4_checkpoint.py): tiny random models written in each
+"""AWQ and GPTQ checkpoints (quant/awq_gptq.py): tiny random models written in each
 format's own layout by a reference quantizer (tests/int4_checkpoints.py), then loaded by
 octavo. Every projection must hold exactly the reference dequantization, and the model must
 give HF's greedy tokens on those dequantized weights; the options that do not fit raise
@@ -15,12 +15,12 @@ from model_utils import PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
 from safetensors.torch import load_file, save_file
 
 from octavo import LLM, SamplingParams
-from octavo.model import quantization
-from octavo.model.hf_config import load_hf_config
-from octavo.model.int4_checkpoint import _unpack
+from octavo.checkpoint.hf_config import load_hf_config
+from octavo.checkpoint.loader import load_model
 from octavo.model.layers import Linear
-from octavo.model.loader import load_model
 from octavo.model.parallel import set_tp
+from octavo.quant import weights as quantization
+from octavo.quant.awq_gptq import _unpack
 
 CPU = torch.device("cpu")
 
@@ -135,7 +135,7 @@ def test_four_bit_layers_are_never_made_or_read_in_float(case, tmp_path, monkeyp
     """The load keeps each 4-bit layer without a float detour: no packed layer is read as
     float values, and each Int4Weight is built on codes with its Linear's weight still a
     meta tensor (never made on the device)."""
-    from octavo.model.int4_checkpoint import _Layer
+    from octavo.quant.awq_gptq import _Layer
 
     arch, method, options = CASES[case]
     path, _, _ = write_checkpoint(arch, tmp_path, method, **options)
@@ -205,7 +205,7 @@ def test_a_layer_with_a_float_part_loads_as_float(tmp_path, monkeypatch, method,
 def test_placing_raises_when_a_linears_parts_do_not_all_land(tmp_path):
     """place() with `finish`: a fused Linear that got only some of its parts (q, not k and v)
     is a RuntimeError, not a Linear left half placed; the weight loaders are restored."""
-    from octavo.model.placement import place
+    from octavo.quant.placement import place
 
     _, float_path, _ = write_checkpoint("llama", tmp_path, "awq", group_size=64)
     net = _load(float_path)
@@ -263,7 +263,7 @@ def test_packing_orders_of_one_word():
 
 
 def test_options_that_do_not_fit_the_checkpoint_raise(tmp_path):
-    from octavo.model.quant_method import resolve_quantization
+    from octavo.quant import resolve_quantization
 
     path, float_path, _ = write_checkpoint("qwen3", tmp_path, "awq", group_size=32)
     cfg = load_hf_config(path)
@@ -300,7 +300,7 @@ def test_quantization_configs_octavo_does_not_read_raise(tmp_path, change, match
 
 
 class _Recorded:
-    """A lazy tensor (as model/loader.py's LazyTensor) that records what is read of it."""
+    """A lazy tensor (as checkpoint/loader.py's LazyTensor) that records what is read of it."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor, self.shape, self.reads = tensor, tuple(tensor.shape), []
@@ -318,7 +318,7 @@ def test_a_rank_reads_only_the_qweight_words_of_its_slice(method, part):
     eight-value words too, and reads only the words that hold the slice (no qweight at all
     for the groups and group ids). The groups count two columns a run of 32 input features:
     a slice of whole runs is narrowed in those units."""
-    from octavo.model.int4_checkpoint import Int4Format, _Layer
+    from octavo.quant.awq_gptq import Int4Format, _Layer
 
     k, n, group = 256, 64, 64
     gen = torch.Generator().manual_seed(0)
@@ -353,7 +353,7 @@ def test_a_rank_reads_only_the_qweight_words_of_its_slice(method, part):
 def test_groups_of_a_run_are_its_groups_scale_and_minimum():
     """The groups part on a literal layer: runs of 32 input features in g_idx's order, each
     with its group's scale and minimum (-zero * scale)."""
-    from octavo.model.int4_checkpoint import Int4Format, _Layer
+    from octavo.quant.awq_gptq import Int4Format, _Layer
 
     k, n, group = 128, 8, 64
     scales = torch.tensor([[1.0] * n, [2.0] * n]).half()  # [G, N]

@@ -15,8 +15,9 @@ from model_utils import TINY, PagedRunner, eos_ids, hf_greedy, hf_logits, rel_er
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from octavo.model.hf_config import get_rope_scaling, load_hf_config
-from octavo.model.loader import load_model
+from octavo.checkpoint.hf_config import load_hf_config
+from octavo.checkpoint.loader import load_model
+from octavo.model.config import get_rope_scaling
 
 TOL = 1e-4
 LLAMA3_ROPE = {

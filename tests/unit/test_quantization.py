@@ -1,4 +1,4 @@
-"""Weight quantization (model/quantization.py): each method's product against a torch
+"""Weight quantization (quant/weights.py): each method's product against a torch
 dequantize-then-matmul reference on fresh random inputs, on the CPU kernels and on the
 dequantizing paths other devices take; the round trips' error bounds; the ValueErrors."""
 
@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import octavo.quant as quant_method
 from octavo.kernels import cpu as cpu_kernels
-from octavo.model import cpu_packing, quant_method, rounding
-from octavo.model import quantization as q
 from octavo.model.layers import MergedLinear, RowParallelLinear
 from octavo.model.parallel import set_tp
+from octavo.quant import cpu_packing, rounding
+from octavo.quant import weights as q
 
 # (rows, in features, out features): a decode row, batches on either side of the int8
 # kernel's row limit, and in-features with a partial last int4 group (576 = 4.5 x 128, as
@@ -317,9 +318,9 @@ def test_float_weights_quantized_on_load_are_made_one_linear_at_a_time(
     each Linear quantizes while it is the only one holding a float weight (the others hold
     their quantized weight, or a meta one not loaded yet), and the model equals the float
     model with each Linear quantized after the load."""
-    from octavo.model.hf_config import load_hf_config
+    from octavo.checkpoint.hf_config import load_hf_config
+    from octavo.checkpoint.loader import load_model
     from octavo.model.layers import Linear
-    from octavo.model.loader import load_model
 
     linears, alive = [], []
     init, quantize = Linear.__init__, Linear.quantize
@@ -350,8 +351,8 @@ def test_float_weights_quantized_on_load_are_made_one_linear_at_a_time(
 
 def _rtn_shards(path: str, ranks: int, method: str | None) -> list:
     """Each rank's model of the float checkpoint at `path`, loaded with quantization=method."""
-    from octavo.model.hf_config import load_hf_config
-    from octavo.model.loader import load_model
+    from octavo.checkpoint.hf_config import load_hf_config
+    from octavo.checkpoint.loader import load_model
 
     try:
         models = []

@@ -18,11 +18,12 @@ from gguf.quants import dequantize, quantize
 from model_utils import TINY
 from transformers import AutoTokenizer, LlamaConfig
 
-from octavo.model import gguf_blocks, gguf_loader
-from octavo.model import tokenizer as tokenizer_module
+from octavo.checkpoint import gguf as gguf_loader
+from octavo.checkpoint import gguf_blocks
 from octavo.model.llama import LlamaForCausalLM
 from octavo.model.rotary import RotaryEmbedding
 from octavo.runner.kv_setup import zeroed_kv_cache
+from octavo.tokenizer import tokenizer as tokenizer_module
 
 Q = gguf.GGMLQuantizationType
 

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from octavo.model import embedded
-from octavo.model import tokenizer as tokenizer_module
-from octavo.model.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
-from octavo.model.fast_tokenizer import FastTokenizer
-from octavo.model.tokenizer import (
+from octavo.checkpoint import embedded
+from octavo.checkpoint.embedded import EMBEDDED_MODEL_NAME, embedded_model_path
+from octavo.tokenizer import tokenizer as tokenizer_module
+from octavo.tokenizer.fast_tokenizer import FastTokenizer
+from octavo.tokenizer.tokenizer import (
     apply_chat_template,
     encode_text,
     eos_token_ids,

@@ -9,8 +9,8 @@ import torch
 from model_utils import TINY
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from octavo.model.hf_config import load_hf_config
-from octavo.model.loader import load_model
+from octavo.checkpoint.hf_config import load_hf_config
+from octavo.checkpoint.loader import load_model
 from octavo.model.parallel import set_tp
 
 CONFIGS = {

@@ -13,7 +13,7 @@ from octavo.config import KV_CACHE_DTYPES
 from octavo.engine.spawn import start_engine_process
 from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
 from octavo.entrypoints.parallel_args import add_parallel_args, parallel_options
-from octavo.model.quant_method import QUANTIZATION_CHOICES
+from octavo.quant import QUANTIZATION_CHOICES
 
 API_KEY_ENV = "OCTAVO_API_KEY"
 
@@ -99,7 +99,7 @@ def api_key(args: argparse.Namespace) -> str | None:
 def default_model_name(model: str | None) -> str:
     """The embedded model's name, else the --model argument as given (as vLLM does)."""
     if model is None:
-        from octavo.model.embedded import EMBEDDED_MODEL_NAME
+        from octavo.checkpoint.embedded import EMBEDDED_MODEL_NAME
 
         return EMBEDDED_MODEL_NAME
     return model

@@ -34,9 +34,9 @@ from octavo.entrypoints.openai.serving import (
     start_stream,
     unless_disconnected,
 )
-from octavo.model.tokenizer import apply_chat_template
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
+from octavo.tokenizer.tokenizer import apply_chat_template
 
 
 async def create_chat_completion(

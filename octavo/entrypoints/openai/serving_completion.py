@@ -29,9 +29,9 @@ from octavo.entrypoints.openai.serving import (
     start_stream,
     unless_disconnected,
 )
-from octavo.model.tokenizer import encode_text
 from octavo.outputs import PromptLogprobs, RequestOutput
 from octavo.sampling_params import SamplingParams
+from octavo.tokenizer.tokenizer import encode_text
 
 
 async def create_completion(

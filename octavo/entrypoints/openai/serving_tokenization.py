@@ -18,7 +18,7 @@ from octavo.entrypoints.openai.protocol import (
 )
 from octavo.entrypoints.openai.serving import OpenAIError, ServingContext
 from octavo.entrypoints.openai.serving_chat import render_conversation
-from octavo.model.tokenizer import encode_text
+from octavo.tokenizer.tokenizer import encode_text
 
 
 def tokenize(

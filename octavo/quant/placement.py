@@ -2,9 +2,9 @@
 codes, an fp8 checkpoint's e4m3 codes. They go through the model's own weight loaders
 (`place`), which fuse q/k/v and gate/up and shard for tensor parallelism as they do for
 weights, into scratch tensors; a Linear whose parts all arrive keeps them in a
-QuantizedWeight (model/quantization.py), and its float weight, made on the meta device
+QuantizedWeight (quant/weights.py), and its float weight, made on the meta device
 (layers.LINEAR_WEIGHT_DEVICE), is never made whole. Float weights quantized on load take
-the same path, a Linear at a time (`quantize_as_placed`). model/loader.py loads everything
+the same path, a Linear at a time (`quantize_as_placed`). checkpoint/loader.py loads everything
 else.
 """
 
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from octavo.model.int4_checkpoint import int4_format, iter_int4_weights
 from octavo.model.layers import Linear
-from octavo.model.quantization import GroupRows, Int4Weight, Q8Weight
+from octavo.quant.awq_gptq import int4_format, iter_int4_weights
+from octavo.quant.weights import GroupRows, Int4Weight, Q8Weight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -34,7 +34,7 @@ def gguf_groups(
     """The groups [N, K / 16] (each group of 32's scale and minimum, iter_gguf_blocks) of
     each Linear of `net` that keeps its blocks of a GGUF file (_keeps_blocks), for
     keep_gguf_blocks. The other Linears load as float."""
-    from octavo.model.gguf_loader import iter_gguf_blocks
+    from octavo.checkpoint.gguf import iter_gguf_blocks
 
     def scratch(dtype: torch.dtype, m: Linear) -> torch.Tensor:
         return _scratch(m, m.weight.shape[1] // 16, dtype, device)
@@ -69,7 +69,7 @@ def keep_gguf_blocks(
     """Gives each Linear of `groups` the file's own codes (uint8 [N, K], placed one Linear at a
     time as keep_int4_codes does), scales and minimums: an Int4Weight where every code is
     below 16, else a Q8Weight (a Q8_0 part)."""
-    from octavo.model.gguf_loader import iter_gguf_blocks
+    from octavo.checkpoint.gguf import iter_gguf_blocks
 
     def keep(m: Linear, codes: torch.Tensor) -> None:
         grid = groups.pop(m)
@@ -299,8 +299,8 @@ def _keep_gguf_embedding(net: nn.Module, path: str) -> None:
     """A Q4_0/Q4_1/Q4_K/Q8_0 token embedding keeps its codes and groups (GroupRows) in place of
     its float table, unless a tied LM head still multiplies by that table; on one rank only.
     The table becomes an empty parameter that loads nothing."""
-    from octavo.model.gguf_blocks import BLOCK_TYPES, block_codes, block_groups
-    from octavo.model.gguf_loader import open_gguf
+    from octavo.checkpoint.gguf import open_gguf
+    from octavo.checkpoint.gguf_blocks import BLOCK_TYPES, block_codes, block_groups
     from octavo.model.layers import LMHead, VocabEmbedding
     from octavo.model.parallel import get_tp
 
@@ -333,8 +333,8 @@ def _empty_table(table: nn.Parameter) -> nn.Parameter:
 def _keep_gguf_q8_0_head(net: nn.Module, path: str) -> None:
     """A Q8_0 LM head (or a Q8_0 embedding it shares) computes the logits from its int8
     blocks (Q8Weight); on one rank only, where the head holds the whole vocabulary."""
-    from octavo.model.gguf_blocks import Q8_0, block_codes, block_groups
-    from octavo.model.gguf_loader import open_gguf
+    from octavo.checkpoint.gguf import open_gguf
+    from octavo.checkpoint.gguf_blocks import Q8_0, block_codes, block_groups
     from octavo.model.layers import LMHead, VocabEmbedding
     from octavo.model.parallel import get_tp
 

@@ -11,10 +11,10 @@
           Q8_0 ones as 8-bit codes (Q8Weight); awq, gptq: a checkpoint's 4-bit groups.
 
 Each method is a `QuantizedWeight` module that a `Linear` (model/layers.py) holds in place of
-its float weight, built from the shard this rank loaded (model/rounding.py holds the
+its float weight, built from the shard this rank loaded (quant/rounding.py holds the
 quantizers and their references). Where the products run: on the CPU, float32 models in
 octavo's C kernel (kernels/cpu.py), 16-bit ones in torch's weight-packed kernels
-(model/cpu_packing.py); on CUDA with 16-bit weights, octavo's Triton GEMMs
+(quant/cpu_packing.py); on CUDA with 16-bit weights, octavo's Triton GEMMs
 (kernels/quant_gemm.py), fp8 torch._scaled_mm on Hopper; elsewhere the dequantized weight
 (fp8 emulated: activations to e4m3 and back, then a matmul).
 """
@@ -26,13 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.kernels import cpu as cpu_kernels
-from octavo.model.cpu_packing import (
+from octavo.quant.cpu_packing import (
     pack_int4_for_torch,
     pack_int8_for_octavo,
     q8_planes,
     scale_zero,
 )
-from octavo.model.rounding import (
+from octavo.quant.rounding import (
     FP8_BLOCK,
     dequantize_fp8_blocks,
     dequantize_int4,

@@ -1,6 +1,6 @@
 """A GGUF tensor's values: dequantized to float32, or, for the block types octavo keeps
 (Q4_0, Q4_1, Q4_K, Q8_0), its codes and its groups' scales and minimums read apart from its
-bytes, never as floats (model/gguf_loader.py reads the file)."""
+bytes, never as floats (checkpoint/gguf.py reads the file)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Converting a GGUF tokenizer costs more than reading the saved result, so the con
 tokenizer is saved once, in HF's own format, under `$OCTAVO_CACHE_DIR` (default
 `$XDG_CACHE_HOME/octavo`, else `~/.cache/octavo`; an empty value turns the cache off), keyed
 by the file's path, size and modification time and by the transformers version. The saved
-form is read back as a FastTokenizer (model/fast_tokenizer.py), without importing
+form is read back as a FastTokenizer (tokenizer/fast_tokenizer.py), without importing
 transformers, wherever that class reads it.
 """
 
@@ -26,7 +26,7 @@ from importlib.metadata import version
 from typing import TYPE_CHECKING
 
 from octavo.cache import cache_root
-from octavo.model.fast_tokenizer import FastTokenizer
+from octavo.tokenizer.fast_tokenizer import FastTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -128,7 +128,7 @@ def _gguf_tokenizer_class(path: str) -> type[PreTrainedTokenizerBase] | None:
     (which AutoTokenizer would read); None where it is not known here."""
     from transformers.models.auto import tokenization_auto
 
-    from octavo.model.gguf_loader import open_gguf
+    from octavo.checkpoint.gguf import open_gguf
 
     if os.path.exists(os.path.join(os.path.dirname(path), "tokenizer_config.json")):
         return None
@@ -172,7 +172,7 @@ def _save(tokenizer: PreTrainedTokenizerBase, cache: str) -> bool:
 
 def read_gguf_chat_template(path: str) -> str | None:
     """Returns the `tokenizer.chat_template` string of a GGUF file, or None if it has none."""
-    from octavo.model.gguf_loader import open_gguf
+    from octavo.checkpoint.gguf import open_gguf
 
     template = open_gguf(path).metadata.get(GGUF_CHAT_TEMPLATE_KEY)
     return template if isinstance(template, str) and template else None

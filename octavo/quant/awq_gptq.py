@@ -1,6 +1,6 @@
 """AWQ and GPTQ checkpoints: which quantization option fits a checkpoint, and its 4-bit weights
 (packed eight to an int32) read as their codes and their groups' scales and minimums, which
-the loader (model/placement.py) keeps as Int4Weights on the checkpoint's own grid (or, for a
+the loader (quant/placement.py) keeps as Int4Weights on the checkpoint's own grid (or, for a
 layer with a part that is not 4-bit, as the float weights they stand for).
 
     AWQ (AutoAWQ, GEMM version)              GPTQ (AutoGPTQ, GPTQModel; formats v1 and v2)
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from octavo.model.hf_config import get_head_dim
+from octavo.model.config import get_head_dim
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -126,13 +126,13 @@ def iter_int4_weights(
 
 
 def _read(tensor) -> torch.Tensor:
-    """A lazy tensor (model/loader.py) read whole; a tensor as it is."""
+    """A lazy tensor (checkpoint/loader.py) read whole; a tensor as it is."""
     return tensor if isinstance(tensor, torch.Tensor) else tensor.narrow(0, 0, tensor.shape[0])
 
 
 class _Layer:
     """One packed layer as the tensor `part` asks for (iter_int4_weights), made only for the
-    rows or columns a weight loader narrows it to (`shape` and `narrow`, as model/loader.py's
+    rows or columns a weight loader narrows it to (`shape` and `narrow`, as checkpoint/loader.py's
     LazyTensor): a tensor-parallel rank reads only its words of qweight. The scales, zeros
     and g_idx (an eighth of qweight or less) are read whole."""
 

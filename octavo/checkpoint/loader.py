@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from octavo.model.fp8_checkpoint import keep_fp8_codes
-from octavo.model.int4_checkpoint import CHECKPOINT_METHODS, int4_format, iter_int4_weights
 from octavo.model.layers import LINEAR_WEIGHT_DEVICE, Linear, RMSNorm, default_weight_loader
-from octavo.model.placement import (
+from octavo.model.registry import get_model_class
+from octavo.quant import check_quantization, checkpoint_method
+from octavo.quant.awq_gptq import CHECKPOINT_METHODS, int4_format, iter_int4_weights
+from octavo.quant.fp8_checkpoint import keep_fp8_codes
+from octavo.quant.placement import (
     cpu_threads,
     gguf_groups,
     int4_groups,
@@ -27,9 +29,7 @@ from octavo.model.placement import (
     quantize_as_placed,
     weight_loaders,
 )
-from octavo.model.quant_method import check_quantization, checkpoint_method
-from octavo.model.quantization import GroupRows, QuantizedWeight
-from octavo.model.registry import get_model_class
+from octavo.quant.weights import GroupRows, QuantizedWeight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -54,12 +54,12 @@ def load_model(
         load_format: "auto" reads the weights from `model`; "dummy" fills them with random
             values of a sane scale, the same for the same seed (on the same device).
         quantization: None, or "int8", "int4" or "fp8": the linear layers' weights
-            (qkv, o, gate_up, down) are quantized (model/quantization.py), each as it lands;
+            (qkv, o, gate_up, down) are quantized (quant/weights.py), each as it lands;
             "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1/Q4_K/Q8_0
             keep their blocks (Q8_0 where the CPU kernel runs it);
             "awq", "gptq" (a checkpoint of that quant_method): they keep its 4-bit groups;
             "fp8" on an HF fp8 checkpoint: they keep its e4m3 blocks. The weights a
-            checkpoint keeps quantized are never made in float (model/placement.py).
+            checkpoint keeps quantized are never made in float (quant/placement.py).
     Returns:
         The model in eval mode, with requires_grad off.
     Raises:
@@ -131,7 +131,7 @@ def _load_keeping(
         grids = gguf_groups(net, model, hf_config, device)
         keep_gguf_vocab(net, model)
     elif quantization == "fp8":
-        from octavo.model.fp8_checkpoint import Fp8Checkpoint
+        from octavo.quant.fp8_checkpoint import Fp8Checkpoint
 
         grids = Fp8Checkpoint(files()).place_scales(net, device)
     else:
@@ -224,13 +224,13 @@ def iter_weights(model: str, hf_config: PretrainedConfig) -> Iterator[tuple[str,
     without its scales). A tensor may be lazy
     (LazyTensor, gguf_loader.GGUFWeight): read when a weight loader narrows it."""
     if model.endswith(".gguf"):
-        from octavo.model.gguf_loader import iter_gguf_weights
+        from octavo.checkpoint.gguf import iter_gguf_weights
 
         yield from iter_gguf_weights(model, hf_config, lazy=True)
     elif checkpoint_method(hf_config) in CHECKPOINT_METHODS:
         yield from iter_int4_weights(_iter_files(model), int4_format(hf_config), "float")
     elif checkpoint_method(hf_config) == "fp8":  # its scales are read apart (Fp8Checkpoint)
-        from octavo.model.fp8_checkpoint import SCALE_SUFFIX
+        from octavo.quant.fp8_checkpoint import SCALE_SUFFIX
 
         yield from ((n, t) for n, t in _iter_files(model) if not n.endswith(SCALE_SUFFIX))
     else:

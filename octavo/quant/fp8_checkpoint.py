@@ -6,7 +6,7 @@ gets a `BlockGrid` in place of its weight and one in place of the checkpoint ten
 matrices in element units that hold one value per block. The loaders only narrow and copy,
 so fusing and tensor-parallel slicing put each block's scale where they put the block's
 values. The e4m3 codes of the Linears that got scales then go through the same loaders into
-e4m3 scratch (model/placement.py), never into float weights:
+e4m3 scratch (quant/placement.py), never into float weights:
 
     qkv_proj.weight  [(H + 2 * KVH) * D, hidden]   rows: | q: H * D | k: KVH * D | v: KVH * D |
     its scales       [(H + 2 * KVH) * D / 128, hidden / 128]   the same row ranges, / 128
@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from octavo.model.layers import Linear
-from octavo.model.placement import Files, place, weight_loaders
-from octavo.model.quantization import Fp8BlockWeight
-from octavo.model.rounding import FP8_BLOCK
+from octavo.quant.placement import Files, place, weight_loaders
+from octavo.quant.rounding import FP8_BLOCK
+from octavo.quant.weights import Fp8BlockWeight
 
 SCALE_SUFFIX = ".weight_scale_inv"
 

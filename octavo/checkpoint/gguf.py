@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from octavo.model.gguf_blocks import (
+from octavo.checkpoint.gguf_blocks import (
     BLOCK_SIZES,
     BLOCK_TYPES,
     Q8_0,

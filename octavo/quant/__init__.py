@@ -1,7 +1,7 @@
 """Which quantization method a model runs with: the `quantization` option checked against the
 device and against the checkpoint's own `quantization_config`, and "auto" resolved.
 
-The methods themselves (their weights and products) are in model/quantization.py. This
+The methods themselves (their weights and products) are in quant/weights.py. This
 module imports torch only when called, so that the CLI can check its arguments first.
 """
 
@@ -29,7 +29,7 @@ def resolve_quantization(
         if found is not None:
             return found
         gguf = model_path.endswith(".gguf") and load_format != "dummy"
-        from octavo.model.quantization import CPU_KERNELS
+        from octavo.quant.weights import CPU_KERNELS
 
         return "gguf" if gguf and device.type == "cpu" and CPU_KERNELS else None
     return None if method == "none" else method
@@ -57,7 +57,7 @@ def parse_fp8_config(config: dict) -> tuple[int, int]:
     Raises:
         ValueError: naming the field octavo cannot read.
     """
-    from octavo.model.rounding import FP8_BLOCK  # here: the CLI imports this module, not torch
+    from octavo.quant.rounding import FP8_BLOCK  # here: the CLI imports this module, not torch
 
     block = config.get("weight_block_size")
     if block is None:
@@ -91,7 +91,7 @@ def checkpoint_method(hf_config) -> str | None:
     Raises:
         ValueError: a quantization_config octavo cannot read as it is, naming the field.
     """
-    from octavo.model.int4_checkpoint import CHECKPOINT_METHODS, int4_format
+    from octavo.quant.awq_gptq import CHECKPOINT_METHODS, int4_format
 
     config = getattr(hf_config, "quantization_config", None)
     if config is not None and not isinstance(config, dict):
@@ -115,7 +115,7 @@ def check_checkpoint_quantization(method: str | None, hf_config, load_format: st
     """Raises ValueError for an option that does not fit the checkpoint: another than its
     quantization_config's quant_method, or "awq"/"gptq" without one. load_format "dummy"
     reads no checkpoint."""
-    from octavo.model.int4_checkpoint import CHECKPOINT_METHODS
+    from octavo.quant.awq_gptq import CHECKPOINT_METHODS
 
     found = checkpoint_method(hf_config) if load_format != "dummy" else None
     if method != found and (found is not None or method in CHECKPOINT_METHODS):

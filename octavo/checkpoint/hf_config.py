@@ -1,8 +1,5 @@
-"""The model's HF config, from an HF directory, a config.json, or a GGUF file's metadata.
-
-Also small accessors that read the same fact from transformers 4.x configs (`rope_theta`,
-`rope_scaling`) and 5.x configs (one `rope_parameters` dict).
-"""
+"""The model's HF config, from an HF directory, a config.json, or a GGUF file's metadata
+(model/config.py reads facts from it)."""
 
 from __future__ import annotations
 
@@ -38,38 +35,6 @@ def load_hf_config(model: str) -> PretrainedConfig:
     return config
 
 
-def get_head_dim(config: PretrainedConfig) -> int:
-    """`head_dim` when the config sets it (Qwen3), else hidden_size // num_attention_heads."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def get_num_kv_heads(config: PretrainedConfig) -> int:
-    """`num_key_value_heads`, or the attention heads' number when the config has none."""
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
-def get_rope_theta(config: PretrainedConfig) -> float:
-    """The rope base frequency (10000 when the config names none)."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    theta = getattr(config, "rope_theta", None)
-    return float(theta) if theta is not None else 10000.0
-
-
-def get_rope_scaling(config: PretrainedConfig) -> dict | None:
-    """The rope-scaling dict (with a `rope_type` key), or None for plain rope."""
-    params = getattr(config, "rope_parameters", None)
-    if not isinstance(params, dict):
-        params = getattr(config, "rope_scaling", None)
-    if not params:
-        return None
-    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    rope_type = scaling.pop("type", None)  # old name of the key
-    scaling.setdefault("rope_type", rope_type or "default")
-    return None if scaling["rope_type"] == "default" else scaling
-
-
 class GGUFConfig:
     """A config read from a GGUF file: the fields octavo's models read, named as in
     transformers 5's LlamaConfig (`rope_parameters` holds theta and scaling).
@@ -95,8 +60,8 @@ def gguf_to_hf_config(path: str) -> GGUFConfig:
     NOTE: the lm_head is tied exactly when the file has no `output.weight`. A `rope_freqs`
     tensor (llama.cpp's form of Llama 3.1 rope scaling) becomes `config.rope_freq_factors`.
     """
-    from octavo.model.gguf_blocks import dequantize_tensor
-    from octavo.model.gguf_loader import open_gguf
+    from octavo.checkpoint.gguf import open_gguf
+    from octavo.checkpoint.gguf_blocks import dequantize_tensor
 
     gguf_file = open_gguf(path)
     meta = gguf_file.metadata

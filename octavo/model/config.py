@@ -1,0 +1,41 @@
+"""Facts read from a model's HF config, the same from transformers 4.x configs (`rope_theta`,
+`rope_scaling`) and 5.x configs (one `rope_parameters` dict)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def get_head_dim(config: PretrainedConfig) -> int:
+    """`head_dim` when the config sets it (Qwen3), else hidden_size // num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def get_num_kv_heads(config: PretrainedConfig) -> int:
+    """`num_key_value_heads`, or the attention heads' number when the config has none."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def get_rope_theta(config: PretrainedConfig) -> float:
+    """The rope base frequency (10000 when the config names none)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    theta = getattr(config, "rope_theta", None)
+    return float(theta) if theta is not None else 10000.0
+
+
+def get_rope_scaling(config: PretrainedConfig) -> dict | None:
+    """The rope-scaling dict (with a `rope_type` key), or None for plain rope."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        params = getattr(config, "rope_scaling", None)
+    if not params:
+        return None
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    rope_type = scaling.pop("type", None)  # old name of the key
+    scaling.setdefault("rope_type", rope_type or "default")
+    return None if scaling["rope_type"] == "default" else scaling
