@@ -234,6 +234,13 @@ class GGUFWeight:
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         return self.dequantize().narrow(dim, start, length)
 
+    @property
+    def bits(self) -> int | None:
+        """The bits of a block type's codes kept as they are (8 for Q8_0, 4 for the Q4
+        types); None for any other type."""
+        kind = self.tensor.ggml_type
+        return None if kind not in BLOCK_TYPES else 8 if kind == Q8_0 else 4
+
     def codes(self) -> torch.Tensor:
         """A Q4_0/Q4_1/Q4_K/Q8_0 matrix's codes, uint8 [N, K] (block_codes)."""
         return torch.from_numpy(self._hf_rows(block_codes(self.tensor)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import glob
 import os
 import zlib
@@ -15,21 +14,8 @@ from torch import nn
 
 from octavo.model.layers import LINEAR_WEIGHT_DEVICE, Linear, RMSNorm, default_weight_loader
 from octavo.model.registry import get_model_class
-from octavo.quant import check_quantization, checkpoint_method
-from octavo.quant.awq_gptq import CHECKPOINT_METHODS, int4_format, iter_int4_weights
-from octavo.quant.fp8_checkpoint import keep_fp8_codes
-from octavo.quant.placement import (
-    cpu_threads,
-    gguf_groups,
-    int4_groups,
-    keep_gguf_blocks,
-    keep_gguf_vocab,
-    keep_int4_codes,
-    load_nothing,
-    quantize_as_placed,
-    weight_loaders,
-)
-from octavo.quant.weights import GroupRows, QuantizedWeight
+from octavo.quant import get_method
+from octavo.quant.method import cpu_threads, load_nothing, weight_loaders
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -53,122 +39,64 @@ def load_model(
         model: an HF directory (or a path inside it, e.g. its config.json) or a `.gguf` file.
         load_format: "auto" reads the weights from `model`; "dummy" fills them with random
             values of a sane scale, the same for the same seed (on the same device).
-        quantization: None, or "int8", "int4" or "fp8": the linear layers' weights
-            (qkv, o, gate_up, down) are quantized (quant/weights.py), each as it lands;
-            "gguf" (a `.gguf` model only): those whose tensors are Q4_0/Q4_1/Q4_K/Q8_0
-            keep their blocks (Q8_0 where the CPU kernel runs it);
-            "awq", "gptq" (a checkpoint of that quant_method): they keep its 4-bit groups;
-            "fp8" on an HF fp8 checkpoint: they keep its e4m3 blocks. The weights a
-            checkpoint keeps quantized are never made in float (quant/placement.py).
+        quantization: None, or a method of octavo/quant (its __init__ lists them): the
+            Linears it claims take its QuantizedWeights, never made whole in float.
     Returns:
         The model in eval mode, with requires_grad off.
     Raises:
-        ValueError: unknown load_format or quantization, fp8 on a GPU without FP8, a
-            quantization that does not fit the checkpoint's quantization_config, no weight
-            files, or a checkpoint that misses or has extra weights.
+        ValueError: unknown load_format or quantization, a quantization that does not fit
+            the device or the checkpoint, no weight files, or a checkpoint that misses or has
+            extra weights.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     device = torch.device(device)
-    check_quantization(quantization, device, hf_config, load_format)
-    fp8_blocks = load_format != "dummy" and checkpoint_method(hf_config) == "fp8"  # as it is
-    _check_gguf_source(quantization, model, load_format)
-    # A checkpoint's own quantized tensors stand in for the Linear weights they cover, which
-    # are never made in float; float ones quantized on load are made one Linear at a time.
-    # Linear weights start on the meta device then (LINEAR_WEIGHT_DEVICE).
-    keeps = quantization == "gguf" or quantization in CHECKPOINT_METHODS or fp8_blocks
-    rtn = quantization is not None and not keeps and load_format != "dummy"
-    with _default_dtype(dtype), device, _linear_weights_on("meta" if keeps or rtn else None):
+    method = get_method(quantization, device, hf_config, model, load_format)
+    # Linear weights start on the meta device where a method will make them (one Linear at a
+    # time), so that a load never holds the float projections together.
+    meta = method.name is not None and load_format != "dummy"
+    with _default_dtype(dtype), device, _linear_weights_on("meta" if meta else None):
         net = get_model_class(hf_config)(hf_config)
     net.eval().requires_grad_(False)
     threads = torch.get_num_threads()  # packing for the kernels gains from them, copies not
     with torch.no_grad(), cpu_threads(1 if device.type == "cpu" else None):
         if load_format == "dummy":
             init_dummy_weights(net, seed)
-        elif keeps:
-            _load_keeping(net, model, hf_config, quantization, device, threads)
-        elif rtn:  # each Linear quantized as soon as its float weight has landed
-            linears = {m for m in net.modules() if isinstance(m, Linear)}
-            _load_float_but(net, model, hf_config, linears, device)
-            quantize_as_placed(net, iter_weights(model, hf_config), quantization, device, threads)
         else:
-            loaded = net.load_weights(iter_weights(model, hf_config))
-            _check_all_loaded(net, loaded, model)
-    if quantization is not None and load_format == "dummy":
-        _quantize_linears(net, quantization)
+            source = Checkpoint(model, hf_config)
+            claims = method.claim(net, source, device)
+            _load_float_but(net, method.float_weights(source), set(claims), device, model)
+            method.fill(net, source, claims, device, threads)
+    if load_format == "dummy":
+        with torch.no_grad():
+            method.quantize_random(net)
     return net
-
-
-def _check_gguf_source(quantization: str | None, model: str, load_format: str) -> None:
-    if quantization == "gguf" and (load_format == "dummy" or not model.endswith(".gguf")):
-        raise ValueError(
-            f"quantization='gguf' keeps a GGUF file's blocks: it needs a .gguf model file "
-            f"loaded from disk, got {model!r} with load_format={load_format!r}"
-        )
-
-
-@torch.no_grad()
-def _quantize_linears(net: nn.Module, quantization: str) -> None:
-    """Quantizes every Linear's (random) float weight by `quantization`."""
-    for module in list(net.modules()):
-        if isinstance(module, Linear):
-            module.quantize(quantization)
-
-
-def _load_keeping(
-    net: nn.Module,
-    model: str,
-    hf_config: PretrainedConfig,
-    quantization: str,
-    device: torch.device,
-    threads: int,
-) -> None:
-    """Loads a checkpoint whose Linears keep its quantized tensors as they are (a GGUF
-    file's blocks, AWQ/GPTQ groups and codes, an fp8 checkpoint's e4m3 codes): first their
-    groups or scales, then every float weight, then their codes a Linear at a time."""
-    files = functools.partial(_iter_files, model)
-    if quantization == "gguf":  # its Q4 and Q8_0 tensors never dequantized
-        grids = gguf_groups(net, model, hf_config, device)
-        keep_gguf_vocab(net, model)
-    elif quantization == "fp8":
-        from octavo.quant.fp8_checkpoint import Fp8Checkpoint
-
-        grids = Fp8Checkpoint(files()).place_scales(net, device)
-    else:
-        grids = int4_groups(net, files, hf_config, device)
-    _load_float_but(net, model, hf_config, set(grids), device)
-    if quantization == "gguf":
-        keep_gguf_blocks(net, model, hf_config, grids, device, threads)
-    elif quantization == "fp8":
-        keep_fp8_codes(net, functools.partial(iter_weights, model, hf_config), grids, device)
-    else:
-        keep_int4_codes(net, files, hf_config, grids, device, threads)
 
 
 def _load_float_but(
     net: nn.Module,
-    model: str,
-    hf_config: PretrainedConfig,
+    weights: Iterator[tuple[str, torch.Tensor]],
     kept: set[Linear],
     device: torch.device,
+    source: str,
 ) -> None:
-    """Loads every weight but those of the `kept` Linears (their checkpoint tensors are not
-    read), making each other Linear's weight on `device` first."""
+    """Loads every weight from `weights` but those of the `kept` Linears (their checkpoint
+    tensors are not read), making each other Linear's weight on `device` first."""
     for m in net.modules():
         if isinstance(m, Linear) and m not in kept and m.weight.is_meta:
             old = m.weight
             m.weight = nn.Parameter(torch.empty_like(old, device=device), requires_grad=False)
             m.weight.__dict__.update(old.__dict__)  # its loader and shard ids
     with weight_loaders({m.weight: load_nothing for m in kept}):
-        loaded = net.load_weights(iter_weights(model, hf_config))
-    _check_all_loaded(net, loaded | _already_kept(net), model)
+        loaded = net.load_weights(weights)
+    _check_all_loaded(net, loaded | _already_kept(net), source)
 
 
 def _already_kept(net: nn.Module) -> set[str]:
     """Names of the parameters of the quantized forms placed before the float weights load
     (a GGUF file's LM head and embedding): no float tensor loads them."""
-    kept = (QuantizedWeight, GroupRows)
-    return {f"{prefix}.{name}" for prefix, m in net.named_modules() if isinstance(m, kept)
+    return {f"{prefix}.{name}" for prefix, m in net.named_modules()
+            if prefix.endswith((".quant", ".kept_rows"))
             for name, _ in m.named_parameters()}  # fmt: skip
 
 
@@ -218,23 +146,33 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                 loader(param, full, shard_id)
 
 
-def iter_weights(model: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) pairs from a `.gguf` file or an HF directory's weight files (an AWQ
-    or GPTQ checkpoint's packed 4-bit layers as their float weights; an fp8 checkpoint's
-    without its scales). A tensor may be lazy
-    (LazyTensor, gguf_loader.GGUFWeight): read when a weight loader narrows it."""
-    if model.endswith(".gguf"):
-        from octavo.checkpoint.gguf import iter_gguf_weights
+class Checkpoint:
+    """A model's weight files, as quantization methods read them (quant/method.py's Source):
+    an HF directory's safetensors (or pytorch_model*.bin) or a GGUF file."""
 
-        yield from iter_gguf_weights(model, hf_config, lazy=True)
-    elif checkpoint_method(hf_config) in CHECKPOINT_METHODS:
-        yield from iter_int4_weights(_iter_files(model), int4_format(hf_config), "float")
-    elif checkpoint_method(hf_config) == "fp8":  # its scales are read apart (Fp8Checkpoint)
-        from octavo.quant.fp8_checkpoint import SCALE_SUFFIX
+    def __init__(self, path: str, hf_config: PretrainedConfig) -> None:
+        self.path, self.hf_config = path, hf_config
 
-        yield from ((n, t) for n, t in _iter_files(model) if not n.endswith(SCALE_SUFFIX))
-    else:
-        yield from _iter_files(model)
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) pairs as stored (a GGUF file's dequantized), lazy where they
+        can be (LazyTensor, gguf.GGUFWeight: read when a weight loader narrows them)."""
+        if self.path.endswith(".gguf"):
+            from octavo.checkpoint.gguf import iter_gguf_weights
+
+            return iter_gguf_weights(self.path, self.hf_config, lazy=True)
+        return _iter_files(self.path)
+
+    def gguf_blocks(self, part: str) -> Iterator[tuple[str, torch.Tensor]]:
+        from octavo.checkpoint.gguf import iter_gguf_blocks
+
+        return iter_gguf_blocks(self.path, self.hf_config, part)
+
+    def gguf_tensor(self, name: str):
+        """The GGUF file's tensor `name` as a GGUFWeight, or None."""
+        from octavo.checkpoint.gguf import GGUFWeight, open_gguf
+
+        tensor = open_gguf(self.path).tensors.get(name)
+        return None if tensor is None else GGUFWeight(tensor, None)
 
 
 def _iter_files(model: str) -> Iterator[tuple[str, torch.Tensor]]:

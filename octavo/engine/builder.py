@@ -16,7 +16,7 @@ from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.kernels.cpu import compute_mode
 from octavo.model.config import get_head_dim, get_num_kv_heads
 from octavo.model.parallel import check_tp_size
-from octavo.quant import check_quantization, resolve_quantization
+from octavo.quant import get_method, resolve_quantization
 from octavo.runner import kv_setup
 from octavo.runner.interface import Runner
 from octavo.runner.model_runner import ModelRunner
@@ -114,7 +114,7 @@ def build_engine(
     dev = resolve_device(device)
     _check_parallel(parallel, hf_config, dev)
     quantization = resolve_quantization(quantization, model_path, hf_config, dev, load_format)
-    check_quantization(quantization, dev, hf_config, load_format)
+    get_method(quantization, dev, hf_config, model_path, load_format)  # raises before loading
     torch_dtype = resolve_dtype(dtype, dev)
     kv_dtype = kv_setup.kv_cache_dtype(cache.cache_dtype, torch_dtype, dev)
     tok = load_tokenizer(tokenizer or model_path)

@@ -34,7 +34,6 @@ from octavo.model.parallel import (
     kv_head_range,
     shard_range,
 )
-from octavo.quant.weights import quantize_weight
 
 
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
@@ -123,16 +122,10 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        self.register_module("quant", None)  # a QuantizedWeight once quantize() ran
+        self.register_module("quant", None)  # a QuantizedWeight (octavo/quant) in its place
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         default_weight_loader(param, loaded_weight)
-
-    def quantize(self, method: str) -> None:
-        """Replaces the loaded weight (this rank's shard) by its `method` quantization
-        (quant/weights.py); `weight` is None from then on."""
-        self.quant = quantize_weight(method, self.weight.detach())
-        self.weight = None
 
     # {rows: fn(x, w)}, a GEMM measured faster than F.linear at that many rows; run only
     # while a CUDA graph captures (runner/gemm_tuning.py). Shared by projections of a shape.

@@ -1,7 +1,7 @@
-"""AWQ and GPTQ checkpoints: which quantization option fits a checkpoint, and its 4-bit weights
-(packed eight to an int32) read as their codes and their groups' scales and minimums, which
-the loader (quant/placement.py) keeps as Int4Weights on the checkpoint's own grid (or, for a
-layer with a part that is not 4-bit, as the float weights they stand for).
+"""quantization="awq" | "gptq": an AWQ or GPTQ checkpoint's 4-bit weights (packed eight to an
+int32) read as their codes and their groups' scales and minimums and kept as Int4Weights on
+the checkpoint's own groups; a layer with a part that is not 4-bit loads as the float weights
+they stand for. No 4-bit layer is made in float.
 
     AWQ (AutoAWQ, GEMM version)              GPTQ (AutoGPTQ, GPTQModel; formats v1 and v2)
     qweight int32 [K, N / 8]: 8 output       qweight int32 [K / 8, N]: 8 input rows a word,
@@ -21,11 +21,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from octavo.model.config import get_head_dim
+from octavo.model.layers import Linear
+from octavo.quant.method import QuantMethod, Source, place, place_one_at_a_time
+from octavo.quant.weights import Int4Weight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -39,6 +43,83 @@ _TENSORS = {
     "awq": ("qweight", "qzeros", "scales"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
 }
+
+
+class Int4Checkpoint(QuantMethod):
+    """An AWQ or GPTQ checkpoint's own groups and codes. GPTQ's act order (desc_act) is
+    kept by sorting each Linear's columns by group and permuting its input to match."""
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        self.fmt = int4_format(hf_config)
+        self.name = self.fmt.method
+
+    def float_weights(self, source: Source) -> Iterator[tuple[str, Any]]:
+        return iter_int4_weights(source.tensors(), self.fmt, "float")
+
+    def claim(self, net: nn.Module, source: Source, device: torch.device) -> dict[Linear, Any]:
+        """The groups [N, 2 K / kernel_group_size] (each run of input features' scale and
+        minimum) of each Linear whose tensors are all 4-bit; the others load as float.
+
+        Raises:
+            ValueError: a tensor-parallel shard that starts inside a group.
+        """
+        names = {m: name for name, m in net.named_modules() if isinstance(m, Linear)}
+        run = self.fmt.kernel_group_size
+
+        def grid(m: Linear) -> torch.Tensor:
+            rows, columns = m.weight.shape
+            if columns % run:
+                raise ValueError(
+                    f"quantization={self.name!r}: {names[m]} holds {columns} input features "
+                    f"on this rank, not whole groups of {run}; use a tensor_parallel_size that "
+                    "splits them into whole groups"
+                )
+            return torch.full((rows, 2 * columns // run), float("nan"), device=device)
+
+        stream = iter_int4_weights(source.tensors(), self.fmt, "groups")
+        placed = place(net, {m: lambda m=m: grid(m) for m in names}, stream)
+        return {m: grid for m, grid in placed.items() if not grid.isnan().any()}  # else float
+
+    def fill(self, net, source, claims, device, threads) -> None:
+        """Each claimed Linear's codes uint8 [N, K], packed with its groups as soon as all its
+        parts have landed (with act order, each column's group is placed first)."""
+        run, columns = self.fmt.kernel_group_size, {}
+        names = {m: name for name, m in net.named_modules()}
+        if self.fmt.act_order:  # each column's group, on the CPU
+
+            def order(m: Linear, ids: torch.Tensor) -> None:
+                if (cols := _group_order(ids, run, names[m])) is not None:
+                    columns[m] = cols.to(device)
+
+            ids = iter_int4_weights(source.tensors(), self.fmt, "group_ids")
+            place(net, {m: lambda m=m: _ids_scratch(m) for m in claims}, ids, order)
+
+        def keep(m: Linear, codes: torch.Tensor) -> Int4Weight:
+            grid, cols = claims.pop(m), columns.pop(m, None)  # each dropped once packed
+            codes = codes if cols is None else codes[:, cols]
+            grid = (grid[:, 0::2], grid[:, 1::2])
+            return Int4Weight(m.weight, run, grid=grid, columns=cols, codes=codes)
+
+        codes = iter_int4_weights(source.tensors(), self.fmt, "codes")
+        place_one_at_a_time(net, dict(claims), codes, torch.uint8, device, keep, threads)
+
+
+def _ids_scratch(m: Linear) -> torch.Tensor:
+    return torch.empty(m.weight.shape, dtype=torch.float32)
+
+
+def _group_order(ids: torch.Tensor, size: int, name: str) -> torch.Tensor | None:
+    """The column order that turns `ids` [N, K] (each column's group, in every row) into runs
+    of `size` columns of one group; None when they are in order already."""
+    order = torch.argsort(ids[0], stable=True)
+    runs = ids[0][order].view(-1, size) if ids.shape[1] % size == 0 else None
+    if (ids != ids[:1]).any() or runs is None or (runs != runs[:, :1]).any():
+        raise ValueError(
+            f"{name}: the checkpoint's act order (desc_act) does not give its input features "
+            f"on this rank in whole groups of {size} shared by its fused parts; use "
+            "tensor_parallel_size=1"
+        )
+    return None if torch.equal(order, torch.arange(len(order))) else order
 
 
 @dataclass(frozen=True)
@@ -126,7 +207,7 @@ def iter_int4_weights(
 
 
 def _read(tensor) -> torch.Tensor:
-    """A lazy tensor (checkpoint/loader.py) read whole; a tensor as it is."""
+    """A lazy tensor (checkpoint/loader.py's LazyTensor) read whole; a tensor as it is."""
     return tensor if isinstance(tensor, torch.Tensor) else tensor.narrow(0, 0, tensor.shape[0])
 
 

@@ -1,4 +1,4 @@
-"""An HF fp8 checkpoint read as it is: e4m3 weights, each with a float32 scale per 128 x 128
+"""quantization="fp8" on an HF fp8 checkpoint, read as it is: e4m3 weights, each with a float32 scale per 128 x 128
 block (`<name>.weight_scale_inv`, w = q * scale), as Qwen3's and DeepSeek's FP8 releases.
 
 The scales are read first and placed by the model's weight loaders: each Linear's loader
@@ -6,29 +6,87 @@ gets a `BlockGrid` in place of its weight and one in place of the checkpoint ten
 matrices in element units that hold one value per block. The loaders only narrow and copy,
 so fusing and tensor-parallel slicing put each block's scale where they put the block's
 values. The e4m3 codes of the Linears that got scales then go through the same loaders into
-e4m3 scratch (quant/placement.py), never into float weights:
+e4m3 scratch, never into float weights (Fp8BlockWeight):
 
     qkv_proj.weight  [(H + 2 * KVH) * D, hidden]   rows: | q: H * D | k: KVH * D | v: KVH * D |
     its scales       [(H + 2 * KVH) * D / 128, hidden / 128]   the same row ranges, / 128
 
-A fused part or a rank's slice that starts or ends inside a block is a ValueError.
+A fused part or a rank's slice that starts or ends inside a block is a ValueError. A
+projection without scales (the checkpoint's `modules_to_not_convert`) stays float.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
 
+from octavo.kernels.capability import check_fp8_device
 from octavo.model.layers import Linear
-from octavo.quant.placement import Files, place, weight_loaders
+from octavo.quant.fp8 import Fp8BlockWeight
+from octavo.quant.method import QuantMethod, Source, place_one_at_a_time, weight_loaders
 from octavo.quant.rounding import FP8_BLOCK
-from octavo.quant.weights import Fp8BlockWeight
 
 SCALE_SUFFIX = ".weight_scale_inv"
+
+
+def parse_fp8_config(config: dict) -> tuple[int, int]:
+    """An HF fp8 `quantization_config` (quant_method "fp8") -> its weight block size, once
+    checked to be what octavo reads as it is: e4m3 weights with a float32 scale per 128 x 128
+    block (`<name>.weight_scale_inv`, w = q * scale) and activations quantized at each call.
+
+    Raises:
+        ValueError: naming the field octavo cannot read.
+    """
+    block = config.get("weight_block_size")
+    if block is None:
+        raise ValueError(
+            "quantization_config: an fp8 checkpoint without weight_block_size (one scale per "
+            "tensor or per channel) is not supported; octavo reads weight_block_size [128, 128]"
+        )
+    if list(block) != [FP8_BLOCK] * 2:
+        raise ValueError(
+            f"quantization_config: weight_block_size {list(block)} is not supported; "
+            f"octavo reads [{FP8_BLOCK}, {FP8_BLOCK}]"
+        )
+    for field, supported in (
+        ("fmt", "e4m3"),
+        ("activation_scheme", "dynamic"),
+        ("scale_fmt", "float"),
+    ):
+        value = config.get(field, supported)
+        if value != supported:
+            raise ValueError(
+                f"quantization_config: {field}={value!r} is not supported; octavo reads "
+                f"{field}={supported!r}"
+            )
+    return FP8_BLOCK, FP8_BLOCK
+
+
+class Fp8BlockCheckpoint(QuantMethod):
+    name = "fp8"
+
+    def __init__(self, config: dict) -> None:
+        parse_fp8_config(config)
+
+    def check(self, device: torch.device, model_path: str | None, load_format: str) -> None:
+        check_fp8_device("quantization='fp8'", device)
+
+    def float_weights(self, source: Source) -> Iterator[tuple[str, Any]]:
+        return ((n, t) for n, t in source.tensors() if not n.endswith(SCALE_SUFFIX))
+
+    def claim(self, net: nn.Module, source: Source, device: torch.device) -> dict[Linear, Any]:
+        return _Scales(source.tensors()).place(net, device)
+
+    def fill(self, net, source, claims, device, threads) -> None:
+        def keep(m: Linear, codes: torch.Tensor) -> Fp8BlockWeight:
+            return Fp8BlockWeight(codes, claims.pop(m).blocks, m.weight.dtype)
+
+        codes, fp8 = self.float_weights(source), torch.float8_e4m3fn
+        place_one_at_a_time(net, dict(claims), codes, fp8, device, keep, threads)
 
 
 class BlockGrid:
@@ -87,10 +145,10 @@ def _blocks_of(shape: tuple[int, int]) -> tuple[int, int]:
     return -(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK)
 
 
-class Fp8Checkpoint:
+class _Scales:
     """An fp8 checkpoint's scales (read whole: they are small) and its weights' shapes, read
-    from `weights` (its tensors, lazy ones not read); `place_scales` finds the Linears they
-    cover, whose e4m3 codes the loader then keeps in Fp8BlockWeights."""
+    from `weights` (its tensors, lazy ones not read); `place` finds the Linears they
+    cover, whose e4m3 codes are then kept in Fp8BlockWeights."""
 
     def __init__(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.scales: dict[str, torch.Tensor] = {}  # weight name -> [N / 128, K / 128]
@@ -103,7 +161,7 @@ class Fp8Checkpoint:
             elif name.endswith(".weight"):
                 self.shapes[name] = tuple(tensor.shape)
 
-    def place_scales(self, net: nn.Module, device: torch.device) -> dict[Linear, BlockGrid]:
+    def place(self, net: nn.Module, device: torch.device) -> dict[Linear, BlockGrid]:
         """Places the scales through the model's weight loaders; returns the grid of each
         Linear that got scales for all its weight (one that got none, a module the
         checkpoint keeps in float, is left out).
@@ -174,20 +232,3 @@ def _loaders_onto(
 
         loaders[param] = load
     return weight_loaders(loaders)
-
-
-def keep_fp8_codes(
-    net: nn.Module, weights: Files, grids: dict[Linear, BlockGrid], device: torch.device
-) -> None:
-    """Gives each Linear of `grids` (Fp8Checkpoint.place_scales) an Fp8BlockWeight on its
-    e4m3 codes from the checkpoint's `weights`, placed into scratch one Linear at a time (as
-    keep_int4_codes)."""
-
-    def keep(m: Linear, codes: torch.Tensor) -> None:
-        m.quant = Fp8BlockWeight(codes, grids.pop(m).blocks, m.weight.dtype)
-        m.weight = None
-
-    fp8 = torch.float8_e4m3fn
-    make = {m: functools.partial(torch.empty, tuple(m.weight.shape), dtype=fp8, device=device)
-            for m in grids}  # fmt: skip
-    place(net, make, weights(), finish=keep)

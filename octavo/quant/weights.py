@@ -1,22 +1,17 @@
-"""Linear weights quantized on load by round-to-nearest, and y = x W^T through them.
+"""QuantizedWeight: the module a Linear holds in place of its float weight, computing
+y = x W^T; and the two 4/8-bit integer forms most methods keep (fp8's are quant/fp8.py's,
+GGUF's Q8_0 quant/gguf.py's).
 
-    int8  int8 weights, one scale per output row (symmetric); activations in the model's dtype.
-    int4  4-bit weights in groups of GROUP_SIZE input columns, each with a scale and a
-          minimum (asymmetric, as GGUF's Q4_1 and AWQ): w ~ q * scale + min, q in 0..15.
-    fp8   W8A8: e4m3 weights with one scale per output row, and activations quantized to e4m3
-          with one scale per token at each call (one row on Hopper: W8A16, a Triton GEMV).
-          An HF fp8 checkpoint keeps its own e4m3 weights and its scale per 128 x 128 block
-          (Fp8BlockWeight); its activations take a scale per token and 128 columns.
-    gguf  a GGUF file's Q4_0/Q4_1/Q4_K blocks kept as int4 on the file's groups of 32, its
-          Q8_0 ones as 8-bit codes (Q8Weight); awq, gptq: a checkpoint's 4-bit groups.
+    Int8Weight  int8, one scale per output row (symmetric): quantization="int8".
+    Int4Weight  4-bit codes in groups of input columns, each group with a scale and a minimum:
+                w = q * scale + min, q in 0..15 (asymmetric, as GGUF's Q4_1 and AWQ). Rounded
+                to nearest (quantization="int4", groups of GROUP_SIZE), or a checkpoint's own
+                codes and groups (gguf, awq, gptq).
 
-Each method is a `QuantizedWeight` module that a `Linear` (model/layers.py) holds in place of
-its float weight, built from the shard this rank loaded (quant/rounding.py holds the
-quantizers and their references). Where the products run: on the CPU, float32 models in
-octavo's C kernel (kernels/cpu.py), 16-bit ones in torch's weight-packed kernels
-(quant/cpu_packing.py); on CUDA with 16-bit weights, octavo's Triton GEMMs
-(kernels/quant_gemm.py), fp8 torch._scaled_mm on Hopper; elsewhere the dequantized weight
-(fp8 emulated: activations to e4m3 and back, then a matmul).
+Where the products run: on the CPU, float32 models in octavo's C kernel (kernels/cpu.py),
+16-bit ones in torch's weight-packed kernels (quant/cpu_packing.py); on CUDA with 16-bit
+weights, octavo's Triton GEMMs (kernels/quant_gemm.py); elsewhere the dequantized weight
+(quant/rounding.py holds the quantizers and their references).
 """
 
 from __future__ import annotations
@@ -26,22 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.kernels import cpu as cpu_kernels
-from octavo.quant.cpu_packing import (
-    pack_int4_for_torch,
-    pack_int8_for_octavo,
-    q8_planes,
-    scale_zero,
-)
-from octavo.quant.rounding import (
-    FP8_BLOCK,
-    dequantize_fp8_blocks,
-    dequantize_int4,
-    dequantize_int8,
-    quantize_fp8,
-    quantize_fp8_blocks,
-    quantize_int4,
-    quantize_int8,
-)
+from octavo.quant.cpu_packing import pack_int4_for_torch, pack_int8_for_octavo
+from octavo.quant.rounding import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 GROUP_SIZE = 128
 # Up to this many rows the CPU's int8 kernel beats dequantizing the weight for one float GEMM.
@@ -53,27 +34,16 @@ CPU_KERNELS = hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(
 )
 
 
-def quantize_weight(method: str, weight: torch.Tensor) -> QuantizedWeight:
-    """weight [N, K] (output rows, input columns) -> its `method` quantization."""
-    classes = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight}
-    if method not in classes:  # gguf, awq, gptq: a checkpoint's own groups (Int4Weight's grid)
-        raise ValueError(
-            f"quantization={method!r} cannot quantize float weights (gguf, awq and gptq keep a "
-            f"checkpoint's own 4-bit groups); use one of {tuple(classes)}"
-        )
-    return classes[method](weight)
-
-
-def _frozen(t: torch.Tensor) -> nn.Parameter:
+def frozen(t: torch.Tensor) -> nn.Parameter:
     """A parameter, so that the weight counts among the model's (e.g. in memory floors)."""
     return nn.Parameter(t, requires_grad=False)
 
 
-def _uses_cpu_kernels(device: torch.device) -> bool:
+def uses_cpu_kernels(device: torch.device) -> bool:
     return device.type == "cpu" and CPU_KERNELS
 
 
-def _uses_gpu_kernels(
+def uses_gpu_kernels(
     device: torch.device, dtype: torch.dtype, group_size: int | None = None
 ) -> bool:
     """Whether the product runs kernels/quant_gemm.py's Triton GEMMs: on CUDA with 16-bit
@@ -108,20 +78,20 @@ class Int8Weight(QuantizedWeight):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(weight)
-        self.cpu_kernel = _uses_cpu_kernels(weight.device)
-        self.gpu_kernel = _uses_gpu_kernels(weight.device, weight.dtype)
+        self.cpu_kernel = uses_cpu_kernels(weight.device)
+        self.gpu_kernel = uses_gpu_kernels(weight.device, weight.dtype)
         self.packed = None
         if self.cpu_kernel and cpu_kernels.available(weight.dtype):
             q, scale = quantize_int8(weight, torch.float32)
             self.packed = pack_int8_for_octavo(q, scale)
-            self.qweight = _frozen(self.packed.data)
+            self.qweight = frozen(self.packed.data)
             return
         q, scale = quantize_int8(weight, torch.bfloat16 if self.cpu_kernel else weight.dtype)
         if self.gpu_kernel:
             from octavo.kernels.quant_gemm import pack_int8
 
             q = pack_int8(q)  # int32 [N, Kp / 4]
-        self.qweight, self.scale = _frozen(q), _frozen(scale)
+        self.qweight, self.scale = frozen(q), frozen(scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -163,8 +133,8 @@ class Int4Weight(QuantizedWeight):
         self.register_buffer("columns", columns)
         self.group_size = group_size
         device = weight.device if codes is None else codes.device
-        self.cpu_kernel = _uses_cpu_kernels(device)
-        self.gpu_kernel = _uses_gpu_kernels(device, weight.dtype, group_size)
+        self.cpu_kernel = uses_cpu_kernels(device)
+        self.gpu_kernel = uses_gpu_kernels(device, weight.dtype, group_size)
         # float32 on the CPU: octavo's kernel, float32 throughout; else torch's, in bfloat16.
         octavo_cpu = self.cpu_kernel and cpu_kernels.available(weight.dtype)
         self.packed = None
@@ -183,18 +153,18 @@ class Int4Weight(QuantizedWeight):
             self.packed = cpu_kernels.pack_weight(
                 codes=q, scale=scale, lo=lo, in_features=self.in_features
             )
-            self.qweight = _frozen(self.packed.data)  # codes with their scales and minimums
+            self.qweight = frozen(self.packed.data)  # codes with their scales and minimums
         elif self.cpu_kernel:
             packed, scale_zero = pack_int4_for_torch(q, scale, lo)
-            self.qweight, self.qscale_zero = _frozen(packed), _frozen(scale_zero)
+            self.qweight, self.qscale_zero = frozen(packed), frozen(scale_zero)
         elif self.gpu_kernel:
             from octavo.kernels.quant_gemm import pack_int4
 
-            self.qweight = _frozen(pack_int4(q, group_size))  # int32 [N, Kp / 8]
-            self.scale, self.min = _frozen(scale), _frozen(lo)
+            self.qweight = frozen(pack_int4(q, group_size))  # int32 [N, Kp / 8]
+            self.scale, self.min = frozen(scale), frozen(lo)
         else:
-            self.qweight = _frozen(q[:, 0::2] | (q[:, 1::2] << 4))  # [N, Kp / 2]
-            self.scale, self.min = _frozen(scale), _frozen(lo)
+            self.qweight = frozen(q[:, 0::2] | (q[:, 1::2] << 4))  # [N, Kp / 2]
+            self.scale, self.min = frozen(scale), frozen(lo)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.columns is not None:
@@ -218,181 +188,3 @@ class Int4Weight(QuantizedWeight):
         q = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
         w = dequantize_int4(q, self.scale, self.min, self.in_features, x.dtype)
         return cpu_kernels.dense(x, w)
-
-
-class Q8Weight(QuantizedWeight):
-    """8-bit codes u [N, K] (uint8) with a scale and a minimum per group of 32 columns
-    [N, G]: w = u * scale + min. GGUF's Q8_0 (int8 c with a scale d) is u = c + 128 with
-    min -128 d; a 4-bit group (Q4_0, Q4_1, Q4_K) is one whose codes stay below 16.
-
-    On the CPU it runs torch's int4 kernel twice: u is 16 h + l with h, l in 0..15, so the
-    product is that of h (scale 16 s, min m) plus that of l (scale s): two 4-bit planes
-    that read as many bytes as the 8-bit codes. Elsewhere it dequantizes."""
-
-    method = "gguf"
-
-    def __init__(
-        self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype
-    ) -> None:
-        super().__init__(torch.empty(codes.shape, dtype=dtype, device="meta"))
-        self.cpu_kernel = Q8Weight.runs_kernel(codes.device, codes.shape[0], dtype)
-        self.packed = None
-        if self.cpu_kernel and cpu_kernels.available(dtype):
-            self.packed = cpu_kernels.pack_weight(codes=codes, scale=scale, lo=lo)
-            self.codes = _frozen(self.packed.data)  # codes with their scales and minimums
-        elif self.cpu_kernel:
-            s, m = scale.to(torch.bfloat16), lo.to(torch.bfloat16)
-            # The minimum joins the plane where the kernel's bfloat16 zero stays exact: the
-            # high one for Q8_0's -128 s (its zero is then 0), else the low one (a 4-bit
-            # group's zero is then Int4Weight's).
-            m_high = torch.where(m == -128 * s, m, torch.zeros_like(m))
-            self.high, self.low = map(_frozen, q8_planes(codes))
-            self.high_scale_zero = _frozen(scale_zero(16 * s, m_high))  # 16 s h (+ m)
-            self.low_scale_zero = _frozen(scale_zero(s, m - m_high))  # s l (+ m)
-        else:
-            self.codes = _frozen(codes)
-            self.scale, self.min = _frozen(scale.to(dtype)), _frozen(lo.to(dtype))
-
-    @staticmethod
-    def runs_kernel(device: torch.device, rows: int, dtype: torch.dtype) -> bool:
-        """Whether codes of `rows` rows on `device` run a CPU kernel (else each product
-        dequantizes): octavo's for float32, torch's for 16-bit rows in 16s."""
-        return _uses_cpu_kernels(device) and (rows % 16 == 0 or cpu_kernels.available(dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return cpu_kernels.linear(x, self.packed)
-        if self.cpu_kernel:
-            x16 = x.to(torch.bfloat16)
-            y = torch._weight_int4pack_mm_for_cpu(x16, self.high, 32, self.high_scale_zero)
-            y = y.float() + torch._weight_int4pack_mm_for_cpu(
-                x16, self.low, 32, self.low_scale_zero
-            )
-            return y.to(x.dtype)
-        return cpu_kernels.dense(
-            x, dequantize_int4(self.codes, self.scale, self.min, self.in_features, x.dtype)
-        )
-
-
-class GroupRows(nn.Module):
-    """An embedding table kept as codes u [V, H] (uint8) with a scale and a minimum per group
-    of 32 columns [V, H / 32] (float32): w = u * scale + min, as in Q8Weight. A lookup
-    dequantizes only the rows it reads, in float32 and then `dtype`: a GGUF file's token
-    embedding stays in its blocks, as vLLM keeps it."""
-
-    def __init__(
-        self, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype
-    ) -> None:
-        super().__init__()
-        self.dtype = dtype
-        self.codes, self.scale, self.min = _frozen(codes), _frozen(scale), _frozen(lo)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] -> rows [T, H] in `dtype`."""
-        codes, scale, lo = self.codes[ids], self.scale[ids], self.min[ids]
-        return dequantize_int4(codes, scale, lo, codes.shape[1], torch.float32).to(self.dtype)
-
-
-class Fp8Weight(QuantizedWeight):
-    """W8A8: e4m3 [N, K] and a float32 scale per row; each call quantizes x per token."""
-
-    method = "fp8"
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__(weight)
-        q, scale = quantize_fp8(weight)
-        self.qweight, self.scale = _frozen(q), _frozen(scale)
-        # torch._scaled_mm's row-wise scales need Hopper, bfloat16 out and dims of 16s.
-        self.scaled_mm = (
-            weight.is_cuda
-            and torch.cuda.get_device_capability(weight.device) >= (9, 0)
-            and weight.dtype == torch.bfloat16
-            and self.in_features % 16 == 0
-            and self.out_features % 16 == 0
-        )
-        if self.scaled_mm:
-            from octavo.kernels import quant_gemm
-
-            quant_gemm.prepare(weight.device)  # the GEMV's split-K counters, before any graph
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scaled_mm and x.numel() == self.in_features:
-            # One row: the Triton GEMV reads the codes as they are and keeps x in 16 bits;
-            # cuBLASLt would pad the row to its fp8 tile.
-            from octavo.kernels.quant_gemm import fp8_gemv
-
-            return fp8_gemv(x, self.qweight, self.scale)
-        if self.scaled_mm:
-            from octavo.kernels.quant_fp8 import per_token_quant_fp8
-
-            xq, x_scale = per_token_quant_fp8(x)  # [T, K] e4m3, [T]: one kernel
-            return torch._scaled_mm(
-                xq, self.qweight.t(), scale_a=x_scale[:, None], scale_b=self.scale[None, :],
-                out_dtype=x.dtype,
-            )  # fmt: skip
-        xq, x_scale = quantize_fp8(x)
-        y = cpu_kernels.dense(xq.to(x.dtype), self.qweight.to(x.dtype))
-        return y * x_scale.to(x.dtype)[:, None] * self.scale.to(x.dtype)
-
-
-class Fp8BlockWeight(QuantizedWeight):
-    """W8A8 in blocks, as an HF fp8 checkpoint stores it (`weight_block_size` [128, 128]): e4m3
-    codes [N, K] and a float32 scale per 128 x 128 block [ceil(N / 128), ceil(K / 128)] with
-    w = q * scale; each call quantizes x per token and 128 columns.
-
-    On Hopper, torch's block-scaled GEMM (F.scaled_mm, BlockWise1x128 activations against
-    BlockWise128x128 weights, through cuBLASLt), and one row through the Triton GEMV on the same
-    codes (x kept in 16 bits); elsewhere emulated: both dequantized, then a matmul in x's dtype
-    (the reference the GPU path is tested against).
-    """
-
-    method = "fp8"
-
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
-        super().__init__(torch.empty(codes.shape, dtype=dtype, device="meta"))
-        self.qweight, self.scale = _frozen(codes), _frozen(scale.float())
-        # torch's block-scaled GEMM runs on sm90 only; whole blocks keep it to one layout.
-        self.scaled_mm = (
-            codes.is_cuda
-            and torch.cuda.get_device_capability(codes.device)[0] == 9
-            and hasattr(F, "scaled_mm")
-            and dtype == torch.bfloat16
-            and self.in_features % FP8_BLOCK == 0
-            and self.out_features % FP8_BLOCK == 0
-        )
-        if self.scaled_mm:
-            # cuBLASLt reads the weight's scales with the K blocks padded to 4s: [N/128, Kb4],
-            # passed transposed ([Kb4, N/128], column-major).
-            self.register_buffer(
-                "mm_scale", F.pad(scale, (0, -scale.shape[1] % 4)), persistent=False
-            )
-            from octavo.kernels import quant_gemm
-
-            quant_gemm.prepare(codes.device)  # the GEMV's split-K counters, before any graph
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scaled_mm and x.numel() == self.in_features:
-            from octavo.kernels.quant_gemm import fp8_gemv
-
-            return fp8_gemv(x, self.qweight, self.scale, block_size=FP8_BLOCK)
-        if self.scaled_mm:
-            return self._scaled_mm(x)
-        xq, x_scale = quantize_fp8_blocks(x, 1, FP8_BLOCK)  # [T, K] e4m3, [T, K/128]
-        xd = dequantize_fp8_blocks(xq, x_scale, 1, FP8_BLOCK, x.dtype)
-        w = dequantize_fp8_blocks(self.qweight, self.scale, FP8_BLOCK, FP8_BLOCK, x.dtype)
-        return cpu_kernels.dense(xd, w)
-
-    def _scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows % 4:  # cuBLASLt: the activations' scales, column-major, in whole 16 bytes
-            x = F.pad(x, (0, 0, 0, -rows % 4))
-        from octavo.kernels.quant_fp8 import per_group_quant_fp8
-
-        xq, x_scale = per_group_quant_fp8(x, FP8_BLOCK, column_major_scales=True)
-        y = F.scaled_mm(
-            xq, self.qweight.t(),
-            x_scale, F.ScalingType.BlockWise1x128,
-            self.mm_scale.t(), F.ScalingType.BlockWise128x128,
-            output_dtype=x.dtype,
-        )  # fmt: skip
-        return y[:rows]

@@ -130,7 +130,7 @@ def test_gguf_keeps_the_files_q4_blocks(llm_factory, monkeypatch):
     from octavo.checkpoint.loader import load_model
     from octavo.engine.builder import resolve_model
     from octavo.model.layers import Linear
-    from octavo.quant import rounding
+    from octavo.quant import gguf, rounding
     from octavo.quant import weights as quantization
 
     runner = llm_factory().engine.runner
@@ -150,7 +150,7 @@ def test_gguf_keeps_the_files_q4_blocks(llm_factory, monkeypatch):
         )
         assert torch.equal(back, plain[name].weight), name
     head = kept.lm_head.quant  # the tied Q8_0 embedding: its codes (+ 128) and block scales
-    assert isinstance(head, quantization.Q8Weight)
+    assert isinstance(head, gguf.Q8Weight)
     expand = lambda t: t.repeat_interleave(32, dim=1)
     back = head.codes.float() * expand(head.scale) + expand(head.min)
     assert torch.equal(back, plain["lm_head"].weight)

@@ -22,8 +22,7 @@ from model_utils import PagedRunner
 from octavo.checkpoint.hf_config import load_hf_config
 from octavo.checkpoint.loader import load_model
 from octavo.model.layers import Linear
-from octavo.quant import rounding
-from octavo.quant import weights as q
+from octavo.quant import fp8, rounding
 
 pytestmark = pytest.mark.gpu
 HOPPER = torch.cuda.get_device_capability()[0] == 9  # where torch's block-scaled GEMM runs
@@ -37,14 +36,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def _layer(n: int, k: int, seed: int) -> tuple[q.Fp8BlockWeight, torch.Tensor]:
+def _layer(n: int, k: int, seed: int) -> tuple[fp8.Fp8BlockWeight, torch.Tensor]:
     """A block weight whose blocks have magnitudes 2^-4..2^4 (a scale read from the wrong
     block is off by up to 2^8), and its float64 dequantized weight."""
     gen = torch.Generator().manual_seed(seed)
     magnitude = 2 ** (torch.rand(-(-n // 128), -(-k // 128), generator=gen) * 8 - 4)
     w = torch.randn(n, k, generator=gen) * per_block(magnitude, (n, k))
     codes, scale = rounding.quantize_fp8_blocks(w, 128, 128)
-    layer = q.Fp8BlockWeight(codes.cuda(), scale.cuda(), torch.bfloat16)
+    layer = fp8.Fp8BlockWeight(codes.cuda(), scale.cuda(), torch.bfloat16)
     return layer, rounding.dequantize_fp8_blocks(codes, scale, 128, 128, torch.float64)
 
 

@@ -21,6 +21,7 @@ from model_utils import PagedRunner, hf_logits, rel_err
 from octavo.checkpoint.hf_config import load_hf_config
 from octavo.checkpoint.loader import load_model
 from octavo.model.layers import Linear
+from octavo.quant import rtn
 
 CUDA = torch.device("cuda")
 # Heads of 128 and an MLP of 4096: projections of 1-8 M weights, 8 layers of them, so that a
@@ -94,7 +95,7 @@ def test_float_checkpoint_quantized_on_load_never_holds_the_float_projections(me
     reference = load_model(float_path, cfg, torch.bfloat16, CUDA)
     for m in reference.modules():
         if isinstance(m, Linear):
-            m.quantize(method)
+            rtn.quantize(m, method)
     expected = reference.state_dict()
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, expected[name]), name

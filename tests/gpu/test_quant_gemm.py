@@ -26,7 +26,7 @@ if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
 
 from octavo.kernels import quant_gemm as qg
-from octavo.quant import rounding
+from octavo.quant import fp8, rounding
 from octavo.quant import weights as q
 
 pytestmark = pytest.mark.gpu
@@ -367,7 +367,7 @@ def test_fp8_weight_runs_the_gemv_at_one_row_eagerly_and_in_graphs():
         pytest.skip("torch._scaled_mm's fp8 path needs Hopper")
     n, k = 2048, 1536
     g = _gen(9)
-    layer = q.Fp8Weight((torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16())
+    layer = fp8.Fp8Weight((torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16())
     assert layer.scaled_mm
     w_exact = rounding.dequantize_fp8(layer.qweight, layer.scale, torch.float64)
     w_dtype = rounding.dequantize_fp8(layer.qweight, layer.scale, torch.bfloat16)

@@ -22,9 +22,9 @@ from octavo.checkpoint.hf_config import load_hf_config
 from octavo.checkpoint.loader import load_model
 from octavo.model.layers import Linear
 from octavo.model.parallel import set_tp
-from octavo.quant import check_quantization, checkpoint_method, resolve_quantization
+from octavo.quant import checkpoint_method, get_method, resolve_quantization
+from octavo.quant.fp8 import Fp8BlockWeight, Fp8Weight
 from octavo.quant.rounding import dequantize_fp8_blocks, quantize_fp8_blocks
-from octavo.quant.weights import Fp8BlockWeight, Fp8Weight
 
 
 def _load(path: str, quantization: str | None = None, load_format: str = "auto"):
@@ -141,7 +141,7 @@ def test_auto_takes_the_checkpoint_quantization_and_others_disagree(checkpoints)
 
     def checked(option, config, load_format="auto"):
         method = resolve_quantization(option, checkpoints[0], config, cpu, load_format)
-        check_quantization(method, cpu, config, load_format)
+        get_method(method, cpu, config, checkpoints[0], load_format)
         return method
 
     assert checkpoint_method(cfg) == "fp8"

@@ -17,6 +17,7 @@ from octavo.checkpoint.hf_config import load_hf_config
 from octavo.checkpoint.loader import load_model
 from octavo.model.layers import Linear
 from octavo.model.parallel import set_tp
+from octavo.quant import gguf as gguf_method
 from octavo.quant import rounding
 from octavo.quant import weights as quantization
 
@@ -156,7 +157,7 @@ def test_q8_0_projections_keep_their_blocks(tmp_path, monkeypatch):
         kept = _linears(load_model(path, hf_config, torch.float32, CPU, quantization="gguf"))
         for name in names or kept:
             module, w = kept[name], plain[name].weight
-            assert isinstance(module.quant, quantization.Q8Weight), name
+            assert isinstance(module.quant, gguf_method.Q8Weight), name
             assert module.quant.cpu_kernel and module.weight is None, name
             xi = x[:, : w.shape[1]]
             want = xi @ w.t()

@@ -19,6 +19,7 @@ from octavo.checkpoint.hf_config import load_hf_config
 from octavo.checkpoint.loader import load_model
 from octavo.model.layers import Linear
 from octavo.model.parallel import set_tp
+from octavo.quant import rtn
 from octavo.quant import weights as quantization
 from octavo.quant.awq_gptq import _unpack
 
@@ -205,7 +206,7 @@ def test_a_layer_with_a_float_part_loads_as_float(tmp_path, monkeypatch, method,
 def test_placing_raises_when_a_linears_parts_do_not_all_land(tmp_path):
     """place() with `finish`: a fused Linear that got only some of its parts (q, not k and v)
     is a RuntimeError, not a Linear left half placed; the weight loaders are restored."""
-    from octavo.quant.placement import place
+    from octavo.quant.method import place
 
     _, float_path, _ = write_checkpoint("llama", tmp_path, "awq", group_size=64)
     net = _load(float_path)
@@ -277,7 +278,7 @@ def test_options_that_do_not_fit_the_checkpoint_raise(tmp_path):
     with pytest.raises(ValueError, match="quantization='gptq' .*load_format='dummy'"):
         _load(path, quantization="gptq", load_format="dummy")
     with pytest.raises(ValueError, match="quantization='awq' cannot quantize float weights"):
-        quantization.quantize_weight("awq", torch.randn(8, 32))
+        rtn.quantize_weight("awq", torch.randn(8, 32))
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ dequantizing paths other devices take; the round trips' error bounds; the ValueE
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ import octavo.quant as quant_method
 from octavo.kernels import cpu as cpu_kernels
 from octavo.model.layers import MergedLinear, RowParallelLinear
 from octavo.model.parallel import set_tp
-from octavo.quant import cpu_packing, rounding
+from octavo.quant import cpu_packing, fp8, gguf, rounding, rtn
 from octavo.quant import weights as q
 
 # (rows, in features, out features): a decode row, batches on either side of the int8
@@ -73,7 +75,7 @@ def test_int4_matches_dequantized_reference(path, rows, k, n):
 @pytest.mark.parametrize("rows,k,n", SHAPES)
 def test_fp8_matches_emulated_reference(rows, k, n):
     w, x = torch.randn(n, k), torch.randn(rows, k) * 3
-    weight = q.Fp8Weight(w)
+    weight = fp8.Fp8Weight(w)
     xq, x_scale = rounding.quantize_fp8(x)  # per token
     ref = (
         rounding.dequantize_fp8(xq, x_scale, torch.float64)
@@ -89,7 +91,7 @@ def test_fp8_blocks_match_emulated_reference(rows, k, n):
     included) against both dequantized, then a float64 matmul."""
     w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]  # blocks of different scales
     codes, scale = rounding.quantize_fp8_blocks(w, 128, 128)
-    weight = q.Fp8BlockWeight(codes, scale, torch.float32)
+    weight = fp8.Fp8BlockWeight(codes, scale, torch.float32)
     x = torch.randn(rows, k) * 3
     xq, x_scale = rounding.quantize_fp8_blocks(x, 1, 128)
     ref = (
@@ -169,7 +171,7 @@ def test_q8_weight_matches_its_dequantized_blocks(path, rows):
     u[:, 64:] &= 15  # the last group of each row: 4-bit codes with a minimum of its own
     lo[:, 2] = torch.randn(208) * 0.05
     weight = u.float() * scale.repeat_interleave(32, dim=1) + lo.repeat_interleave(32, dim=1)
-    layer = q.Q8Weight(u, scale, lo, _dtype(path))
+    layer = gguf.Q8Weight(u, scale, lo, _dtype(path))
     x = torch.randn(rows, 96)
     assert rel_err(layer(x.to(_dtype(path))), x @ weight.t()) < _tolerance(path)
     if path == "torch":  # the planes' weights, as the kernel forms them: (h - 8) 16 s + zero, ...
@@ -228,7 +230,7 @@ def test_linear_quantize_keeps_bias_and_counts_the_quantized_weight():
         linear.weight.normal_()
         linear.bias.normal_()
     w, x = linear.weight.detach().clone(), torch.randn(5, 256)
-    linear.quantize("int8")
+    rtn.quantize(linear, "int8")
     assert linear.weight is None
     octavo = linear.quant.packed is not None  # its scales sit in the codes' blocks
     assert {name for name, _ in linear.named_parameters()} == {
@@ -251,7 +253,7 @@ def test_each_rank_quantizes_its_own_shard():
             merged = MergedLinear(576, [192, 192])
             merged.weight_loader(merged.weight, full[:192], 0)
             merged.weight_loader(merged.weight, full[192:], 1)
-            merged.quantize("int4")
+            rtn.quantize(merged, "int4")
             outputs.append(merged(x))  # [3, 96 gate + 96 up]
     finally:
         set_tp(0, 1, None)
@@ -262,14 +264,18 @@ def test_each_rank_quantizes_its_own_shard():
 
 def test_unknown_method_is_a_value_error():
     with pytest.raises(ValueError, match="quantization must be None or one of"):
-        quant_method.check_quantization("nf4", torch.device("cpu"))
+        quant_method.get_method("nf4", torch.device("cpu"))
     with pytest.raises(ValueError, match="quantization"):
-        q.quantize_weight("awq", torch.randn(4, 4))
+        rtn.quantize_weight("awq", torch.randn(4, 4))
     with pytest.raises(ValueError, match="quantization"):
-        q.quantize_weight("gguf", torch.randn(4, 4))  # only a GGUF file's own blocks
-    quant_method.check_quantization(None, torch.device("cpu"))
+        rtn.quantize_weight("gguf", torch.randn(4, 4))  # only a GGUF file's own blocks
+    quant_method.get_method(None, torch.device("cpu"))
     for method in quant_method.METHODS:
-        quant_method.check_quantization(method, torch.device("cpu"))
+        if method in ("awq", "gptq"):  # a checkpoint of theirs only
+            with pytest.raises(ValueError, match="has no quantization_config"):
+                quant_method.get_method(method, torch.device("cpu"))
+        else:
+            assert quant_method.get_method(method, torch.device("cpu")).name == method
 
 
 def test_build_engine_refuses_an_unknown_method_before_loading():
@@ -290,10 +296,10 @@ def test_fp8_needs_a_gpu_with_fp8(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match="quantization='fp8' needs a GPU with FP8"):
-        quant_method.check_quantization("fp8", cuda)
-    quant_method.check_quantization("int8", cuda)
+        quant_method.get_method("fp8", cuda)
+    quant_method.get_method("int8", cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    quant_method.check_quantization("fp8", cuda)
+    quant_method.get_method("fp8", cuda)
 
 
 def test_warm_up_runs_quantized_projections_on_float_inputs():
@@ -305,7 +311,7 @@ def test_warm_up_runs_quantized_projections_on_float_inputs():
     quantized, plain = Linear(256, 64), Linear(256, 64)
     for linear in (quantized, plain):
         nn.init.normal_(linear.weight)
-    quantized.quantize("int4")
+    rtn.quantize(quantized, "int4")
     launched = warm_up_linears(nn.ModuleList([quantized, plain]), 9)
     assert launched == 2 * len(warm_up_rows(9))
 
@@ -322,27 +328,24 @@ def test_float_weights_quantized_on_load_are_made_one_linear_at_a_time(
     from octavo.checkpoint.loader import load_model
     from octavo.model.layers import Linear
 
-    linears, alive = [], []
-    init, quantize = Linear.__init__, Linear.quantize
+    weights, alive = [], []  # each float weight quantized; how many earlier ones live then
+    quantize_weight = rtn.quantize_weight
 
-    def spy_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        linears.append(self)
-
-    def spy_quantize(self, *args):
-        alive.append(sum(m.weight is not None and not m.weight.is_meta for m in linears))
-        quantize(self, *args)
+    def spy(name: str, weight: torch.Tensor):
+        alive.append(sum(ref() is not None for ref in weights))
+        weights.append(weakref.ref(weight))
+        return quantize_weight(name, weight)
 
     config, cpu = load_hf_config(smollm2_path), torch.device("cpu")
-    monkeypatch.setattr(Linear, "__init__", spy_init)
-    monkeypatch.setattr(Linear, "quantize", spy_quantize)
+    monkeypatch.setattr(rtn, "quantize_weight", spy)
     model = load_model(smollm2_path, config, torch.float32, cpu, quantization=method)
-    assert alive == [1] * len(linears) and len(linears) == 4 * config.num_hidden_layers
+    assert alive == [0] * len(weights) and len(weights) == 4 * config.num_hidden_layers
+    assert all(m.weight is None for m in model.modules() if isinstance(m, Linear))
     monkeypatch.undo()
     reference = load_model(smollm2_path, config, torch.float32, cpu)
     for m in reference.modules():
         if isinstance(m, Linear):
-            m.quantize(method)
+            rtn.quantize(m, method)
     expected = dict(reference.state_dict())
     assert expected.keys() == model.state_dict().keys()
     for name, tensor in model.state_dict().items():
@@ -381,7 +384,7 @@ def test_each_rank_quantizes_its_shards_as_they_land(tmp_path, method):
     ):
         for m in reference.modules():
             if isinstance(m, Linear):
-                m.quantize(method)
+                rtn.quantize(m, method)
         expected = reference.state_dict()
         assert expected.keys() == model.state_dict().keys()
         for name, tensor in model.state_dict().items():
