@@ -33,6 +33,8 @@ from octavo.engine.engine_loop import (
     EngineDeadError,
     EngineStepError,
     apply_command,
+    describe,
+    loop_died,
     step_engine,
 )
 from octavo.engine.gc_heap import frozen_gc_heap
@@ -181,7 +183,7 @@ class AsyncEngine:
             EngineDeadError: the engine loop is not running.
         """
         if not self.is_running:
-            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+            raise EngineDeadError(f"the engine loop is not running: {describe(self.error)}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self._streams:
@@ -237,7 +239,7 @@ class AsyncEngine:
 
     def _submit_call(self, fn: Callable[[Engine], Any]) -> concurrent.futures.Future:
         if not self.is_running:
-            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+            raise EngineDeadError(f"the engine loop is not running: {describe(self.error)}")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(CallCommand(fn, future))
         return future
@@ -258,7 +260,8 @@ class AsyncEngine:
         except BaseException as e:  # a bug in the loop itself: fail every waiter
             logger.exception("the engine loop died")
             self.error = e
-            self._post(self._close, EngineDeadError(f"the engine loop died: {e!r}"))
+            died = loop_died(e)
+            self._post(self._close, EngineDeadError(died))
         else:
             self._abort_all()
             self._stats = self.engine.get_stats()

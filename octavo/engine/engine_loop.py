@@ -28,6 +28,20 @@ class EngineStepError(RuntimeError):
     """A step of the engine failed; the requests in that step were aborted."""
 
 
+def describe(error: BaseException) -> str:
+    """An error as a client reads it: its message, never its class (the log has both)."""
+    if isinstance(error, WorkerDied):
+        return f"the engine process died: {error}"
+    return str(error) or "an internal error (see the server's log)"
+
+
+def loop_died(error: BaseException) -> str:
+    """Why the engine loop ended, for the requests it fails (503s)."""
+    if isinstance(error, WorkerDied):
+        return describe(error)
+    return f"the engine loop died: {describe(error)}"
+
+
 @dataclass
 class AddCommand:
     request_id: str
@@ -67,7 +81,9 @@ def apply_command(
             reject(command.request_id, e)
         except Exception as e:  # noqa: BLE001 - a bug, not the caller's input
             logger.error("adding a request failed:\n%s", traceback.format_exc())
-            fail([command.request_id], EngineStepError(f"the engine could not add it: {e!r}"))
+            fail(
+                [command.request_id], EngineStepError(f"the engine could not add it: {describe(e)}")
+            )
         else:
             live[command.request_id] = request
         return []
@@ -91,15 +107,17 @@ def step_engine(
         outputs = engine.step()
     except Exception as e:
         logger.error("engine step failed:\n%s", traceback.format_exc())
+        if isinstance(e, WorkerDied):  # the engine cannot go on: its requests fail as it dies
+            engine.abort_request(list(live))
+            live.clear()
+            raise
         dropped = [rid for rid, request in live.items() if request.is_finished]
-        if isinstance(e, WorkerDied) or not dropped and live:
+        if not dropped and live:
             dropped = list(live)
             engine.abort_request(dropped)
         for request_id in dropped:
             del live[request_id]
-        fail(dropped, EngineStepError(f"the engine failed on this request: {e!r}"))
-        if isinstance(e, WorkerDied):
-            raise
+        fail(dropped, EngineStepError(f"the engine failed on this request: {describe(e)}"))
         return []
     for out in outputs:
         if out.finished:

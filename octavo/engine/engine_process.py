@@ -40,6 +40,8 @@ from octavo.engine.engine_loop import (
     EngineDeadError,
     EngineStepError,
     apply_command,
+    describe,
+    loop_died,
     step_engine,
 )
 from octavo.engine.gc_heap import frozen_gc_heap
@@ -217,7 +219,7 @@ class EngineProcess(AsyncEngine):
             logger.error("%s", error)
         except BaseException as e:  # a message this side cannot read: a bug
             logger.exception("reading the engine process's pipe failed")
-            error = self.error = EngineDeadError(f"reading the engine's pipe failed: {e!r}")
+            error = self.error = EngineDeadError(f"reading the engine's pipe failed: {describe(e)}")
         finally:
             self._post(self._close, error)
 
@@ -335,7 +337,7 @@ def engine_process_main(conn, options: dict) -> None:
     except BaseException as e:  # a bug in the loop: tell the server
         logger.exception("the engine loop died")
         with contextlib.suppress(_ServerGone):
-            conn.send(("dead", f"the engine loop died: {e!r}"))
+            conn.send(("dead", loop_died(e)))
         return
     if live:
         engine.abort_request(list(live))

@@ -25,6 +25,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from octavo.entrypoints.cli_args import positive_int
+
 _TEXT = (
     "time person year way day thing man world life hand part child eye woman place work week "
     "case point government company number group problem fact be have do say get make go know "
@@ -119,12 +121,16 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
             args.num_prompts, args.input_len, args.seed, args.random_range_ratio, args.token_ids
         )
         payloads = [_payload(args, model, p) for p in prompts]
+        print("warming up: one request before the timed run", file=sys.stderr, flush=True)
         warmup = await send_request(client, url, payloads[0], headers)
         if not warmup.ok:
             raise ValueError(f"the test request failed: {warmup.error}")
         gaps = random.Random(args.seed)
-        progress = sys.stderr.isatty() if args.progress is None else args.progress
-        bar = tqdm(total=len(payloads), desc="Requests", unit="req", disable=not progress)
+        tty = sys.stderr.isatty()
+        progress = args.progress is not False
+        # Plain lines where stderr is not a terminal (a log): a bar's redraws would pile up.
+        bar = tqdm(total=len(payloads), desc="requests done", unit="req", disable=not progress,
+                   mininterval=0.1 if tty else 5.0, file=sys.stderr if tty else _Lines())  # fmt: skip
         start = time.perf_counter()
         tasks = []
         for payload in payloads:
@@ -136,6 +142,17 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         duration = time.perf_counter() - start
         bar.close()
     return summarize(results, duration) | {"model": model, "request_rate": args.request_rate}
+
+
+class _Lines:
+    """A file for tqdm that prints each of its redraws as a line of its own on stderr."""
+
+    def write(self, text: str) -> None:
+        if text.strip("\r\n "):
+            print(text.strip("\r\n "), file=sys.stderr, flush=True)
+
+    def flush(self) -> None:
+        pass
 
 
 def _payload(args: argparse.Namespace, model: str, prompt: str | list[int]) -> dict:
@@ -239,9 +256,12 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, or inf")
-    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--num-prompts", type=positive_int, default=32)
     p.add_argument(
-        "--input-len", type=int, default=64, help="words (or token ids) per synthetic prompt"
+        "--input-len",
+        type=positive_int,
+        default=64,
+        help="words (or token ids) per synthetic prompt",
     )
     p.add_argument(
         "--random-range-ratio",
@@ -251,12 +271,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--token-ids",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="send prompts as random token ids below N (for a model without a tokenizer)",
     )
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
@@ -271,6 +291,7 @@ def add_parser(sub) -> None:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="a progress bar of the requests done (default: when stderr is a terminal)",
+        help="the requests done as they finish: a bar on a terminal, else a line every 5 s "
+        "(default: on)",
     )
     p.set_defaults(func=cmd_bench_serve)

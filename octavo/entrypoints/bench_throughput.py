@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from octavo.config import KV_CACHE_DTYPES
-from octavo.entrypoints.parallel_args import add_parallel_args
+from octavo.entrypoints.cli_args import add_parallel_args, int_at_least, positive_int
 from octavo.quant import QUANTIZATION_CHOICES
 
 
@@ -34,6 +34,16 @@ class Workload:
     @property
     def num_output_tokens(self) -> int:
         return sum(self.max_tokens)
+
+    def describe(self, name: str) -> str:
+        """One line: the prompts, their lengths and the output tokens asked for."""
+        lengths, outs = [len(p) for p in self.prompts], self.max_tokens
+        sampling = "greedy" if self.temperature == 0 else f"temperature {self.temperature}"
+        return (
+            f"workload {name}: {len(lengths)} prompts of {min(lengths)}-{max(lengths)} random "
+            f"token ids ({sum(lengths)} in all), {min(outs)}-{max(outs)} output tokens each "
+            f"({sum(outs)} in all, EOS ignored), {sampling}"
+        )
 
 
 def cpu_workload(vocab_size: int, num_prompts: int = 32, seed: int = 0) -> Workload:
@@ -100,6 +110,10 @@ def run_hf_generate(model_path: str, w: Workload) -> Result:
     if model_path.endswith(".gguf"):
         kwargs["gguf_file"] = os.path.basename(model_path)
         model_path = os.path.dirname(model_path)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its GGUF conversion bars would land in our table
+    hf_logging.set_verbosity_error()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **kwargs)
     model.eval()
     pad = 0
@@ -202,6 +216,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         w = single_workload(vocab)
     else:
         w = cpu_workload(vocab, args.num_prompts)
+    print(w.describe(args.workload))
     print(f"{'engine':<22}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     results = [_report(run_octavo(llm, w, progress))]
@@ -274,22 +289,22 @@ def add_parser(sub) -> None:
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES)
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--workload", default="cpu", choices=["cpu", "single", "nanovllm"])
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--num-prompts", type=positive_int, default=32)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help="tokens per step (default: 16384 for --workload nanovllm, as nano-vllm; else 8192)",
     )
     add_parallel_args(p)
     p.add_argument("--peer", default=None, choices=["hf"])
     p.add_argument("--peer-timeout", type=float, default=300.0, help="seconds (GPU peer)")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=positive_int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
         "--cuda-graph-max-tokens",
-        type=int,
+        type=int_at_least(0),
         default=512,
         help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
     )

@@ -16,33 +16,14 @@ import threading
 from collections.abc import Iterator
 from typing import Self
 
+from octavo import __version__
 from octavo.config import KV_CACHE_DTYPES
-from octavo.entrypoints.parallel_args import add_parallel_args
+from octavo.entrypoints.cli_args import Parser, add_parallel_args, positive_int
 from octavo.quant import QUANTIZATION_CHOICES
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a process stopped by Ctrl-C
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, except where it is None or off (the help says what
-    None means)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -61,7 +42,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument(
         "--max-model-len",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="the longest prompt plus output in tokens (default: the model's, within the KV cache)",
     )
@@ -77,7 +58,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         choices=QUANTIZATION_CHOICES,
         help="quantize the linear layers' weights on load: int8 (W8A16), int4 (W4A16, group "
         "128) or fp8 (W8A8); gguf keeps a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks; awq, gptq keep "
-        "such a checkpoint's 4-bit groups; auto (default): the checkpoint's "
+        "such a checkpoint's 4-bit groups; auto: the checkpoint's "
         "quantization_config, gguf for a GGUF file on the CPU, else none",
     )
     p.add_argument(
@@ -91,7 +72,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=_positive_int, default=256, help="tokens to generate")
+    p.add_argument("--max-tokens", type=positive_int, default=256, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's mass")
     p.add_argument(
@@ -290,12 +271,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="octavo", description="octavo LLM inference engine")
+    parser = Parser(prog="octavo", description="octavo LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"octavo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser(
-        "generate", help="generate text for prompts", formatter_class=_HelpFormatter
-    )
+    gen = sub.add_parser("generate", help="generate text for prompts")
     gen.add_argument("prompt", nargs="*", help="prompt text (several allowed)")
     gen.add_argument("--file", help="a file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
@@ -303,9 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser(
-        "chat", help="an interactive chat with the model", formatter_class=_HelpFormatter
-    )
+    chat = sub.add_parser("chat", help="an interactive chat with the model")
     chat.add_argument("--system", default=None, help="a system prompt")
     _add_model_args(chat)
     _add_sampling_args(chat)

@@ -45,7 +45,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates completions for all prompts and returns them in input order.
 
-        prompts: a str, a list of str, or a list of {"prompt_token_ids": [...]}.
+        prompts: a str, a list of str, a list of {"prompt_token_ids": [...]}, or a list of
+            token-id lists.
         sampling_params: one for all prompts, or one per prompt (default SamplingParams()).
         Raises ValueError for a bad prompt or parameters before anything runs.
         """
@@ -182,7 +183,12 @@ def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[Promp
         raise ValueError('pass token ids as {"prompt_token_ids": [...]}, not a bare list of int')
     if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
         raise ValueError("prompts must be a str, a list of str, or a list of dicts")
-    return list(prompts)
+    # A list of token-id lists, as vLLM's users pass them: each one prompt's ids.
+    return [{"prompt_token_ids": p} if _is_ids(p) else p for p in prompts]
+
+
+def _is_ids(prompt: object) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt)
 
 
 def _normalize_params(

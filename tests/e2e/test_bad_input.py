@@ -79,6 +79,11 @@ def test_wrong_kinds_of_params_and_prompts_are_value_errors(llm):
             llm.generate("Hi", params, use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_token_ids must be a list"):
         llm.generate({"prompt_token_ids": "abc"}, GREEDY, use_tqdm=False)  # not taken as text
+    ids = [llm.get_tokenizer().encode(p) for p in ("Hi", "Bye")]
+    as_lists = llm.generate(ids, GREEDY, use_tqdm=False)  # a list of token-id lists, as vLLM's
+    as_dicts = llm.generate([{"prompt_token_ids": i} for i in ids], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in as_lists] == [o.outputs[0].token_ids for o in as_dicts]
+    assert [o.prompt_token_ids for o in as_lists] == ids
     both = llm.generate(["Hi", "Bye"], (p for p in [GREEDY, GREEDY]), use_tqdm=False)
     assert len(both) == 2  # any iterable of SamplingParams, as before
     _still_generates(llm)

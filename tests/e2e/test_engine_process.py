@@ -146,7 +146,7 @@ def test_a_failing_step_fails_only_its_requests(llm):
         del runner.execute_async
     ((ids, error),) = failed
     assert ids == ["doomed"] and isinstance(error, EngineStepError)
-    assert str(error) == "the engine failed on this request: RuntimeError('injected')"
+    assert str(error) == "the engine failed on this request: injected"
     assert not live and not engine.has_unfinished_requests()
 
 

@@ -123,6 +123,27 @@ def test_too_many_prompts_or_json_items_are_400s_that_name_the_limit(server, mon
     assert str(limit) in _assert_error(r, 400, "tokens")["message"]
 
 
+@pytest.mark.parametrize("depth", [300, 1000, 10_000])
+def test_json_nested_too_deep_is_a_400_on_every_post_route(server, depth):
+    """Deep nesting is a 400 naming the limit, on a connection that stays open: never a
+    recursion error's 500."""
+    with httpx.Client(timeout=30) as client:
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+            raw = b'{"prompt": ' + b"[" * depth + b"]" * depth + b"}"
+            r = client.post(server.url + path, content=raw, headers=AUTH)
+            assert "256 deep" in _assert_error(r, 400)["message"], path
+            ok = client.post(server.url + "/tokenize", json={"prompt": "hi"}, headers=AUTH)
+            assert ok.status_code == 200  # the same keep-alive connection answers
+
+
+def test_head_health_and_metrics_text_in_the_openapi_document(server):
+    assert httpx.head(server.url + "/health", timeout=30).status_code == 200
+    doc = httpx.get(server.url + "/openapi.json", headers=AUTH, timeout=30).json()
+    assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {
+        "text/plain; version=0.0.4; charset=utf-8"
+    }
+
+
 # ---- the API key -------------------------------------------------------------------------
 
 

@@ -280,6 +280,8 @@ def test_a_served_engine_whose_worker_dies_fails_the_stream_and_comes_back(tmp_p
             old[1].kill()
             events = [line for line in lines if line.startswith("data:")]
         assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+        assert "the engine process died: tensor-parallel worker rank 1 died" in events[-2]
+        assert "WorkerDied" not in events[-2]
         assert wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, 60)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in old)
         good = {"model": "tiny", "prompt": _prompt(61, 5), "max_tokens": 3}

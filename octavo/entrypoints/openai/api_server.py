@@ -175,15 +175,21 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.check_model(model_id)
         return ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
 
-    @app.get("/health", responses=_errors(503))
+    @app.api_route("/health", methods=["GET", "HEAD"], responses=_errors(503))
     async def health() -> Response:
         if ctx.engine.is_running:
             return JSONResponse({"status": "ok"})
         return error_response(OpenAIError("the engine loop is not running", 503, "server_error"))
 
-    @app.get("/metrics", responses=_errors(401))
+    @app.get("/metrics", responses=_errors(401), response_class=_MetricsText)
     async def metrics() -> Response:
-        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+        return _MetricsText(ctx.metrics.render())
+
+
+class _MetricsText(Response):
+    """Prometheus' text format (so the OpenAPI document says so, not JSON)."""
+
+    media_type = CONTENT_TYPE
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:

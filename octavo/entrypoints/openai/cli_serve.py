@@ -11,8 +11,13 @@ import os
 
 from octavo.config import KV_CACHE_DTYPES
 from octavo.engine.spawn import start_engine_process
+from octavo.entrypoints.cli_args import (
+    add_parallel_args,
+    int_at_least,
+    parallel_options,
+    positive_int,
+)
 from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
-from octavo.entrypoints.parallel_args import add_parallel_args, parallel_options
 from octavo.quant import QUANTIZATION_CHOICES
 
 API_KEY_ENV = "OCTAVO_API_KEY"
@@ -28,7 +33,7 @@ def add_parser(sub) -> None:
         help="the name clients pass as `model` (default: the model's name)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=positive_int, default=8000)
     p.add_argument(
         "--api-key", default=None,
         help="require `Authorization: Bearer <key>` on every route but /health and /metrics "
@@ -38,7 +43,7 @@ def add_parser(sub) -> None:
         "--api-key-metrics", action="store_true", help="require the API key on /metrics too"
     )
     p.add_argument(
-        "--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+        "--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
         help="refuse a request body larger than this with a 413 (default: 4 MiB)",
     )  # fmt: skip
     p.add_argument(
@@ -56,15 +61,15 @@ def add_parser(sub) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES)
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--num-kv-blocks", type=positive_int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
-        "--cuda-graph-max-tokens", type=int, default=512,
+        "--cuda-graph-max-tokens", type=int_at_least(0), default=512,
         help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
@@ -75,13 +80,6 @@ def add_parser(sub) -> None:
     )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _non_negative_float(text: str) -> float:

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from octavo.entrypoints.openai.limits import check_json_items
+from octavo.entrypoints.openai.limits import JSON_TOO_DEEP, check_json_depth, check_json_items
 from octavo.entrypoints.openai.metrics import ServerMetrics
 from octavo.entrypoints.openai.serving import OpenAIError
 
@@ -128,9 +128,14 @@ def _parse_json(data: bytes) -> Any:
     parses it again and answers its own error). ValueError from check_json_items."""
     check_json_items(data)
     try:
-        return json.loads(data) if data else _NOT_JSON
+        value = json.loads(data) if data else _NOT_JSON
+    except RecursionError:  # nested deeper than Python's parser goes
+        raise ValueError(JSON_TOO_DEEP) from None
     except ValueError:
         return _NOT_JSON
+    if isinstance(value, (dict, list)):
+        check_json_depth(value)
+    return value
 
 
 class ParsedJSONRoute(APIRoute):

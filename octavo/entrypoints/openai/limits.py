@@ -20,6 +20,7 @@ MAX_ERROR_DETAIL_CHARS = 200  # of a compiler's message, which may quote the who
 # Parsing and validating a body holds the GIL, and its cost is per JSON array, object and
 # member far more than per byte: a body of this many stays within tens of milliseconds.
 MAX_JSON_ITEMS = 16384
+MAX_JSON_DEPTH = 256  # arrays and objects within one another (Python's parser recurses)
 # And values (commas): enough for a prompt of token ids as long as any context served, twice
 # over (Llama 3.1's is 131,072 tokens).
 MAX_JSON_ARRAY_VALUES = 262144
@@ -49,6 +50,24 @@ def check_json_items(body: bytes) -> None:
                 f"the request body has more than {MAX_JSON_ITEMS} JSON arrays, objects and "
                 f"object members or {MAX_JSON_ARRAY_VALUES} values, this server's limit"
             )
+
+
+JSON_TOO_DEEP = (
+    f"the request body nests JSON arrays and objects more than {MAX_JSON_DEPTH} deep, this "
+    "server's limit"
+)
+
+
+def check_json_depth(value: object) -> None:
+    """ValueError for a JSON value that nests arrays and objects more than MAX_JSON_DEPTH
+    deep (walked without recursion; the items are bounded by check_json_items)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(JSON_TOO_DEEP)
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def check_num_prompts(num_prompts: int) -> None:

@@ -1,0 +1,81 @@
+"""What every `octavo` command shares: its parser (one-line errors, defaults shown once in
+--help), integer checks, and the tensor-parallel options."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default once: not where it is None or off, nor where the help
+    says it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if action.default is None or action.default is False or "default" in help_text:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose every error is one line (`octavo generate: error: ...`), as
+    the commands' own checks print theirs, and whose subcommands share it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def int_at_least(minimum: int):
+    """An argparse type: an integer >= minimum, else one line naming the allowed range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+
+
+def add_parallel_args(p: argparse.ArgumentParser, nodes: bool = False) -> None:
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=1,
+        help="split the model over this many GPUs (CPU processes on the CPU), one worker each",
+    )
+    if not nodes:
+        return
+    p.add_argument(
+        "--nnodes", type=positive_int, default=1, help="machines the ranks are spread over"
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int_at_least(0),
+        default=0,
+        help="this machine's index; node 0 runs the engine and the API, the others only workers",
+    )
+    p.add_argument(
+        "--dist-init-addr",
+        default=None,
+        help="HOST:PORT of node 0, where every node's workers meet (PORT and PORT + 1 are used)",
+    )
+
+
+def parallel_options(args: argparse.Namespace) -> dict:
+    """The parsed options as build_engine's keyword arguments."""
+    options = {"tensor_parallel_size": args.tensor_parallel_size}
+    if hasattr(args, "nnodes"):
+        options.update(nnodes=args.nnodes, dist_init_addr=args.dist_init_addr)
+    return options
