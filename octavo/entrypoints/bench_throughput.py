@@ -248,10 +248,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
-def _default_batched_tokens(args: argparse.Namespace) -> int:
+def _default_batched_tokens(args: argparse.Namespace) -> int | None:
     """nano-vllm's own setting for its workload (vLLM's offline default on an 80 GB GPU is
     the same 16384); the engine's default otherwise."""
-    return 16384 if args.workload == "nanovllm" else 8192
+    return 16384 if args.workload == "nanovllm" else None
 
 
 def _report(r: Result) -> Result:
@@ -295,7 +295,8 @@ def add_parser(sub) -> None:
         "--max-num-batched-tokens",
         type=positive_int,
         default=None,
-        help="tokens per step (default: 16384 for --workload nanovllm, as nano-vllm; else 8192)",
+        help="tokens per step (default: 16384 for --workload nanovllm, as nano-vllm; else the "
+        "engine's: 8192 on a GPU, 128 on the CPU)",
     )
     add_parallel_args(p)
     p.add_argument("--peer", default=None, choices=["hf"])

@@ -129,7 +129,7 @@ def compute_mode(
     ours = device.type == "cpu" and available(dtype)
     if device.type == "cpu" and packed_weights and not ours:
         return torch.bfloat16, False
-    return dtype, ours and kv_cache_dtype == dtype and head_dim % 16 == 0
+    return dtype, ours and kv_cache_dtype == dtype and head_dim % 16 == 0 and head_dim <= 256
 
 
 def available(dtype: torch.dtype) -> bool:
@@ -164,7 +164,7 @@ def paged_attention(
 
 
 def attention_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether paged_attention takes these: float32 q and cache on the CPU, head_dim in 16s
+    """Whether paged_attention takes these: float32 q and cache on the CPU, head_dim in 16s up to 256
     (the torch backend serves as the GPU kernels' oracle too: it keeps SDPA there)."""
     return (
         q.is_cpu
@@ -172,6 +172,7 @@ def attention_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         and q.dtype == kv_cache.dtype == torch.float32
         and available(torch.float32)
         and q.shape[-1] % 16 == 0
+        and q.shape[-1] <= 256
         and kv_cache.is_contiguous()
     )
 

@@ -323,75 +323,149 @@ static inline vf exp_v(vf x) {
     return keep_at_least(mul(p, pow2i(n)), x, -87.0f);
 }
 
-static inline float dot(const float *a, const float *b, int D) {
-    vf acc = zero();
-    for (int d = 0; d < D; d += VL) acc = fma_v(load(a + d), load(b + d), acc);
-    return hsum(acc);
+/* out[i] = hsum(v[i]) * scale for 16 vectors, each sum in hsum's own tree: on AVX-512 all
+ * sixteen at once, every level adding lanes l and l + 8, then l and l + 4, ... across
+ * vectors, which leaves key i in lane LANE_OF[i]. */
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+static inline void hsum16(const vf *v, float scale, float *out) {
+    vf t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = add(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)
+        u[i] = add(_mm512_shuffle_f32x4(t[i], t[i + 4], 0x88), _mm512_shuffle_f32x4(t[i], t[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        w[i] = add(_mm512_shuffle_ps(u[i], u[i + 2], 0x44), _mm512_shuffle_ps(u[i], u[i + 2], 0xEE));
+    const vf r = add(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    const __m512i lane_of = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+    store(out, mul(_mm512_permutexvar_ps(lane_of, r), splat(scale)));
+}
+#else
+static inline void hsum16(const vf *v, float scale, float *out) {
+    for (int i = 0; i < VL; i++) out[i] = hsum(v[i]) * scale;
+}
+#endif
+
+/* o0 += sum of e0[i] v[i] over the first n0 (at most 16) positions i, in order, and the
+ * same for o1 (n1 may be 0); nd vectors a row, a constant where inlined. */
+static inline __attribute__((always_inline)) void values16(const int nd, const float *const *v,
+                                                           const float *e0, int n0, vf *o0,
+                                                           const float *e1, int n1, vf *o1) {
+    vf a0[16], a1[16]; /* D <= 256 */
+    for (int d = 0; d < nd; d++) a0[d] = o0[d], a1[d] = o1[d];
+    for (int i = 0; i < VL; i++) {
+        if (i < n0) {
+            const vf e = splat(e0[i]);
+            for (int d = 0; d < nd; d++) a0[d] = fma_v(e, load(v[i] + d * VL), a0[d]);
+        }
+        if (i < n1) {
+            const vf e = splat(e1[i]);
+            for (int d = 0; d < nd; d++) a1[d] = fma_v(e, load(v[i] + d * VL), a1[d]);
+        }
+    }
+    for (int d = 0; d < nd; d++) o0[d] = a0[d];
+    if (n1 > 0)
+        for (int d = 0; d < nd; d++) o1[d] = a1[d];
 }
 
-/* Causal attention of T query tokens over the paged cache, one (token, KV head) at a time.
- * q, out [T, H, D]; kcache, vcache [blocks, block_size, KVH, D]; block_tables [S, bt_stride]
- * int32; token t belongs to sequence seq[t] and sees its first ctx[t] cached positions.
- * D is a multiple of 16; the H / KVH query heads of a KV head read it together. Scores,
- * their softmax and the weighted sum of values each run over positions 0, 1, 2, ... in
- * order, whatever else the call holds. `threads` as in octavo_linear. */
+/* Causal attention of T query tokens over the paged cache. q, out [T, H, D]; kcache, vcache
+ * [blocks, block_size, KVH, D]; block_tables [S, bt_stride] int32; token t belongs to
+ * sequence seq[t] and sees its first ctx[t] cached positions. D is a multiple of 16.
+ * Work items are a KV head and a tile of up to TQ consecutive tokens of one sequence (a
+ * prefill chunk), so that each K and V row read serves the tile's TQ x H / KVH query heads.
+ * For each query its scores, their softmax and the weighted sum of values each run over
+ * positions 0, 1, 2, ... in order, whatever else the call or its tile holds. `threads` as
+ * in octavo_linear. */
+#define TQ 8
 void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, int D,
                             const float *kcache, const float *vcache, int block_size,
                             const int32_t *block_tables, long bt_stride, const int32_t *seq,
                             const int32_t *ctx, float softmax_scale, int threads) {
     const int G = H / KVH, nd = D / VL;
     const long slot = (long)KVH * D; /* floats from one position to the next in a block */
+    int *tiles = malloc((T + 1) * sizeof(int)), num_tiles = 0;
+    for (int t = 0; t < T; num_tiles++) {
+        tiles[num_tiles] = t;
+        const int first = t;
+        while (++t < T && t - first < TQ && seq[t] == seq[first]) {}
+    }
+    tiles[num_tiles] = T;
 #pragma omp parallel num_threads(threads)
     {
-        float *s = NULL, *inv = malloc(G * sizeof(float));
-        vf *o = aligned_alloc(64, (size_t)G * nd * sizeof(vf)); /* sizeof(vf) is 64 */
+        float *s = NULL, *inv = malloc(TQ * G * sizeof(float)), *none = calloc(D, sizeof(float));
+        vf *o = aligned_alloc(64, (size_t)TQ * G * nd * sizeof(vf)); /* sizeof(vf) is 64 */
         long cap = 0;
-#pragma omp for schedule(dynamic, 2)
-        for (long item = 0; item < (long)T * KVH; item++) {
-            const int t = (int)(item / KVH), h = (int)(item % KVH), L = ctx[t];
-            const int32_t *bt = block_tables + seq[t] * bt_stride;
-            const long L16 = (L + VL - 1) / VL * VL;
-            if (G * L16 > cap) {
+#pragma omp for schedule(dynamic, 1)
+        for (long item = 0; item < (long)num_tiles * KVH; item++) {
+            const int t0 = tiles[item / KVH], n = tiles[item / KVH + 1] - t0, h = (int)(item % KVH);
+            const int32_t *bt = block_tables + seq[t0] * bt_stride;
+            int L = 0;
+            for (int i = 0; i < n; i++) L = ctx[t0 + i] > L ? ctx[t0 + i] : L;
+            const long L16 = (L + VL - 1) / VL * VL, rows = (long)n * G; /* row r: query r / G, head r % G */
+            if (rows * L16 > cap) {
                 free(s);
-                cap = G * L16;
+                cap = rows * L16;
                 s = malloc(cap * sizeof(float));
             }
-            const float *qh = q + ((long)t * H + (long)h * G) * D;
-            for (int b = 0, j = 0; j < L; b++) {
-                const float *kb = kcache + (long)bt[b] * block_size * slot + (long)h * D;
-                for (int i = 0; i < block_size && j < L; i++, j++)
-                    for (int g = 0; g < G; g++)
-                        s[g * L16 + j] = dot(qh + g * D, kb + i * slot, D) * softmax_scale;
+            for (int j0 = 0; j0 < L; j0 += VL) { /* scores of 16 positions at a time */
+                const float *k[VL];
+                for (int i = 0, j = j0; i < VL; i++, j++)
+                    k[i] = j >= L ? none
+                                  : kcache + ((long)bt[j / block_size] * block_size + j % block_size) * slot + (long)h * D;
+                for (int r = 0; r < rows; r++) {
+                    if (j0 >= ctx[t0 + r / G]) continue;
+                    const float *qr = q + ((long)(t0 + r / G) * H + (long)h * G + r % G) * D;
+                    vf acc[VL]; /* sixteen independent chains, one per position */
+                    for (int i = 0; i < VL; i++) acc[i] = zero();
+                    for (int d = 0; d < D; d += VL) {
+                        const vf qd = load(qr + d);
+                        for (int i = 0; i < VL; i++) acc[i] = fma_v(qd, load(k[i] + d), acc[i]);
+                    }
+                    hsum16(acc, softmax_scale, s + r * L16 + j0);
+                }
             }
-            for (int g = 0; g < G; g++) {
-                float *sg = s + g * L16, mx = -INFINITY;
-                for (int j = 0; j < L; j++) mx = sg[j] > mx ? sg[j] : mx;
-                for (int j = L; j < L16; j++) sg[j] = -INFINITY;
+            for (int r = 0; r < rows; r++) {
+                const int Lr = ctx[t0 + r / G];
+                float *sr = s + r * L16, mx = -INFINITY, lanes[VL];
+                const int L16r = (Lr + VL - 1) / VL * VL;
+                for (int j = Lr; j < L16r; j++) sr[j] = -INFINITY;
+                vf m = splat(-INFINITY); /* max is exact in any order */
+                for (int j = 0; j < L16r; j += VL) m = vmax(m, load(sr + j));
+                store(lanes, m);
+                for (int i = 0; i < VL; i++) mx = lanes[i] > mx ? lanes[i] : mx;
                 vf sum = zero();
-                for (int j = 0; j < L16; j += VL) {
-                    const vf e = exp_v(add(load(sg + j), splat(-mx)));
-                    store(sg + j, e);
+                for (int j = 0; j < L16r; j += VL) {
+                    const vf e = exp_v(add(load(sr + j), splat(-mx)));
+                    store(sr + j, e);
                     sum = add(sum, e);
                 }
-                inv[g] = 1.0f / hsum(sum);
+                inv[r] = 1.0f / hsum(sum);
             }
-            for (int i = 0; i < G * nd; i++) o[i] = zero();
-            for (int b = 0, j = 0; j < L; b++) {
-                const float *vb = vcache + (long)bt[b] * block_size * slot + (long)h * D;
-                for (int i = 0; i < block_size && j < L; i++, j++)
-                    for (int g = 0; g < G; g++) {
-                        const vf e = splat(s[g * L16 + j]);
-                        for (int d = 0; d < nd; d++)
-                            o[g * nd + d] = fma_v(e, load(vb + i * slot + d * VL), o[g * nd + d]);
-                    }
+            for (long i = 0; i < rows * nd; i++) o[i] = zero();
+            for (int j0 = 0; j0 < L; j0 += VL) { /* values of 16 positions at a time */
+                const float *v[VL];
+                for (int i = 0, j = j0; i < VL; i++, j++)
+                    v[i] = j >= L ? none
+                                  : vcache + ((long)bt[j / block_size] * block_size + j % block_size) * slot + (long)h * D;
+                for (int r = 0; r < rows; r += 2) { /* two rows: twice the chains in flight */
+                    const int r1 = r + 1 < rows ? r + 1 : r, n0 = ctx[t0 + r / G] - j0;
+                    const int n1 = r1 == r ? 0 : ctx[t0 + r1 / G] - j0;
+                    const float *e0 = s + r * L16 + j0, *e1 = s + r1 * L16 + j0;
+                    if (nd == 4)
+                        values16(4, v, e0, n0, o + r * nd, e1, n1, o + r1 * nd);
+                    else if (nd == 8)
+                        values16(8, v, e0, n0, o + r * nd, e1, n1, o + r1 * nd);
+                    else
+                        values16(nd, v, e0, n0, o + r * nd, e1, n1, o + r1 * nd);
+                }
             }
-            for (int g = 0; g < G; g++)
+            for (int r = 0; r < rows; r++)
                 for (int d = 0; d < nd; d++)
-                    store(out + ((long)t * H + (long)h * G + g) * D + d * VL,
-                          mul(o[g * nd + d], splat(inv[g])));
+                    store(out + ((long)(t0 + r / G) * H + (long)h * G + r % G) * D + d * VL,
+                          mul(o[r * nd + d], splat(inv[r])));
         }
-        free(s), free(inv), free(o);
+        free(s), free(inv), free(o), free(none);
     }
+    free(tiles);
 }
 
 /* A 1-row product equals row 0 of a 7-row one, for each kind: the compiler kept the

@@ -63,7 +63,10 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--max-model-len", type=positive_int, default=None)
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    p.add_argument(
+        "--max-num-batched-tokens", type=positive_int, default=None,
+        help="tokens a step computes (default: 8192 on a GPU, 128 on the CPU)",
+    )  # fmt: skip
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--num-kv-blocks", type=positive_int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
