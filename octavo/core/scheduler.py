@@ -4,7 +4,8 @@ One rule covers prefill, chunked prefill, decode and prefix-cache hits: every re
 `num_computed_tokens` and `num_tokens`, and a step lets computed catch up with total under
 two budgets, `max_num_batched_tokens` tokens and `max_num_seqs` sequences. Running
 requests go first (oldest first); waiting requests are admitted only if nobody had to be
-preempted this step. When the KV cache runs out of blocks, the newest running request is
+preempted this step. Beside other requests, a running prompt's chunk takes at most half
+the token budget, so that a long prefill lets the others (new ones too) into every step. When the KV cache runs out of blocks, the newest running request is
 preempted by recompute: it frees its blocks and goes back to the front of the waiting queue.
 
 Tokens count as computed once scheduled. With async scheduling the engine schedules step
@@ -140,6 +141,8 @@ class Scheduler:
             request = self.running[i]
             total = len(request.all_token_ids) + request.num_pending_tokens
             num_new = min(total - request.num_computed_tokens, budget)
+            if num_new > 1 and (self.waiting or len(self.running) > 1):  # leave the others room
+                num_new = min(num_new, max(1, self.config.max_num_batched_tokens // 2))
             if num_new == 0 or (
                 request.num_pending_tokens and self.stops.finishes_at(request, total)
             ):

@@ -55,10 +55,23 @@ def test_token_budget_chunks_the_last_prompt():
         s.add_request(req(rid, n, start=100 * (ord(rid) - 96)))
     out = step(s)
     assert shape(out) == [("a", 0, 10, True), ("b", 0, 20, True), ("c", 0, 2, False)]
-    # Next step mixes two decodes with the rest of c's prompt (up to the budget).
+    # Next steps mix two decodes with c's prompt, in chunks of half the budget beside them.
     out = step(s)
-    assert shape(out) == [("a", 10, 1, True), ("b", 20, 1, True), ("c", 2, 28, True)]
+    assert shape(out) == [("a", 10, 1, True), ("b", 20, 1, True), ("c", 2, 16, False)]
+    out = step(s)
+    assert shape(out) == [("a", 11, 1, True), ("b", 21, 1, True), ("c", 18, 12, True)]
     assert s.requests["c"].output_token_ids == [7]
+
+
+def test_a_long_prefill_leaves_half_the_budget_to_waiting_requests():
+    """A running prompt takes the whole budget alone, half of it beside another request: the
+    newcomer runs in the next step and in every step after, not after the whole prompt."""
+    s = make(max_tokens_step=32, max_model_len=128)
+    s.add_request(req("long", 100))
+    assert shape(step(s)) == [("long", 0, 32, False)]
+    s.add_request(req("short", 3, start=500))
+    assert shape(step(s)) == [("long", 32, 16, False), ("short", 0, 3, True)]
+    assert shape(step(s)) == [("long", 48, 16, False), ("short", 3, 1, True)]
 
 
 def test_max_num_seqs_limits_admission():
