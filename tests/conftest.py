@@ -74,3 +74,11 @@ def smollm2_tokenizer(smollm2_path: str):
     from octavo.tokenizer.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_path)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A timing that needs the machine to itself (`alone`) is slow too: `-m "not slow"`, the
+    quick core run, leaves it out wherever it runs."""
+    for item in items:
+        if item.get_closest_marker("alone") is not None:
+            item.add_marker(pytest.mark.slow)

@@ -14,9 +14,12 @@ Workloads:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -101,7 +104,6 @@ def run_octavo(llm, w: Workload, progress: bool = False) -> Result:
 
 def run_hf_generate(model_path: str, w: Workload) -> Result:
     """transformers' batched generate with left padding, greedy, float32 on the CPU."""
-    import os
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -110,11 +112,8 @@ def run_hf_generate(model_path: str, w: Workload) -> Result:
     if model_path.endswith(".gguf"):
         kwargs["gguf_file"] = os.path.basename(model_path)
         model_path = os.path.dirname(model_path)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # its GGUF conversion bars would land in our table
-    hf_logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **kwargs)
+    with _quiet_stderr():  # its GGUF conversion bars would land in our table
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **kwargs)
     model.eval()
     pad = 0
     width = max(len(p) for p in w.prompts)
@@ -127,6 +126,26 @@ def run_hf_generate(model_path: str, w: Workload) -> Result:
         model.generate(ids, attention_mask=mask, max_new_tokens=max(w.max_tokens), **gen)
         seconds = time.perf_counter() - start
     return Result("hf-generate", w.num_output_tokens, seconds)
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Sends what is written to the process's stderr (file descriptor 2) to a file while
+    open; prints it if the block raises."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            captured.seek(0)
+            sys.stderr.write(captured.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def run_hf_continuous_batching(model_dir: str, w: Workload, timeout_s: float) -> Result:
