@@ -13,7 +13,7 @@ shard: its share of the heads and of the MLP's columns (model/parallel.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -112,10 +112,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the next norm."""
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, mlp: nn.Module
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -139,11 +141,18 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm: token ids [T] -> hidden states [T, hidden]."""
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        qkv_bias: bool,
+        qk_norm: bool,
+        make_mlp: Callable[[PretrainedConfig, int], nn.Module],
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, qkv_bias, qk_norm, make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -173,11 +182,16 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
         self.config = config
         qkv_bias = self.force_qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm)
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm, self.make_mlp)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config: PretrainedConfig, layer: int) -> nn.Module:
+        """The feed-forward block of decoder layer `layer` (mixture-of-experts models'
+        differ)."""
+        return LlamaMLP(config)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
@@ -203,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the head is the embedding, some checkpoints store both
-            param_name, shard_id = _route(name)
+            param_name, shard_id = self.route(name)
             if param_name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
             param = params[param_name]
@@ -219,14 +233,13 @@ class LlamaForCausalLM(nn.Module):
             if seen >= set(getattr(params[name], "shard_ids", (None,)))
         }
 
-
-def _route(name: str) -> tuple[str, str | int | None]:
-    """'model.layers.0.self_attn.k_proj.weight' -> ('model.layers.0.self_attn.qkv_proj.weight',
-    'k'); names of unfused parameters come back unchanged with shard id None."""
-    for ckpt_name, (fused_name, shard_id) in STACKED_PARAMS.items():
-        if f".{ckpt_name}." in name:
-            return name.replace(f".{ckpt_name}.", f".{fused_name}."), shard_id
-    return name, None
+    def route(self, name: str) -> tuple[str, str | int | tuple | None]:
+        """'model.layers.0.self_attn.k_proj.weight' -> ('model.layers.0.self_attn.qkv_proj.weight',
+        'k'); names of unfused parameters come back unchanged with shard id None."""
+        for ckpt_name, (fused_name, shard_id) in STACKED_PARAMS.items():
+            if f".{ckpt_name}." in name:
+                return name.replace(f".{ckpt_name}.", f".{fused_name}."), shard_id
+        return name, None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

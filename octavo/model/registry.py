@@ -15,6 +15,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("octavo.model.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("octavo.model.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("octavo.model.llama", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("octavo.model.moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("octavo.model.moe", "MixtralForCausalLM"),
 }
 
 # GGUF `general.architecture` -> HF architecture name.

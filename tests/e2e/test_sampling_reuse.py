@@ -102,7 +102,8 @@ def test_reused_sampling_metadata_samples_as_metadata_built_each_step(
     ref, builds_each_step, _ = run(llm, chat_prompt_ids, monkeypatch, reuse=False)
     tokens, builds, _ = run(llm, chat_prompt_ids, monkeypatch, reuse=True)
     assert tokens == ref
-    assert [len(t) for t in tokens] == [p.max_tokens for p in FIRST + LATER]
+    for t, p in zip(tokens, FIRST + LATER, strict=True):  # a grammar may end at an EOS
+        assert len(t) == p.max_tokens or p.structured_outputs and 0 < len(t) < p.max_tokens
     # a build for each step in which the batch changed, not for every step
     assert builds_each_step >= 30
     assert builds <= builds_each_step // 2

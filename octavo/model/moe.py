@@ -1,0 +1,168 @@
+"""Mixture-of-experts decoders, Qwen3-MoE and Mixtral: the Llama family's attention, and in
+place of (some of) its MLPs a router and E experts, each a SwiGLU MLP.
+
+    router   p = softmax(x W_gate^T) in float32 [T, E]; each token's k largest, renormalized
+             to sum 1 (Mixtral always, Qwen3-MoE when norm_topk_prob)
+    experts  y = sum over the token's k experts e, in the order of e, of
+             p_e * down_e(silu(gate_e(x)) * up_e(x))
+
+A layer's experts are two stacked parameters, HF's own layout:
+
+    w13  [E, 2 I, hidden]   each expert's rows: | gate: I | up: I |
+    w2   [E, hidden, I]
+
+Under tensor parallelism each rank holds I / N of every expert's intermediate features (the
+gate/up rows and the down columns of its slice), as vLLM does, and one all-reduce sums the
+experts' partial outputs. Qwen3-MoE layers listed in `mlp_only_layers`, or not on the
+`decoder_sparse_step`, keep a dense MLP.
+
+On the CPU the experts run one at a time over the tokens routed to them (index_select, then
+index_add in expert order), through the same products as every Linear: a token's output does
+not depend on what else the step holds.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from octavo.kernels import cpu as cpu_kernels
+from octavo.model.layers import SiluAndMul, default_weight_loader
+from octavo.model.llama import LlamaForCausalLM, LlamaMLP, Qwen3ForCausalLM
+from octavo.model.parallel import all_reduce, get_tp, shard_range
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+class FusedMoE(nn.Module):
+    """A router and `num_experts` SwiGLU experts: x [T, hidden] -> [T, hidden]."""
+
+    def __init__(
+        self, num_experts: int, top_k: int, hidden: int, intermediate: int, renormalize: bool
+    ) -> None:
+        super().__init__()
+        tp = get_tp()
+        if intermediate % tp.size:
+            raise ValueError(
+                f"tensor_parallel_size={tp.size} does not divide the experts' {intermediate} "
+                "intermediate features"
+            )
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.start, self.inter = shard_range(intermediate, tp.rank, tp.size)
+        self.gate = _Router(hidden, num_experts)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter))
+        for param, parts, shape in (
+            (self.w13, ("gate", "up"), (intermediate, hidden)),
+            (self.w2, ("down",), (hidden, intermediate)),
+        ):
+            param.weight_loader = self.weight_loader
+            param.shard_ids = tuple((e, p) for e in range(num_experts) for p in parts)
+            param.checkpoint_shapes = dict.fromkeys(param.shard_ids, shape)
+        self.act_fn = SiluAndMul()
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: tuple[int, str]
+    ) -> None:
+        """Copies this rank's slice of expert e's gate, up or down projection into place."""
+        expert, part = shard_id
+        expected = param.checkpoint_shapes.get(shard_id)
+        if expected is None or tuple(loaded_weight.shape) != expected:
+            raise ValueError(
+                f"expert tensor {shard_id} has shape {tuple(loaded_weight.shape)}, expected "
+                f"{expected} of {self.num_experts} experts"
+            )
+        if part == "down":
+            param.data[expert].copy_(loaded_weight.narrow(1, self.start, self.inter))
+        else:
+            rows = param.data[expert].narrow(0, 0 if part == "gate" else self.inter, self.inter)
+            rows.copy_(loaded_weight.narrow(0, self.start, self.inter))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (each token's k experts [T, k] int64, their weights [T, k] fp32)."""
+        probs = F.softmax(cpu_kernels.dense(x, self.gate.weight).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(experts).tolist():  # ascending
+            tokens, slot = torch.where(experts == expert)
+            h = cpu_kernels.dense(x.index_select(0, tokens), self.w13[expert])
+            y = cpu_kernels.dense(self.act_fn(h), self.w2[expert])
+            out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
+        return all_reduce(out)
+
+
+class _Router(nn.Module):
+    """The router's weight [E, hidden], whole on every rank and never quantized."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.weight.weight_loader = default_weight_loader
+
+
+class _MoEForCausalLM(LlamaForCausalLM):
+    """Routes the checkpoint's per-expert tensors into the stacked parameters."""
+
+    # Checkpoint name of an expert's projection -> its part of w13 / w2.
+    expert_parts: dict[str, str] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    moe_block = "mlp"  # the layer's attribute in the checkpoint's names
+
+    def route(self, name: str) -> tuple[str, str | int | tuple | None]:
+        name = name.replace(f".{self.moe_block}.", ".mlp.")
+        match = _EXPERT.search(name)
+        if match is None:
+            return super().route(name)
+        part = self.expert_parts.get(match.group(2))
+        if part is None:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
+        param = "w2" if part == "down" else "w13"
+        return f"{name[: match.start()]}.{param}", (int(match.group(1)), part)
+
+
+class Qwen3MoeForCausalLM(_MoEForCausalLM, Qwen3ForCausalLM):
+    """Qwen3-MoE: Qwen3's attention; sparse layers on every `decoder_sparse_step`-th layer
+    but those in `mlp_only_layers`, dense MLPs (intermediate_size) elsewhere."""
+
+    def make_mlp(self, config: PretrainedConfig, layer: int) -> nn.Module:
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        sparse = config.num_experts > 0 and (layer + 1) % step == 0
+        if not sparse or layer in (getattr(config, "mlp_only_layers", None) or ()):
+            return LlamaMLP(config)
+        return FusedMoE(
+            config.num_experts, config.num_experts_per_tok, config.hidden_size,
+            config.moe_intermediate_size, bool(getattr(config, "norm_topk_prob", False)),
+        )  # fmt: skip
+
+
+class MixtralForCausalLM(_MoEForCausalLM):
+    """Mixtral: Llama's attention, every layer sparse (`block_sparse_moe` with experts
+    w1 = gate, w3 = up, w2 = down), top-k weights renormalized."""
+
+    expert_parts = {"w1": "gate", "w3": "up", "w2": "down"}
+    moe_block = "block_sparse_moe"
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        if getattr(config, "sliding_window", None) is not None:
+            raise ValueError("Mixtral with sliding_window set is not supported")
+        super().__init__(config)
+
+    def make_mlp(self, config: PretrainedConfig, layer: int) -> nn.Module:
+        return FusedMoE(
+            config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
+            config.intermediate_size, True,
+        )  # fmt: skip

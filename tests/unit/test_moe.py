@@ -1,0 +1,134 @@
+"""Mixture-of-experts models (model/moe.py) against HF transformers on tiny random
+checkpoints in float32: Qwen3-MoE with a dense layer among sparse ones and renormalized
+top-k, Qwen3-MoE without renormalizing, and Mixtral; each rank's shard of the experts; the
+engine's greedy tokens; and a token's result whatever else its step holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import TINY, PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+from octavo import LLM, SamplingParams
+from octavo.checkpoint.hf_config import load_hf_config
+from octavo.checkpoint.loader import load_model
+from octavo.model.moe import FusedMoE
+from octavo.model.parallel import set_tp
+
+MOE = {"num_hidden_layers": 3, "num_experts_per_tok": 2}
+CONFIGS = {
+    # layer 0 dense (mlp_only_layers), layers 1-2 sparse: 8 experts, top 2 renormalized
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **(TINY | MOE), head_dim=24, num_experts=8, moe_intermediate_size=32,
+        mlp_only_layers=[0], norm_topk_prob=True, tie_word_embeddings=False,
+    ),
+    # every other layer sparse (decoder_sparse_step 2), top 3 of 6 not renormalized
+    "qwen3_moe_step2": lambda: Qwen3MoeConfig(
+        **(TINY | MOE | {"num_experts_per_tok": 3}), num_experts=6, moe_intermediate_size=48,
+        decoder_sparse_step=2, norm_topk_prob=False, tie_word_embeddings=True,
+    ),
+    "mixtral": lambda: MixtralConfig(**(TINY | MOE), num_local_experts=4, tie_word_embeddings=False),
+}  # fmt: skip
+
+
+def _save(arch: str, path) -> AutoModelForCausalLM:
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(
+        CONFIGS[arch](), attn_implementation="eager", dtype=torch.float32
+    )
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # sharp attention and routing: 0.02 would hide mistakes
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+    hf.eval().save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = _save(request.param, path)
+    cfg = load_hf_config(str(path))
+    ours = load_model(str(path), cfg, torch.float32, torch.device("cpu"))
+    return hf, ours, cfg, str(path), request.param
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_layers_are_sparse_where_the_config_says(pair):
+    _, ours, _, _, arch = pair
+    sparse = [isinstance(layer.mlp, FusedMoE) for layer in ours.model.layers]
+    expected = {"qwen3_moe": [False, True, True], "qwen3_moe_step2": [False, True, False]}
+    assert sparse == expected.get(arch, [True, True, True])
+
+
+def test_logits_and_greedy_tokens_match_hf(pair):
+    hf, ours, cfg, _, _ = pair
+    runner = PagedRunner(ours, cfg)
+    ids = _prompt(0, 23)
+    (logits,) = runner.step([(0, ids)])
+    assert rel_err(logits, hf_logits(hf, ids)) < 1e-4
+    prompt = _prompt(1, 9)
+    expected = hf_greedy(hf, prompt, 12)
+    assert PagedRunner(ours, cfg).greedy(1, prompt, 12, eos_ids(hf)) == expected
+
+
+def test_each_rank_holds_its_slice_of_every_expert(pair):
+    _, ours, cfg, path, _ = pair
+    whole = dict(ours.named_parameters())
+    try:
+        for rank in range(2):
+            set_tp(rank, 2, None)
+            shard = dict(
+                load_model(path, cfg, torch.float32, torch.device("cpu")).named_parameters()
+            )
+            for name, param in shard.items():
+                if name.endswith(".w13"):
+                    inter = param.shape[1] // 2
+                    full = whole[name].view(param.shape[0], 2, -1, param.shape[2])
+                    part = full[:, :, rank * inter : (rank + 1) * inter].reshape(param.shape)
+                    assert torch.equal(param, part), name
+                elif name.endswith(".w2"):
+                    inter = param.shape[2]
+                    assert torch.equal(param, whole[name][:, :, rank * inter : (rank + 1) * inter])
+                elif name.endswith(".gate.weight"):
+                    assert torch.equal(param, whole[name]), name  # the router, whole
+    finally:
+        set_tp(0, 1, None)
+
+
+def test_the_engine_gives_hf_greedy_tokens_alone_and_batched(pair):
+    hf, _, _, path, _ = pair
+    llm = LLM(path, dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=128)
+    prompts = [_prompt(10 + i, 5 + 3 * i) for i in range(4)]
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, batched, strict=True):
+        alone = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids  # batch-invariant
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 8)
+
+
+def test_dummy_weights_load_for_a_moe_config(tmp_path):
+    path = tmp_path / "cfg"
+    config = CONFIGS["qwen3_moe"]()
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(path)
+    llm = LLM(str(path), load_format="dummy", device="cpu", num_kv_blocks=32, max_model_len=64)
+    out = llm.generate(
+        {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4), use_tqdm=False
+    )
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_unsupported_moe_options_are_value_errors(tmp_path):
+    with pytest.raises(ValueError, match="num_experts_per_tok=9"):
+        FusedMoE(8, 9, 16, 32, True)
+    cfg = MixtralConfig(**TINY, num_local_experts=4, sliding_window=64)
+    cfg.architectures = ["MixtralForCausalLM"]
+    with pytest.raises(ValueError, match="sliding_window"):
+        load_model(str(tmp_path), cfg, torch.float32, torch.device("cpu"), load_format="dummy")
