@@ -13,6 +13,7 @@ from octavo.checkpoint.hf_config import load_hf_config
 from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig
 from octavo.engine.engine import Engine
 from octavo.engine.gc_heap import frozen_gc_heap
+from octavo.kernels.capability import cpu_threads
 from octavo.kernels.cpu import compute_mode
 from octavo.model.config import get_head_dim, get_num_kv_heads
 from octavo.model.parallel import check_tp_size
@@ -108,6 +109,7 @@ def build_engine(
     seed: int = 0,
     attention_backend: str | None = None,
     async_scheduling: bool | None = None,
+    threads: int | None = None,
 ) -> Engine:
     """Builds an Engine from LLM()'s options (the README's table gives their meaning)."""
     _check_options(load_format, cuda_graph_max_tokens)
@@ -119,6 +121,8 @@ def build_engine(
     model_path = resolve_model(model)
     hf_config = load_hf_config(model_path)
     dev = resolve_device(device)
+    if dev.type == "cpu":  # a process-wide setting: the products run on torch's threads
+        torch.set_num_threads(cpu_threads(threads)[0])
     _check_parallel(parallel, hf_config, dev)
     quantization = resolve_quantization(quantization, model_path, hf_config, dev, load_format)
     get_method(quantization, dev, hf_config, model_path, load_format)  # raises before loading

@@ -24,7 +24,12 @@ import time
 from dataclasses import asdict, dataclass
 
 from octavo.config import KV_CACHE_DTYPES
-from octavo.entrypoints.cli_args import add_parallel_args, int_at_least, positive_int
+from octavo.entrypoints.cli_args import (
+    add_parallel_args,
+    add_threads_arg,
+    int_at_least,
+    positive_int,
+)
 from octavo.quant import QUANTIZATION_CHOICES
 
 
@@ -227,6 +232,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
+        threads=args.threads,
     )
     vocab = llm.engine.vocab_size
     if args.workload == "nanovllm":
@@ -318,6 +324,7 @@ def add_parser(sub) -> None:
         "engine's: 8192 on a GPU, 128 on the CPU)",
     )
     add_parallel_args(p)
+    add_threads_arg(p)
     p.add_argument("--peer", default=None, choices=["hf"])
     p.add_argument("--peer-timeout", type=float, default=300.0, help="seconds (GPU peer)")
     p.add_argument("--max-model-len", type=positive_int, default=None)

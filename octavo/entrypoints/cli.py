@@ -18,7 +18,13 @@ from typing import Self
 
 from octavo import __version__
 from octavo.config import KV_CACHE_DTYPES
-from octavo.entrypoints.cli_args import Parser, add_parallel_args, positive_int
+from octavo.entrypoints.cli_args import (
+    Parser,
+    add_parallel_args,
+    add_threads_arg,
+    announce_threads,
+    positive_int,
+)
 from octavo.quant import QUANTIZATION_CHOICES
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
@@ -69,6 +75,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "tokens in the same memory",
     )
     add_parallel_args(p)
+    add_threads_arg(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -86,7 +93,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _llm(args: argparse.Namespace):
     from octavo.entrypoints.llm import LLM
 
-    return LLM(
+    llm = LLM(
         args.model,
         dtype=args.dtype,
         device=args.device,
@@ -95,7 +102,11 @@ def _llm(args: argparse.Namespace):
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
+        threads=args.threads,
     )
+    if llm.engine.runner.device.type == "cpu":
+        announce_threads(args.threads)
+    return llm
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:

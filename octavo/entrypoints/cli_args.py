@@ -47,6 +47,25 @@ def int_at_least(minimum: int):
 positive_int = int_at_least(1)
 
 
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads", type=positive_int, default=None,
+        help="CPU threads to compute with (default: OCTAVO_NUM_THREADS, else OMP_NUM_THREADS, "
+        "else the cores this process may use, affinity and cgroup quota counted)",
+    )  # fmt: skip
+
+
+def announce_threads(threads: int | None) -> None:
+    """Prints, on stderr, the one line that says how many CPU threads compute and why."""
+    import sys
+
+    from octavo.kernels.capability import cpu_threads
+
+    count, source = cpu_threads(threads)
+    print(f"octavo: {count} CPU threads ({source}; --threads or OCTAVO_NUM_THREADS sets them)",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
 def add_parallel_args(p: argparse.ArgumentParser, nodes: bool = False) -> None:
     p.add_argument(
         "--tensor-parallel-size",

@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection, Listener, wait
 import torch
 
 from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
+from octavo.kernels.capability import usable_cores
 from octavo.runner.outputs import ModelRunnerOutput
 from octavo.runner.worker import authkey, no_delay, split_addr
 
@@ -146,7 +147,7 @@ class MultiprocRunner:
             self._conns += self._accept(listener)
         finally:
             listener.close()
-        threads = None if device_type == "cuda" else max(1, (os.cpu_count() or 1) // per_node)
+        threads = None if device_type == "cuda" else max(1, usable_cores() // per_node)
         options = {
             "runner": runner_options,
             "device_type": device_type,

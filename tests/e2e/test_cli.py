@@ -88,3 +88,16 @@ def test_ctrl_c_between_steps_aborts_and_leaves_the_engine_usable(shared_llm):
     assert not shared_llm.engine.has_unfinished_requests()
     (out,) = shared_llm.generate("Hi", SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_generate_says_how_many_cpu_threads_compute(capsys, monkeypatch):
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(["generate", "Hi", "--max-tokens", "2", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert "octavo: 1 CPU threads (threads; --threads or OCTAVO_NUM_THREADS" in err

@@ -13,6 +13,8 @@ from octavo.config import KV_CACHE_DTYPES
 from octavo.engine.spawn import start_engine_process
 from octavo.entrypoints.cli_args import (
     add_parallel_args,
+    add_threads_arg,
+    announce_threads,
     int_at_least,
     parallel_options,
     positive_int,
@@ -77,6 +79,7 @@ def add_parser(sub) -> None:
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     add_parallel_args(p, nodes=True)
+    add_threads_arg(p)
     p.add_argument(
         "--engine-in-thread", action="store_true",
         help="step the engine on a thread of the server's process, not in a process of its own",
@@ -131,7 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     names = (
         "model", "dtype", "device", "load_format", "quantization", "kv_cache_dtype",
         "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-        "enable_prefix_caching", "enforce_eager", "cuda_graph_max_tokens", "seed",
+        "enable_prefix_caching", "enforce_eager", "cuda_graph_max_tokens", "seed", "threads",
     )  # fmt: skip
     options = {name: getattr(args, name) for name in names} | parallel_options(args)
     if args.node_rank > 0:  # a worker node: no engine, no API
@@ -149,11 +152,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from octavo.engine.async_engine import AsyncEngine
-    from octavo.engine.builder import build_engine
+    from octavo.engine.builder import build_engine, resolve_device
     from octavo.engine.engine_process import EngineProcess
     from octavo.entrypoints.openai.api_server import build_app
     from octavo.entrypoints.openai.lifecycle import Server
 
+    if resolve_device(args.device).type == "cpu":
+        announce_threads(args.threads)
     if args.engine_in_thread:  # on the thread that will step it (see AsyncEngine.build)
         engine = AsyncEngine.build(lambda: build_engine(**options))
     else:
