@@ -52,6 +52,10 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the experts' router
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # every expert's, stacked: [E, I, hidden]
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",  # [E, hidden, I]
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",

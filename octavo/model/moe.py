@@ -24,6 +24,7 @@ not depend on what else the step holds.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+_STACKED = re.compile(r"\.experts\.(\w+_proj)\.weight$")
 
 
 class FusedMoE(nn.Module):
@@ -122,6 +124,9 @@ class _MoEForCausalLM(LlamaForCausalLM):
     expert_parts: dict[str, str] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     moe_block = "mlp"  # the layer's attribute in the checkpoint's names
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(_per_expert(weights))
+
     def route(self, name: str) -> tuple[str, str | int | tuple | None]:
         name = name.replace(f".{self.moe_block}.", ".mlp.")
         match = _EXPERT.search(name)
@@ -132,6 +137,24 @@ class _MoEForCausalLM(LlamaForCausalLM):
             raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
         param = "w2" if part == "down" else "w13"
         return f"{name[: match.start()]}.{param}", (int(match.group(1)), part)
+
+
+def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights with every stacked experts' tensor (a GGUF file's `ffn_*_exps`, named
+    `...mlp.experts.gate_proj.weight`, [E, rows, columns]) as E tensors, one per expert,
+    read once."""
+    for name, tensor in weights:
+        match = _STACKED.search(name)
+        if match is None:
+            yield name, tensor
+            continue
+        if not isinstance(tensor, torch.Tensor):  # a lazy tensor: read (dequantize) it once
+            tensor = tensor.narrow(0, 0, tensor.shape[0])
+        for expert in range(tensor.shape[0]):
+            yield (
+                f"{name[: match.start()]}.experts.{expert}.{match.group(1)}.weight",
+                tensor[expert],
+            )
 
 
 class Qwen3MoeForCausalLM(_MoEForCausalLM, Qwen3ForCausalLM):
@@ -153,7 +176,7 @@ class MixtralForCausalLM(_MoEForCausalLM):
     """Mixtral: Llama's attention, every layer sparse (`block_sparse_moe` with experts
     w1 = gate, w3 = up, w2 = down), top-k weights renormalized."""
 
-    expert_parts = {"w1": "gate", "w3": "up", "w2": "down"}
+    expert_parts = _MoEForCausalLM.expert_parts | {"w1": "gate", "w3": "up", "w2": "down"}
     moe_block = "block_sparse_moe"
 
     def __init__(self, config: PretrainedConfig) -> None:

@@ -32,10 +32,10 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def _save(arch: str, path) -> AutoModelForCausalLM:
+def _save(arch: str, path, config=None) -> AutoModelForCausalLM:
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(
-        CONFIGS[arch](), attn_implementation="eager", dtype=torch.float32
+        config or CONFIGS[arch](), attn_implementation="eager", dtype=torch.float32
     )
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # sharp attention and routing: 0.02 would hide mistakes
@@ -132,3 +132,66 @@ def test_unsupported_moe_options_are_value_errors(tmp_path):
     cfg.architectures = ["MixtralForCausalLM"]
     with pytest.raises(ValueError, match="sliding_window"):
         load_model(str(tmp_path), cfg, torch.float32, torch.device("cpu"), load_format="dummy")
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
+def test_a_gguf_written_from_the_same_weights_gives_hf_logits(arch, tmp_path):
+    """llama.cpp's layout: the router as ffn_gate_inp, every expert's projection stacked in
+    ffn_{gate,up,down}_exps, expert metadata; Mixtral as the llama architecture (its q/k
+    rows permuted)."""
+    import gguf
+    import numpy as np
+    from test_gguf_loader import gguf_name, llama_cpp_permute
+
+    config = CONFIGS["mixtral" if arch == "mixtral" else "qwen3_moe"]()
+    config.mlp_only_layers = []  # llama.cpp's qwen3moe: every layer sparse
+    hf = _save(arch, tmp_path / "hf", config)
+    path, file_arch = tmp_path / "moe.gguf", "llama" if arch == "mixtral" else "qwen3moe"
+    writer = gguf.GGUFWriter(str(path), file_arch)
+    for add, value in (
+        (writer.add_block_count, config.num_hidden_layers),
+        (writer.add_context_length, config.max_position_embeddings),
+        (writer.add_embedding_length, config.hidden_size),
+        (writer.add_feed_forward_length, config.intermediate_size),
+        (writer.add_head_count, config.num_attention_heads),
+        (writer.add_head_count_kv, config.num_key_value_heads),
+        (writer.add_layer_norm_rms_eps, config.rms_norm_eps),
+        (writer.add_rope_freq_base, float(hf.config.rope_parameters["rope_theta"])),
+        (writer.add_expert_count, getattr(config, "num_experts", None) or config.num_local_experts),
+        (writer.add_expert_used_count, config.num_experts_per_tok),
+    ):
+        add(value)
+    if arch != "mixtral":
+        writer.add_key_length(24)
+        writer.add_value_length(24)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_weights_norm(True)
+    for name, w in hf.state_dict().items():
+        data = w.float().numpy().copy()
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = np.split(data, 2, axis=1)
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", gate.copy())
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", up.copy())
+            continue
+        if name.endswith("experts.down_proj"):
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", data)
+            continue
+        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", data)
+            continue
+        if file_arch == "llama" and ".q_proj." in name:
+            data = llama_cpp_permute(data, config.num_attention_heads)
+        elif file_arch == "llama" and ".k_proj." in name:
+            data = llama_cpp_permute(data, config.num_key_value_heads)
+        writer.add_tensor(gguf_name(name), data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cfg = load_hf_config(str(path))
+    ours = load_model(str(path), cfg, torch.float32, torch.device("cpu"))
+    assert all(isinstance(layer.mlp, FusedMoE) for layer in ours.model.layers)
+    ids = _prompt(3, 17)
+    (logits,) = PagedRunner(ours, cfg).step([(0, ids)])
+    assert rel_err(logits, hf_logits(hf, ids)) < 1e-4
