@@ -81,6 +81,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     nnodes: int = 1
     dist_init_addr: str | None = None
+    enable_expert_parallel: bool = False  # MoE layers: whole experts per rank (model/moe.py)
 
     def __post_init__(self) -> None:
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)

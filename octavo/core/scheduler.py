@@ -2,11 +2,12 @@
 
 One rule covers prefill, chunked prefill, decode and prefix-cache hits: every request has
 `num_computed_tokens` and `num_tokens`, and a step lets computed catch up with total under
-two budgets, `max_num_batched_tokens` tokens and `max_num_seqs` sequences. Running
-requests go first (oldest first); waiting requests are admitted only if nobody had to be
-preempted this step. Beside other requests, a running prompt's chunk takes at most half
-the token budget, so that a long prefill lets the others (new ones too) into every step. When the KV cache runs out of blocks, the newest running request is
-preempted by recompute: it frees its blocks and goes back to the front of the waiting queue.
+two budgets, `max_num_batched_tokens` tokens and `max_num_seqs` sequences. Running requests
+go first (oldest first); waiting requests are admitted only if nobody had to be preempted
+this step. Beside other requests, a running prompt's chunk takes at most half the token
+budget, so that a long prefill lets the others (new ones too) into every step. When the KV
+cache runs out of blocks, the newest running request is preempted by recompute: it frees its
+blocks and goes back to the front of the waiting queue.
 
 Tokens count as computed once scheduled. With async scheduling the engine schedules step
 N+1 while step N runs: a request that samples in step N has a pending token

@@ -110,6 +110,7 @@ def build_engine(
     attention_backend: str | None = None,
     async_scheduling: bool | None = None,
     threads: int | None = None,
+    enable_expert_parallel: bool = False,
 ) -> Engine:
     """Builds an Engine from LLM()'s options (the README's table gives their meaning)."""
     _check_options(load_format, cuda_graph_max_tokens)
@@ -117,7 +118,7 @@ def build_engine(
         block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching, kv_cache_dtype,
     )  # fmt: skip
-    parallel = ParallelConfig(tensor_parallel_size, nnodes, dist_init_addr)
+    parallel = ParallelConfig(tensor_parallel_size, nnodes, dist_init_addr, enable_expert_parallel)
     model_path = resolve_model(model)
     hf_config = load_hf_config(model_path)
     dev = resolve_device(device)
@@ -167,7 +168,7 @@ def _make_runner(runner_options: dict, device: torch.device, parallel: ParallelC
         return ModelRunner(device=device, **runner_options)
     return MultiprocRunner(
         runner_options, device.type, parallel.tensor_parallel_size, parallel.nnodes,
-        parallel.dist_init_addr,
+        parallel.dist_init_addr, parallel.enable_expert_parallel,
     )  # fmt: skip
 
 
@@ -188,6 +189,12 @@ def _check_parallel(parallel: ParallelConfig, hf_config, device: torch.device) -
         raise ValueError(
             f"tensor_parallel_size={size} does not divide the model's intermediate_size "
             f"{hf_config.intermediate_size}"
+        )
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0)
+    if parallel.enable_expert_parallel and experts % size:
+        raise ValueError(
+            f"enable_expert_parallel over tensor_parallel_size={size} ranks needs a multiple "
+            f"of {size} experts; the model has {experts}"
         )
     per_node = size // parallel.nnodes
     if device.type == "cuda" and per_node > torch.cuda.device_count():

@@ -129,8 +129,10 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         tty = sys.stderr.isatty()
         progress = args.progress is not False
         # Plain lines where stderr is not a terminal (a log): a bar's redraws would pile up.
-        bar = tqdm(total=len(payloads), desc="requests done", unit="req", disable=not progress,
-                   mininterval=0.1 if tty else 5.0, file=sys.stderr if tty else _Lines())  # fmt: skip
+        bar = tqdm(
+            total=len(payloads), desc="requests done", unit="req", disable=not progress,
+            mininterval=0.1 if tty else 5.0, file=sys.stderr if tty else _Lines(),
+        )  # fmt: skip
         start = time.perf_counter()
         tasks = []
         for payload in payloads:

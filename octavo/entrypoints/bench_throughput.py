@@ -232,6 +232,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         threads=args.threads,
     )
     vocab = llm.engine.vocab_size

@@ -102,6 +102,7 @@ def _llm(args: argparse.Namespace):
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         threads=args.threads,
     )
     if llm.engine.runner.device.type == "cpu":

@@ -74,6 +74,10 @@ def add_parallel_args(p: argparse.ArgumentParser, nodes: bool = False) -> None:
         default=1,
         help="split the model over this many GPUs (CPU processes on the CPU), one worker each",
     )
+    p.add_argument(
+        "--enable-expert-parallel", action="store_true",
+        help="mixture-of-experts layers: each rank holds whole experts, not a slice of each",
+    )  # fmt: skip
     if not nodes:
         return
     p.add_argument(
@@ -94,7 +98,10 @@ def add_parallel_args(p: argparse.ArgumentParser, nodes: bool = False) -> None:
 
 def parallel_options(args: argparse.Namespace) -> dict:
     """The parsed options as build_engine's keyword arguments."""
-    options = {"tensor_parallel_size": args.tensor_parallel_size}
+    options = {
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
+    }
     if hasattr(args, "nnodes"):
         options.update(nnodes=args.nnodes, dist_init_addr=args.dist_init_addr)
     return options

@@ -164,8 +164,9 @@ def paged_attention(
 
 
 def attention_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether paged_attention takes these: float32 q and cache on the CPU, head_dim in 16s up to 256
-    (the torch backend serves as the GPU kernels' oracle too: it keeps SDPA there)."""
+    """Whether paged_attention takes these: float32 q and cache on the CPU, head_dim in 16s
+    up to 256 (the torch backend serves as the GPU kernels' oracle too: it keeps SDPA
+    there)."""
     return (
         q.is_cpu
         and kv_cache.is_cpu

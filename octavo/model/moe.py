@@ -12,9 +12,10 @@ A layer's experts are two stacked parameters, HF's own layout:
     w2   [E, hidden, I]
 
 Under tensor parallelism each rank holds I / N of every expert's intermediate features (the
-gate/up rows and the down columns of its slice), as vLLM does, and one all-reduce sums the
-experts' partial outputs. Qwen3-MoE layers listed in `mlp_only_layers`, or not on the
-`decoder_sparse_step`, keep a dense MLP.
+gate/up rows and the down columns of its slice), as vLLM does; with expert parallelism
+(`enable_expert_parallel=True`) E / N whole experts instead. Every rank routes every token
+alike (the router is whole everywhere), and one all-reduce sums the ranks' shares. Qwen3-MoE
+layers listed in `mlp_only_layers`, or not on the `decoder_sparse_step`, keep a dense MLP.
 
 On the CPU the experts run one at a time over the tokens routed to them (index_select, then
 index_add in expert order), through the same products as every Linear: a token's output does
@@ -59,24 +60,41 @@ class FusedMoE(nn.Module):
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.start, self.inter = shard_range(intermediate, tp.rank, tp.size)
+        if tp.expert_parallel and tp.size > 1:  # whole experts, E / N of them
+            if num_experts % tp.size:
+                raise ValueError(
+                    f"expert parallelism over {tp.size} ranks needs a multiple of {tp.size} "
+                    f"experts, not {num_experts}"
+                )
+            self.first, self.local = shard_range(num_experts, tp.rank, tp.size)
+            self.start, self.inter = 0, intermediate
+        else:  # a slice of every expert
+            self.first, self.local = 0, num_experts
+            self.start, self.inter = shard_range(intermediate, tp.rank, tp.size)
         self.gate = _Router(hidden, num_experts)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.inter))
+        self.w13 = nn.Parameter(torch.empty(self.local, 2 * self.inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(self.local, hidden, self.inter))
+        experts = range(self.first, self.first + self.local)
         for param, parts, shape in (
             (self.w13, ("gate", "up"), (intermediate, hidden)),
             (self.w2, ("down",), (hidden, intermediate)),
         ):
             param.weight_loader = self.weight_loader
-            param.shard_ids = tuple((e, p) for e in range(num_experts) for p in parts)
+            param.shard_ids = tuple((e, p) for e in experts for p in parts)
             param.checkpoint_shapes = dict.fromkeys(param.shard_ids, shape)
         self.act_fn = SiluAndMul()
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: tuple[int, str]
     ) -> None:
-        """Copies this rank's slice of expert e's gate, up or down projection into place."""
+        """Copies this rank's slice of expert e's gate, up or down projection into place (an
+        expert another rank holds: nothing)."""
         expert, part = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} of a layer of {self.num_experts} experts")
+        expert -= self.first
+        if not 0 <= expert < self.local:
+            return
         expected = param.checkpoint_shapes.get(shard_id)
         if expected is None or tuple(loaded_weight.shape) != expected:
             raise ValueError(
@@ -98,14 +116,22 @@ class FusedMoE(nn.Module):
         return experts, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (its experts, or its slice of each): the ranks'
+        shares sum to the whole."""
         experts, weights = self.route(x)
         out = torch.zeros_like(x)
         for expert in torch.unique(experts).tolist():  # ascending
+            local = expert - self.first
+            if not 0 <= local < self.local:
+                continue
             tokens, slot = torch.where(experts == expert)
-            h = cpu_kernels.dense(x.index_select(0, tokens), self.w13[expert])
-            y = cpu_kernels.dense(self.act_fn(h), self.w2[expert])
+            h = cpu_kernels.dense(x.index_select(0, tokens), self.w13[local])
+            y = cpu_kernels.dense(self.act_fn(h), self.w2[local])
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
-        return all_reduce(out)
+        return out
 
 
 class _Router(nn.Module):

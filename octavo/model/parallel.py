@@ -22,6 +22,8 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    # Mixture-of-experts layers: each rank holds E / size whole experts, not a slice of each.
+    expert_parallel: bool = False
 
 
 _tp = TPGroup()
@@ -36,9 +38,11 @@ def get_tp() -> TPGroup:
     return _tp
 
 
-def set_tp(rank: int, size: int, group: dist.ProcessGroup | None) -> None:
+def set_tp(
+    rank: int, size: int, group: dist.ProcessGroup | None, expert_parallel: bool = False
+) -> None:
     global _tp
-    _tp = TPGroup(rank, size, group)
+    _tp = TPGroup(rank, size, group, expert_parallel)
 
 
 def shard_range(total: int, rank: int, size: int) -> tuple[int, int]:

@@ -1,5 +1,6 @@
-"""quantization="fp8" on an HF fp8 checkpoint, read as it is: e4m3 weights, each with a float32 scale per 128 x 128
-block (`<name>.weight_scale_inv`, w = q * scale), as Qwen3's and DeepSeek's FP8 releases.
+"""quantization="fp8" on an HF fp8 checkpoint, read as it is: e4m3 weights, each with a float32
+scale per 128 x 128 block (`<name>.weight_scale_inv`, w = q * scale), as Qwen3's and
+DeepSeek's FP8 releases.
 
 The scales are read first and placed by the model's weight loaders: each Linear's loader
 gets a `BlockGrid` in place of its weight and one in place of the checkpoint tensor,

@@ -119,6 +119,7 @@ class MultiprocRunner:
         tensor_parallel_size: int,
         nnodes: int = 1,
         dist_init_addr: str | None = None,
+        expert_parallel: bool = False,
     ) -> None:
         self.hf_config = runner_options["hf_config"]
         self.dtype = runner_options["dtype"]
@@ -154,6 +155,7 @@ class MultiprocRunner:
             "nnodes": nnodes,
             "timeout_s": DIST_TIMEOUT_S,
             "cpu_threads": threads if "OMP_NUM_THREADS" not in os.environ else None,
+            "expert_parallel": expert_parallel,
         }
         for conn in self._conns:
             conn.send(options)

@@ -97,6 +97,7 @@ def serve(conn: Connection, args) -> None:
     device = init_distributed(
         args, options["device_type"], options["timeout_s"], options.get("nnodes", 1)
     )
+    set_tp(args.rank, args.world_size, dist.group.WORLD, options.get("expert_parallel", False))
     runner = ModelRunner(device=device, **options["runner"])
     conn.send(("ok", None))
     pending = {}  # rank 0: step id -> its PendingOutput, until the engine takes the result
