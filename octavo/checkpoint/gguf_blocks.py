@@ -123,18 +123,18 @@ def block_codes(tensor: GGUFTensor) -> np.ndarray:
 
 
 def block_groups(tensor: GGUFTensor) -> np.ndarray:
-    """A Q4_0/Q4_1/Q4_K/Q8_0 tensor [N, K]'s groups of 32 as float32 [N, K / 16]: group g's
+    """A Q4_0/Q4_1/Q4_K/Q8_0 tensor [..., K]'s groups of 32 as float32 [..., K / 16]: group g's
     scale in column 2 g, its minimum in column 2 g + 1 (value = code * scale + min, codes as
     block_codes gives them). Q4_1 stores both; Q4_0 its scale d, with min -8 d; Q8_0 d,
     with min -128 d; Q4_K a 6-bit scale and minimum per group, times its super-block's d
     and dmin."""
     if tensor.ggml_type == Q4_K:
-        return _q4_k_groups(tensor).reshape(tensor.shape[0], -1)
+        return _q4_k_groups(tensor).reshape(*tensor.shape[:-1], -1)
     blocks = tensor.data.reshape(-1, BLOCK_SIZES[tensor.ggml_type][1])
     d_m = _halves(blocks, 2 if tensor.ggml_type == Q4_1 else 1)  # [B, 2] or [B, 1]
     if tensor.ggml_type != Q4_1:
         d_m = np.concatenate([d_m, (-8 if tensor.ggml_type == Q4_0 else -128) * d_m], axis=1)
-    return d_m.reshape(tensor.shape[0], -1)
+    return d_m.reshape(*tensor.shape[:-1], -1)
 
 
 def _q4_k_groups(tensor: GGUFTensor) -> np.ndarray:

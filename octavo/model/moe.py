@@ -83,6 +83,20 @@ class FusedMoE(nn.Module):
             param.shard_ids = tuple((e, p) for e in experts for p in parts)
             param.checkpoint_shapes = dict.fromkeys(param.shard_ids, shape)
         self.act_fn = SiluAndMul()
+        # Each expert's QuantizedWeights ({"w13": [...], "w2": [...]}, this rank's experts)
+        # where a method keeps a checkpoint's blocks; w13 and w2 are then empty.
+        self.register_module("quant", None)
+
+    def keep(self, w13: list[nn.Module], w2: list[nn.Module]) -> None:
+        """Computes with these in place of w13 and w2 (each expert's, this rank's share);
+        the float parameters become empty and load nothing."""
+        self.quant = nn.ModuleDict({"w13": nn.ModuleList(w13), "w2": nn.ModuleList(w2)})
+        for name in ("w13", "w2"):
+            old = getattr(self, name)
+            empty = nn.Parameter(old.new_empty(0), requires_grad=False)
+            empty.__dict__.update(old.__dict__)  # its shard ids
+            empty.weight_loader = _load_nothing
+            setattr(self, name, empty)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: tuple[int, str]
@@ -128,10 +142,18 @@ class FusedMoE(nn.Module):
             if not 0 <= local < self.local:
                 continue
             tokens, slot = torch.where(experts == expert)
-            h = cpu_kernels.dense(x.index_select(0, tokens), self.w13[local])
-            y = cpu_kernels.dense(self.act_fn(h), self.w2[local])
+            rows = x.index_select(0, tokens)
+            if self.quant is not None:  # kept in a checkpoint's blocks
+                y = self.quant["w2"][local](self.act_fn(self.quant["w13"][local](rows)))
+            else:
+                h = cpu_kernels.dense(rows, self.w13[local])
+                y = cpu_kernels.dense(self.act_fn(h), self.w2[local])
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
         return out
+
+
+def _load_nothing(param: nn.Parameter, loaded_weight, *shard_id) -> None:
+    """The loader of experts kept in another form: their float tensors are not read."""
 
 
 class _Router(nn.Module):
@@ -165,22 +187,43 @@ class _MoEForCausalLM(LlamaForCausalLM):
         return f"{name[: match.start()]}.{param}", (int(match.group(1)), part)
 
 
-def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
     """The weights with every stacked experts' tensor (a GGUF file's `ffn_*_exps`, named
-    `...mlp.experts.gate_proj.weight`, [E, rows, columns]) as E tensors, one per expert,
-    read once."""
+    `...mlp.experts.gate_proj.weight`, [E, rows, columns]) as E lazy tensors, one per expert:
+    the stack is read (dequantized) once, when a loader first narrows one of them, and never
+    where the experts are kept in another form."""
     for name, tensor in weights:
         match = _STACKED.search(name)
         if match is None:
             yield name, tensor
             continue
-        if not isinstance(tensor, torch.Tensor):  # a lazy tensor: read (dequantize) it once
-            tensor = tensor.narrow(0, 0, tensor.shape[0])
+        stack, prefix = _Stack(tensor), name[: match.start()]
         for expert in range(tensor.shape[0]):
-            yield (
-                f"{name[: match.start()]}.experts.{expert}.{match.group(1)}.weight",
-                tensor[expert],
-            )
+            yield f"{prefix}.experts.{expert}.{match.group(1)}.weight", _ExpertOf(stack, expert)
+
+
+class _Stack:
+    """A stacked tensor, read once, on first use."""
+
+    def __init__(self, tensor) -> None:
+        self.tensor, self.read = tensor, None
+
+    def whole(self) -> torch.Tensor:
+        if self.read is None:
+            t = self.tensor
+            self.read = t if isinstance(t, torch.Tensor) else t.narrow(0, 0, t.shape[0])
+        return self.read
+
+
+class _ExpertOf:
+    """One expert's tensor of a _Stack, as a loader sees a lazy tensor (`shape`, `narrow`)."""
+
+    def __init__(self, stack: _Stack, expert: int) -> None:
+        self.stack, self.expert = stack, expert
+        self.shape = tuple(stack.tensor.shape[1:])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.stack.whole()[self.expert].narrow(dim, start, length)
 
 
 class Qwen3MoeForCausalLM(_MoEForCausalLM, Qwen3ForCausalLM):

@@ -55,6 +55,7 @@ class GGUFBlocks(QuantMethod):
         bits = place(net, make, source.gguf_blocks("bits"))
         _keep_q8_0_head(net, source)
         _keep_embedding(net, source)
+        _keep_experts(net, source)
         return {m: grid for m, grid in placed.items() if _keeps_blocks(m, grid, bits[m])}
 
     def fill(self, net, source, claims, device, threads) -> None:
@@ -78,6 +79,56 @@ def _keeps_blocks(linear: Linear, groups: torch.Tensor, bits: torch.Tensor) -> b
         return False
     dtype = linear.weight.dtype
     return Q8Weight.runs_kernel(groups.device, groups.shape[0], dtype) or not (bits == 8).any()
+
+
+def _keep_experts(net: nn.Module, source: Source) -> None:
+    """Each mixture-of-experts layer whose stacked expert tensors (`ffn_{gate,up,down}_exps`)
+    are all block types keeps this rank's experts in their blocks, as a Linear keeps its own:
+    gate and up rows one weight, down another (only where octavo's CPU kernels run them, and
+    a rank's slice of the experts' features is whole groups of 32)."""
+    from octavo.model.moe import FusedMoE
+
+    for name, moe in net.named_modules():
+        if not isinstance(moe, FusedMoE) or not name.startswith("model.layers."):
+            continue
+        layer = name.split(".")[2]
+        parts = [
+            source.gguf_tensor(f"blk.{layer}.ffn_{p}_exps.weight") for p in ("gate", "up", "down")
+        ]
+        dtype, device = moe.w13.dtype, moe.w13.device
+        if any(t is None or t.bits is None for t in parts) or moe.start % 32 or moe.inter % 32:
+            continue
+        if not (uses_cpu_kernels(device) and cpu_kernels.available(dtype)):
+            continue
+        (gate_c, up_c, down_c), (gate_g, up_g, down_g) = zip(
+            *((t.codes(), t.groups()) for t in parts), strict=True
+        )
+        rows, cols = (
+            slice(moe.start, moe.start + moe.inter),
+            slice(moe.start // 16, (moe.start + moe.inter) // 16),
+        )
+        w13, w2 = [], []
+        for expert in range(moe.first, moe.first + moe.local):
+            codes = torch.cat([gate_c[expert, rows], up_c[expert, rows]])
+            w13.append(
+                _blocks_weight(codes, torch.cat([gate_g[expert, rows], up_g[expert, rows]]), dtype)
+            )
+            codes = down_c[expert][:, moe.start : moe.start + moe.inter]
+            w2.append(_blocks_weight(codes, down_g[expert][:, cols], dtype))
+        moe.keep(w13, w2)
+
+
+def _blocks_weight(
+    codes: torch.Tensor, groups: torch.Tensor, dtype: torch.dtype
+) -> QuantizedWeight:
+    """A matrix's codes [N, K] and groups of 32 [N, K / 16] as a QuantizedWeight: Int4Weight
+    where every code is below 16, else Q8Weight."""
+    scale, lo = groups[:, 0::2].contiguous(), groups[:, 1::2].contiguous()
+    codes = codes.contiguous()
+    if codes.max() < 16:
+        meta = torch.empty(codes.shape, dtype=dtype, device="meta")
+        return Int4Weight(meta, 32, grid=(scale, lo), codes=codes)
+    return Q8Weight(codes, scale, lo, dtype)
 
 
 def _keep_embedding(net: nn.Module, source: Source) -> None:

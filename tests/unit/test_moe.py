@@ -147,8 +147,40 @@ def test_a_gguf_written_from_the_same_weights_gives_hf_logits(arch, tmp_path):
     """llama.cpp's layout: the router as ffn_gate_inp, every expert's projection stacked in
     ffn_{gate,up,down}_exps, expert metadata; Mixtral as the llama architecture (its q/k
     rows permuted)."""
+    hf, path = _write_moe_gguf(arch, tmp_path, None)
+    cfg = load_hf_config(str(path))
+    ours = load_model(str(path), cfg, torch.float32, torch.device("cpu"))
+    assert all(isinstance(layer.mlp, FusedMoE) for layer in ours.model.layers)
+    ids = _prompt(3, 17)
+    (logits,) = PagedRunner(ours, cfg).step([(0, ids)])
+    assert rel_err(logits, hf_logits(hf, ids)) < 1e-4
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_experts_keep_their_blocks_and_compute_as_their_float_values(qtype, tmp_path):
+    """quantization="gguf" (the default for a GGUF file on the CPU): each expert holds the
+    file's codes and groups, and the model gives the logits of the same file read as float."""
+    import gguf
+
+    _, path = _write_moe_gguf("qwen3moe", tmp_path, getattr(gguf.GGMLQuantizationType, qtype))
+    cfg = load_hf_config(str(path))
+    kept = load_model(str(path), cfg, torch.float32, torch.device("cpu"), quantization="gguf")
+    plain = load_model(str(path), cfg, torch.float32, torch.device("cpu"))
+    moes = [layer.mlp for layer in kept.model.layers]
+    assert all(m.quant is not None and m.w13.numel() == 0 for m in moes)
+    assert all(m.quant is None for m in (layer.mlp for layer in plain.model.layers))
+    ids = _prompt(4, 19)
+    (a,) = PagedRunner(kept, cfg).step([(0, ids)])
+    (b,) = PagedRunner(plain, cfg).step([(0, ids)])
+    assert rel_err(a, b) < 1e-5
+
+
+def _write_moe_gguf(arch: str, tmp_path, expert_qtype):
+    """A tiny Qwen3-MoE (every layer sparse) or Mixtral written as llama.cpp converts it,
+    the experts' stacked tensors in `expert_qtype` (None: float32). Returns (HF model, path)."""
     import gguf
     import numpy as np
+    from gguf.quants import quantize
     from test_gguf_loader import gguf_name, llama_cpp_permute
 
     config = CONFIGS["mixtral" if arch == "mixtral" else "qwen3_moe"]()
@@ -177,13 +209,18 @@ def test_a_gguf_written_from_the_same_weights_gives_hf_logits(arch, tmp_path):
     for name, w in hf.state_dict().items():
         data = w.float().numpy().copy()
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
-        if name.endswith("experts.gate_up_proj"):
-            gate, up = np.split(data, 2, axis=1)
-            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", gate.copy())
-            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", up.copy())
-            continue
-        if name.endswith("experts.down_proj"):
-            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", data)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            stacks = np.split(data, 2, axis=1) if name.endswith("gate_up_proj") else [data]
+            for kind, stack in zip(["gate", "up"] if len(stacks) == 2 else ["down"], stacks):
+                stack = stack.copy()
+                if expert_qtype is None:
+                    writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", stack)
+                else:
+                    raw = quantize(stack.reshape(-1, stack.shape[-1]), expert_qtype)
+                    writer.add_tensor(
+                        f"blk.{layer}.ffn_{kind}_exps.weight",
+                        raw.reshape(*stack.shape[:-1], -1), raw_dtype=expert_qtype,
+                    )  # fmt: skip
             continue
         if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
             writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", data)
@@ -197,12 +234,7 @@ def test_a_gguf_written_from_the_same_weights_gives_hf_logits(arch, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    cfg = load_hf_config(str(path))
-    ours = load_model(str(path), cfg, torch.float32, torch.device("cpu"))
-    assert all(isinstance(layer.mlp, FusedMoE) for layer in ours.model.layers)
-    ids = _prompt(3, 17)
-    (logits,) = PagedRunner(ours, cfg).step([(0, ids)])
-    assert rel_err(logits, hf_logits(hf, ids)) < 1e-4
+    return hf, path
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
