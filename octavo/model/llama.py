@@ -1,4 +1,4 @@
-"""Llama-family decoders: Llama (SmolLM2, Llama 3.x), Qwen2 / Qwen2.5 and Qwen3.
+"""Llama-family decoders: Llama (SmolLM2, Llama 3.x), Mistral, Qwen2 / Qwen2.5 and Qwen3.
 
 The three share one implementation; class attributes and the config pick the differences:
 
@@ -240,6 +240,20 @@ class LlamaForCausalLM(nn.Module):
             if f".{ckpt_name}." in name:
                 return name.replace(f".{ckpt_name}.", f".{fused_name}."), shard_id
         return name, None
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama, with sliding-window attention where `sliding_window` is set below the
+    context (Mistral 7B v0.1), which octavo does not run yet."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        window = getattr(config, "sliding_window", None)
+        if window is not None and window < config.max_position_embeddings:
+            raise ValueError(
+                f"sliding_window={window} below max_position_embeddings="
+                f"{config.max_position_embeddings} (sliding-window attention) is not supported"
+            )
+        super().__init__(config)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

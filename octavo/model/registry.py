@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 # HF `architectures[0]` -> (module, class name).
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("octavo.model.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("octavo.model.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("octavo.model.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("octavo.model.llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("octavo.model.moe", "Qwen3MoeForCausalLM"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 from model_utils import TINY, PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from octavo.checkpoint.hf_config import load_hf_config
 from octavo.checkpoint.loader import load_model
@@ -33,6 +33,7 @@ CONFIGS = {
     "llama3_rope": lambda: LlamaConfig(**TINY, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=24, tie_word_embeddings=True),
+    "mistral": lambda: MistralConfig(**TINY, head_dim=None, sliding_window=None),
 }
 
 
@@ -175,3 +176,10 @@ def test_unsupported_architecture_and_missing_path_raise(tmp_path):
     cfg.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="MysteryForCausalLM"):
         load_hf_config(str(tmp_path))
+
+
+def test_mistral_with_a_sliding_window_is_a_value_error(tmp_path):
+    config = MistralConfig(**TINY, sliding_window=64)
+    config.architectures = ["MistralForCausalLM"]
+    with pytest.raises(ValueError, match="sliding_window=64 below max_position_embeddings=256"):
+        load_model(str(tmp_path), config, torch.float32, torch.device("cpu"), "dummy")
