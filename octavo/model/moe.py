@@ -168,6 +168,9 @@ class _Router(nn.Module):
 class _MoEForCausalLM(LlamaForCausalLM):
     """Routes the checkpoint's per-expert tensors into the stacked parameters."""
 
+    # The experts' loop reads the routing on the host each step: no CUDA graph can hold it.
+    supports_cuda_graphs = False
+
     # Checkpoint name of an expert's projection -> its part of w13 / w2.
     expert_parts: dict[str, str] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     moe_block = "mlp"  # the layer's attribute in the checkpoint's names

@@ -89,7 +89,12 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # NOTE: the torch backend plans its work on the host from each step's lengths, which
         # a graph replay would not see: graphs only with the Triton backend.
-        self.use_cuda_graphs = device.type == "cuda" and not enforce_eager and backend == "triton"
+        self.use_cuda_graphs = (
+            device.type == "cuda"
+            and not enforce_eager
+            and backend == "triton"
+            and getattr(self.model, "supports_cuda_graphs", True)
+        )
         self.cuda_graph_max_tokens = cuda_graph_max_tokens
         self.graph_runner: CudaGraphRunner | None = None
         self.inputs: InputBuilder | None = None
