@@ -101,22 +101,29 @@ def gguf_to_hf_config(path: str) -> GGUFConfig:
     if arch == "llama":
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
         kwargs["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
-    experts = int(get("expert_count", 0) or 0)
-    if experts:  # qwen3moe, or a llama file with expert tensors: Mixtral
-        if arch == "llama":
-            kwargs["architectures"] = ["MixtralForCausalLM"]
-            kwargs["num_local_experts"] = experts
-        else:  # llama.cpp's qwen3moe has no dense layers
-            kwargs.update(num_experts=experts, decoder_sparse_step=1, mlp_only_layers=[])
-            kwargs["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
-            kwargs["norm_topk_prob"] = bool(get("expert_weights_norm", True))
-        kwargs["num_experts_per_tok"] = int(get("expert_used_count"))
+    kwargs |= _gguf_experts(get, str(arch))
     scaling = _gguf_rope_scaling(get) or {"rope_type": "default"}
     kwargs["rope_parameters"] = {"rope_theta": float(get("rope.freq_base", 10000.0))} | scaling
     config = GGUFConfig(str(arch), **kwargs)
     if "rope_freqs.weight" in tensors:
         config.rope_freq_factors = dequantize_tensor(tensors["rope_freqs.weight"]).tolist()
     return config
+
+
+def _gguf_experts(get, arch: str) -> dict[str, Any]:
+    """A mixture of experts' config fields from GGUF metadata ({} for a dense model): a
+    qwen3moe file (llama.cpp's has no dense layers), or a llama file with experts (Mixtral)."""
+    experts = int(get("expert_count", 0) or 0)
+    if not experts:
+        return {}
+    fields: dict[str, Any] = {"num_experts_per_tok": int(get("expert_used_count"))}
+    if arch == "llama":
+        return fields | {"architectures": ["MixtralForCausalLM"], "num_local_experts": experts}
+    return fields | {
+        "num_experts": experts, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "norm_topk_prob": bool(get("expert_weights_norm", True)),
+    }  # fmt: skip
 
 
 def _gguf_rope_scaling(get) -> dict | None:

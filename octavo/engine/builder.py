@@ -121,9 +121,7 @@ def build_engine(
     parallel = ParallelConfig(tensor_parallel_size, nnodes, dist_init_addr, enable_expert_parallel)
     model_path = resolve_model(model)
     hf_config = load_hf_config(model_path)
-    dev = resolve_device(device)
-    if dev.type == "cpu":  # a process-wide setting: the products run on torch's threads
-        torch.set_num_threads(cpu_threads(threads)[0])
+    dev = _device_with_threads(device, threads)
     _check_parallel(parallel, hf_config, dev)
     quantization = resolve_quantization(quantization, model_path, hf_config, dev, load_format)
     get_method(quantization, dev, hf_config, model_path, load_format)  # raises before loading
@@ -138,19 +136,44 @@ def build_engine(
         "quantization": quantization, "kv_cache_dtype": kv_dtype,
     }  # fmt: skip
     runner = _make_runner(runner_options, dev, parallel)
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = CPU_STEP_TOKENS if dev.type == "cpu" else GPU_STEP_TOKENS
-    # Size the KV cache (profiling a step on CUDA), then allocate it once.
-    num_blocks = runner.num_kv_blocks(cache, max_num_batched_tokens, max_num_seqs)
-    model_len = _max_model_len(hf_config, max_model_len, num_blocks * block_size)
-    sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_len)
-    runner.allocate_kv_cache(num_blocks, max_num_seqs, sched.max_model_len, max_num_batched_tokens)
+    sched, num_blocks = _allocate_kv_cache(
+        runner, cache, hf_config, dev, max_model_len, max_num_seqs, max_num_batched_tokens
+    )
     if async_scheduling is None:  # overlap pays where the device runs beside the host
         async_scheduling = dev.type == "cuda"
     packed = quantization not in (None, "fp8")  # fp8 is emulated in float off the GPU
     mode = compute_mode(dev, torch_dtype, kv_dtype, packed, get_head_dim(hf_config))
     eos = _eos_token_ids(tok, hf_config)
     return Engine(runner, tok, cache, sched, num_blocks, eos, async_scheduling, mode)
+
+
+def _device_with_threads(device: str, threads: int | None) -> torch.device:
+    """The device; on the CPU, torch's thread count set (a process-wide setting: the
+    products run on torch's threads) from `threads` or its defaults (cpu_threads)."""
+    dev = resolve_device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(cpu_threads(threads)[0])
+    return dev
+
+
+def _allocate_kv_cache(
+    runner: Runner,
+    cache: CacheConfig,
+    hf_config,
+    dev: torch.device,
+    max_model_len: int | None,
+    max_num_seqs: int,
+    step_tokens: int | None,
+) -> tuple[SchedulerConfig, int]:
+    """Sizes the KV cache (profiling a step on CUDA) and allocates it once; returns the
+    scheduler's budgets (`step_tokens` None: the device's default) and the block count."""
+    if step_tokens is None:
+        step_tokens = CPU_STEP_TOKENS if dev.type == "cpu" else GPU_STEP_TOKENS
+    num_blocks = runner.num_kv_blocks(cache, step_tokens, max_num_seqs)
+    model_len = _max_model_len(hf_config, max_model_len, num_blocks * cache.block_size)
+    sched = SchedulerConfig(max_num_seqs, step_tokens, model_len)
+    runner.allocate_kv_cache(num_blocks, max_num_seqs, sched.max_model_len, step_tokens)
+    return sched, num_blocks
 
 
 def _check_options(load_format: str, cuda_graph_max_tokens: int) -> None:

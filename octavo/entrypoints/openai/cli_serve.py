@@ -58,6 +58,17 @@ def add_parser(sub) -> None:
         help="seconds that requests in flight get to finish after SIGTERM or Ctrl-C; the rest "
         "then fail (streams with an error event); a second signal exits at once",
     )  # fmt: skip
+    _add_engine_args(p)
+    p.add_argument(
+        "--engine-in-thread", action="store_true",
+        help="step the engine on a thread of the server's process, not in a process of its own",
+    )  # fmt: skip
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's options, as build_engine takes them."""
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
@@ -80,12 +91,6 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     add_parallel_args(p, nodes=True)
     add_threads_arg(p)
-    p.add_argument(
-        "--engine-in-thread", action="store_true",
-        help="step the engine on a thread of the server's process, not in a process of its own",
-    )  # fmt: skip
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.set_defaults(func=cmd_serve)
 
 
 def _non_negative_float(text: str) -> float:
