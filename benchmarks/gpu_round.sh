@@ -8,6 +8,8 @@
 #   tp06, tp8b     `octavo bench throughput`, the nano-vllm workload, Qwen3-0.6B with the HF
 #                  peer / Qwen3-8B without it (tp06-nopeer, tp8b-peer: the other way round)
 #   latency        one Qwen3-8B request (latency.py; latency06: Qwen3-0.6B)
+#   moe            Qwen3-30B-A3B: one request against the routed experts' floor, then the
+#                  nano-vllm workload
 #   serve          `octavo serve` end to end on the dummy Qwen3-0.6B: its start-up, then 64
 #                  requests at once through `octavo bench serve` (a failed one is counted)
 #   serve06, serve8b  `octavo bench serve` against `octavo serve` at two Poisson rates
@@ -80,6 +82,11 @@ for stage in $stages; do
             --json "$OUT/latency_qwen3_8b.json" 2>&1 | tee "$OUT/latency.log" | tail -4 ;;
     latency06) timeout 300 python3 benchmarks/latency.py --model qwen3-0.6b \
             --json "$OUT/latency_qwen3_0.6b.json" 2>&1 | tee "$OUT/latency06.log" | tail -4 ;;
+    moe) timeout 300 python3 benchmarks/latency.py --model qwen3-30b-a3b \
+            --json "$OUT/latency_qwen3_30b_a3b.json" 2>&1 | tee "$OUT/moe_latency.log" | tail -4
+         timeout 400 "${OCTAVO[@]}" bench throughput --model qwen3-30b-a3b --max-model-len 4096 \
+            --load-format dummy --workload nanovllm --progress \
+            --json "$OUT/throughput_qwen3_30b_a3b.json" 2>&1 | tee "$OUT/moe_thru.log" | tail -4 ;;
     serve) serve_bench qwen3-0.6b 64 inf 2>&1 | tee "$OUT/serve.log" | grep -E "^(/health|Successful|Failed)" ;;
     serve06) serve_bench qwen3-0.6b 256 16 64 2>&1 | tee "$OUT/serve06.log" | grep -E "^(Request rate|Output token|Mean|P99)" ;;
     serve8b) serve_bench qwen3-8b 128 4 16 2>&1 | tee "$OUT/serve8b.log" | grep -E "^(Request rate|Output token|Mean|P99)" ;;

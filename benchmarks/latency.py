@@ -26,7 +26,7 @@ import time
 import torch
 
 from octavo import LLM, RequestOutputKind, SamplingParams
-from octavo.entrypoints.bench_floor import measure_ceilings, meta_model, weights_read_per_step
+from octavo.entrypoints.bench_floor import bytes_read_per_token, measure_ceilings, meta_model
 
 
 def main() -> None:
@@ -95,8 +95,7 @@ def main() -> None:
     runner = engine.runner
     # One process holds the whole model at N=1; with N ranks, the floor counts bf16 weights.
     model = getattr(runner, "model", None) or meta_model(runner.hf_config, runner.dtype)
-    params_ = weights_read_per_step(model)
-    weight_bytes = sum(p.numel() * p.element_size() for p in params_)
+    weight_bytes = bytes_read_per_token(model)  # a mixture of experts: the k routed ones
     ceilings = measure_ceilings(runner.dtype)
     floor = weight_bytes / args.tensor_parallel_size / ceilings.copy_bytes_per_s
     report = {

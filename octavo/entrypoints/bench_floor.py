@@ -112,6 +112,20 @@ def weights_read_per_step(model: torch.nn.Module) -> list[torch.Tensor]:
     return list(params.values())
 
 
+def bytes_read_per_token(model: torch.nn.Module) -> float:
+    """A one-token decode step's weight reads: every parameter weights_read_per_step counts,
+    but of a mixture-of-experts layer's experts only the k its token is routed to."""
+    from octavo.model.moe import FusedMoE
+
+    share = {}  # id(param) -> the fraction of it one token reads
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            experts = [m.w13, m.w2, *(m.quant.parameters() if m.quant is not None else ())]
+            share |= dict.fromkeys(map(id, experts), m.top_k / m.num_experts)
+    params = weights_read_per_step(model)
+    return sum(p.numel() * p.element_size() * share.get(id(p), 1.0) for p in params)
+
+
 def workload_floor(
     model: torch.nn.Module,
     hf_config,

@@ -281,3 +281,15 @@ def test_two_ranks_give_hf_greedy_tokens(pair, expert_parallel):
             assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 8)
     finally:
         llm.shutdown()
+
+
+def test_a_tokens_weight_reads_count_only_its_routed_experts(pair):
+    from octavo.entrypoints.bench_floor import bytes_read_per_token, weights_read_per_step
+
+    _, ours, _, _, _ = pair
+    everything = sum(p.numel() * p.element_size() for p in weights_read_per_step(ours))
+    experts = sum(
+        (m.w13.numel() + m.w2.numel()) * 4 * (1 - m.top_k / m.num_experts)
+        for m in ours.modules() if isinstance(m, FusedMoE)
+    )  # fmt: skip
+    assert experts > 0 and bytes_read_per_token(ours) == pytest.approx(everything - experts)
