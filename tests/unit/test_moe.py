@@ -28,7 +28,9 @@ CONFIGS = {
         **(TINY | MOE | {"num_experts_per_tok": 3}), num_experts=6, moe_intermediate_size=48,
         decoder_sparse_step=2, norm_topk_prob=False, tie_word_embeddings=True,
     ),
-    "mixtral": lambda: MixtralConfig(**(TINY | MOE), num_local_experts=4, tie_word_embeddings=False),
+    "mixtral": lambda: MixtralConfig(
+        **(TINY | MOE), num_local_experts=4, tie_word_embeddings=False
+    ),
 }  # fmt: skip
 
 
