@@ -12,10 +12,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from octavo.model.layers import LINEAR_WEIGHT_DEVICE, Linear, RMSNorm, default_weight_loader
+from octavo.model.layers import (
+    LINEAR_WEIGHT_DEVICE,
+    Linear,
+    RMSNorm,
+    default_weight_loader,
+    load_nothing,
+)
 from octavo.model.registry import get_model_class
 from octavo.quant import get_method
-from octavo.quant.method import cpu_threads, load_nothing, weight_loaders
+from octavo.quant.method import cpu_threads, weight_loaders
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -48,6 +48,19 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
+def load_nothing(param: nn.Parameter, loaded_weight, *shard_id) -> None:
+    """The weight loader of a weight kept in another form: the checkpoint tensor is not read."""
+
+
+def stand_in(param: nn.Parameter) -> nn.Parameter:
+    """An empty stand-in (no rows) for a parameter kept in another form: its other dims, its
+    attributes (shard ids), and a loader that loads nothing."""
+    empty = nn.Parameter(param.new_empty(0, *param.shape[1:]), requires_grad=False)
+    empty.__dict__.update(param.__dict__)
+    empty.weight_loader = load_nothing
+    return empty
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 like HF's.
 

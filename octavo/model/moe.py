@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.kernels import cpu as cpu_kernels
-from octavo.model.layers import SiluAndMul, default_weight_loader
+from octavo.model.layers import SiluAndMul, default_weight_loader, stand_in
 from octavo.model.llama import LlamaForCausalLM, LlamaMLP, Qwen3ForCausalLM
 from octavo.model.parallel import all_reduce, get_tp, shard_range
 
@@ -91,12 +91,7 @@ class FusedMoE(nn.Module):
         """Computes with these in place of w13 and w2 (each expert's, this rank's share);
         the float parameters become empty and load nothing."""
         self.quant = nn.ModuleDict({"w13": nn.ModuleList(w13), "w2": nn.ModuleList(w2)})
-        for name in ("w13", "w2"):
-            old = getattr(self, name)
-            empty = nn.Parameter(old.new_empty(0), requires_grad=False)
-            empty.__dict__.update(old.__dict__)  # its shard ids
-            empty.weight_loader = _load_nothing
-            setattr(self, name, empty)
+        self.w13, self.w2 = stand_in(self.w13), stand_in(self.w2)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: tuple[int, str]
@@ -150,10 +145,6 @@ class FusedMoE(nn.Module):
                 y = cpu_kernels.dense(self.act_fn(h), self.w2[local])
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
         return out
-
-
-def _load_nothing(param: nn.Parameter, loaded_weight, *shard_id) -> None:
-    """The loader of experts kept in another form: their float tensors are not read."""
 
 
 class _Router(nn.Module):

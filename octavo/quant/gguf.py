@@ -18,14 +18,13 @@ import torch
 from torch import nn
 
 from octavo.kernels import cpu as cpu_kernels
-from octavo.model.layers import Linear, LMHead, VocabEmbedding
+from octavo.model.layers import Linear, LMHead, VocabEmbedding, stand_in
 from octavo.model.parallel import get_tp
 from octavo.quant.cpu_packing import q8_planes, scale_zero
 from octavo.quant.method import (
     QuantMethod,
     Source,
     linears,
-    load_nothing,
     place,
     place_one_at_a_time,
     scratch,
@@ -147,7 +146,7 @@ def _keep_embedding(net: nn.Module, source: Source) -> None:
         return
     codes, groups = tensor.codes().to(table.device), tensor.groups().to(table.device)
     embedding.kept_rows = GroupRows(codes, groups[:, 0::2], groups[:, 1::2], table.dtype)
-    embedding.weight = _empty_table(table)
+    embedding.weight = stand_in(table)
     for head in heads:
         head.weight = embedding.weight
 
@@ -165,15 +164,7 @@ def _keep_q8_0_head(net: nn.Module, source: Source) -> None:
     codes, groups = tensor.codes().to(device), tensor.groups().to(device)  # u = c + 128; d, -128 d
     head.quant = Q8Weight(codes, groups[:, 0::2], groups[:, 1::2], head.weight.dtype)
     if not any(m.weight is head.weight for m in net.modules() if type(m) is VocabEmbedding):
-        head.weight = _empty_table(head.weight)  # untied: its own table is never read
-
-
-def _empty_table(table: nn.Parameter) -> nn.Parameter:
-    """A [0, hidden] stand-in for a vocabulary table kept in another form: it loads nothing."""
-    empty = torch.empty(0, table.shape[1], dtype=table.dtype, device=table.device)
-    param = nn.Parameter(empty, requires_grad=False)
-    param.weight_loader = load_nothing
-    return param
+        head.weight = stand_in(head.weight)  # untied: its own table is never read
 
 
 class Q8Weight(QuantizedWeight):

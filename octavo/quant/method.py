@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from octavo.model.layers import Linear
+from octavo.model.layers import Linear, load_nothing
 
 Stream = Iterator[tuple[str, Any]]  # (HF name, tensor or lazy tensor: read when narrowed)
 
@@ -109,10 +109,6 @@ def weight_loaders(loaders: dict[nn.Parameter, Callable]):
                 del param.weight_loader
             else:
                 param.weight_loader = loader
-
-
-def load_nothing(param: nn.Parameter, loaded_weight, *shard_id) -> None:
-    """The weight loader of a weight kept in another form: the checkpoint tensor is not read."""
 
 
 @contextmanager
