@@ -6,7 +6,8 @@ not here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 # vLLM's names: "auto" is the model's dtype, "fp8" the same as "fp8_e4m3".
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -93,3 +94,74 @@ class ParallelConfig:
             )
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("nnodes > 1 needs dist_init_addr (HOST:PORT of node 0)")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's fields: a proposer guesses up to
+    `num_speculative_tokens` next tokens of a decoding request, and one step of the model
+    checks them all (engine/speculative.py).
+
+    - `method="ngram"`: prompt lookup. The last n tokens (n from `prompt_lookup_max` down
+      to `prompt_lookup_min`) are looked for earlier in the sequence; the tokens that
+      followed their latest earlier occurrence are the guess.
+    - `method="draft_model"`: a smaller model `model` of the same vocabulary guesses
+      greedily, with a KV cache of its own in the same block positions.
+
+    Speculation is off for a step that runs more than `disable_by_batch_size` requests
+    (None: never off), where verifying guesses costs more than it saves.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_config's method must be one of {SPECULATIVE_METHODS}, "
+                f"got {self.method!r}"
+            )
+        _check_positive("num_speculative_tokens", self.num_speculative_tokens)
+        _check_positive("prompt_lookup_max", self.prompt_lookup_max)
+        _check_positive("prompt_lookup_min", self.prompt_lookup_min)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} exceeds "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+        if self.disable_by_batch_size is not None:
+            _check_positive("disable_by_batch_size", self.disable_by_batch_size)
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative_config with method "draft_model" needs a "model"')
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError('speculative_config: "model" is for method "draft_model"')
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From LLM()'s dict, the CLI's JSON text, or a SpeculativeConfig; None stays None.
+        Unknown fields are a ValueError that names them."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(
+                f"speculative_config must be a dict (JSON object), got {type(value).__name__}"
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown field(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**value)

@@ -95,6 +95,11 @@ class Request:
         self.num_sent_outputs = 0
         # Whether the sampler reads its output tokens (penalties, bad words): they are sent.
         self.reads_output_tokens = False
+        # Speculative decoding: the proposer's guesses of the next tokens, which its next
+        # decode step verifies; and the verified tokens of a step beyond its first, which
+        # the engine appends one at a time (each may stop the request).
+        self.spec_token_ids: list[int] = []
+        self.held_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

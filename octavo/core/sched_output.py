@@ -56,14 +56,17 @@ class ScheduledRequest:
     # Output tokens appended since the runner last saw this request, for requests whose
     # sampling reads them (penalties, bad words); [] for the others.
     new_output_token_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: guessed next tokens, computed after `token_ids` in this step;
+    # the step samples at each of their positions too and keeps the guesses it agrees with.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
-        return len(self.token_ids) + self.input_is_pending
+        return len(self.token_ids) + self.input_is_pending + len(self.spec_token_ids)
 
     @property
     def seq_len(self) -> int:
-        return self.num_computed_tokens + len(self.token_ids)
+        return self.num_computed_tokens + len(self.token_ids) + len(self.spec_token_ids)
 
 
 @dataclass

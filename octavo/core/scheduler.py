@@ -151,6 +151,16 @@ class Scheduler:
                 # finish with the token in flight: nothing to compute.
                 i += 1
                 continue
+            spec = request.spec_token_ids
+            if spec:
+                request.spec_token_ids = []
+                if request.num_computed_tokens + num_new == total:  # it samples: verify them
+                    spec = spec[: self._num_spec_tokens(request, total, budget - num_new)]
+                    if spec and self.kv.allocate_slots(request, num_new + len(spec)):
+                        scheduled.append(self._make_scheduled(request, num_new, new_requests, spec))
+                        budget -= num_new + len(spec)
+                        i += 1
+                        continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()  # newest admitted goes first
                 self._preempt(victim)
@@ -163,6 +173,16 @@ class Scheduler:
             budget -= num_new
             i += 1
         return scheduled, preempted, budget
+
+    def _num_spec_tokens(self, request: Request, total: int, budget: int) -> int:
+        """How many guesses a step that samples the request's next token may verify: within
+        the step's token budget, and never more than max_tokens or the context lets it emit
+        (a step emits the guesses it keeps and one token more)."""
+        room = min(budget, self.config.max_model_len - total - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - (total - request.num_prompt_tokens) - 1)
+        return max(room, 0)
 
     def _schedule_waiting(
         self, budget: int, new_requests: list[NewRequestData]
@@ -199,17 +219,22 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _make_scheduled(
-        self, request: Request, num_new: int, new_requests: list[NewRequestData]
+        self,
+        request: Request,
+        num_new: int,
+        new_requests: list[NewRequestData],
+        spec_token_ids: list[int] | None = None,
     ) -> ScheduledRequest:
         """Describes the request's share of the step (and the request itself, to a runner
-        that holds no state for it) and counts its tokens as computed."""
+        that holds no state for it) and counts its tokens as computed, guesses included
+        (`update` takes back those the step rejects)."""
         start = request.num_computed_tokens
         all_token_ids = request.all_token_ids
         num_known = len(all_token_ids)
         pending = request.num_pending_tokens
         token_ids = all_token_ids[start : start + num_new]
         sample = start + num_new == num_known + pending
-        request.num_computed_tokens = start + num_new
+        request.num_computed_tokens = start + num_new + len(spec_token_ids or ())
         if sample:
             request.num_pending_tokens = pending + 1
         outputs = request.output_token_ids
@@ -243,6 +268,7 @@ class Scheduler:
             blocks_start,
             new_blocks,
             new_outputs,
+            spec_token_ids or [],
         )
 
     def needs_pending_tokens(self) -> bool:
@@ -263,7 +289,10 @@ class Scheduler:
     ) -> list[Request]:
         """Appends the step's sampled tokens, forking n > 1 requests at their first token.
         Returns the requests that got a new token, new forks included; the engine then
-        decides their stops (`self.stops`) and finishes them.
+        decides their stops (`self.stops`) and finishes them. A step that verified guesses
+        may give a request several tokens: the first is appended, the others wait in
+        `held_token_ids` for the engine, which appends them one at a time (any may stop the
+        request); the rejected guesses no longer count as computed.
 
         NOTE: a request preempted after this step was scheduled still gets its token (it
         was sampled from its whole context); one finished or aborted meanwhile does not.
@@ -284,7 +313,12 @@ class Scheduler:
                     member.append_output_token(token)
                 updated += group
             else:
+                if item.spec_token_ids and request.status is RequestStatus.RUNNING:
+                    # The KV of rejected guesses is overwritten by later steps.
+                    num_rejected = len(item.spec_token_ids) + 1 - len(tokens)
+                    request.num_computed_tokens -= num_rejected
                 request.append_output_token(tokens[0])
+                request.held_token_ids = tokens[1:]
                 updated.append(request)
         return updated
 

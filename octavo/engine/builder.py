@@ -10,9 +10,10 @@ import torch
 
 from octavo.checkpoint.embedded import embedded_model_path
 from octavo.checkpoint.hf_config import load_hf_config
-from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig
+from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from octavo.engine.engine import Engine
 from octavo.engine.gc_heap import frozen_gc_heap
+from octavo.engine.speculative import Speculator
 from octavo.kernels.capability import cpu_threads
 from octavo.kernels.cpu import compute_mode
 from octavo.model.config import get_head_dim, get_num_kv_heads
@@ -111,9 +112,15 @@ def build_engine(
     async_scheduling: bool | None = None,
     threads: int | None = None,
     enable_expert_parallel: bool = False,
+    speculative_config: SpeculativeConfig | dict | str | None = None,
 ) -> Engine:
     """Builds an Engine from LLM()'s options (the README's table gives their meaning)."""
     _check_options(load_format, cuda_graph_max_tokens)
+    speculative = SpeculativeConfig.parse(speculative_config)
+    if speculative is not None and speculative.method != "ngram":
+        raise ValueError(f"speculative method {speculative.method!r} is not available yet")
+    if speculative is not None and async_scheduling:
+        raise ValueError("speculative decoding does not run with async_scheduling=True")
     cache = CacheConfig(
         block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching, kv_cache_dtype,
@@ -140,11 +147,12 @@ def build_engine(
         runner, cache, hf_config, dev, max_model_len, max_num_seqs, max_num_batched_tokens
     )
     if async_scheduling is None:  # overlap pays where the device runs beside the host
-        async_scheduling = dev.type == "cuda"
+        async_scheduling = dev.type == "cuda" and speculative is None
     packed = quantization not in (None, "fp8")  # fp8 is emulated in float off the GPU
     mode = compute_mode(dev, torch_dtype, kv_dtype, packed, get_head_dim(hf_config))
     eos = _eos_token_ids(tok, hf_config)
-    return Engine(runner, tok, cache, sched, num_blocks, eos, async_scheduling, mode)
+    speculator = Speculator(speculative) if speculative is not None else None
+    return Engine(runner, tok, cache, sched, num_blocks, eos, async_scheduling, mode, speculator)
 
 
 def _device_with_threads(device: str, threads: int | None) -> torch.device:

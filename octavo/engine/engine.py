@@ -28,6 +28,7 @@ from octavo.core.sched_output import SchedulerOutput
 from octavo.core.scheduler import Scheduler
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.prompts import check_prompt_ids, request_id_list, tokenize_prompt
+from octavo.engine.speculative import Speculator
 from octavo.engine.structured_output import (
     Grammar,
     GrammarBitmaskBuilder,
@@ -65,10 +66,15 @@ class Engine:
         eos_token_ids: list[int],
         async_scheduling: bool = False,
         compute_mode: tuple[object, bool] | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         """compute_mode: the (torch) dtype of the forward's products, and whether a token's
         result is independent of the batch (kernels/cpu.compute_mode); by default the
-        runner's dtype, and no."""
+        runner's dtype, and no. speculator: speculative decoding's guesses, which need the
+        newest tokens on the host before each step (no async scheduling)."""
+        if speculator is not None and async_scheduling:
+            raise ValueError("speculative decoding does not run with async scheduling")
+        self.speculator = speculator
         self.runner = runner
         self.compute_dtype, self.batch_invariant = compute_mode or (runner.dtype, False)
         self.tokenizer = tokenizer
@@ -183,6 +189,8 @@ class Engine:
         flight.
         """
         if not self.async_scheduling:
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
             so = self.scheduler.schedule()
             if so.is_empty:
                 return []
@@ -277,6 +285,9 @@ class Engine:
                 found = result.prompt_logprobs.get(item.request_id)
                 if found is not None and not request.is_finished:
                     self.outputs.process_prompt_logprobs(request, *found)
+        if self.speculator is not None:
+            requests = self.scheduler.requests_of(so)
+            self.speculator.record(so, requests, result.sampled_token_ids)
         updated = self.scheduler.update(so, result.sampled_token_ids)
         statuses = self.scheduler.stops.check_tokens(updated)
         return result, updated, statuses
@@ -287,19 +298,50 @@ class Engine:
         updated: list[Request],
         statuses: list[RequestStatus | None],
     ) -> list[RequestOutput]:
-        """Text and stop strings of the new tokens; finishes the requests that stop."""
-        self.stats.num_generated_tokens += len(updated)
+        """Text and stop strings of the new tokens; finishes the requests that stop.
+
+        A step that verified speculative guesses may give a request several tokens: the
+        scheduler appended the first, and each later one is appended and checked in a round
+        of its own (`position`), so that nothing after a stop is taken."""
         groups: dict[str, RequestOutputKind] = {}
+        position = 0
+        while updated:
+            self._process_tokens(result, updated, statuses, position, groups)
+            updated = [r for r in updated if r.held_token_ids and not r.is_finished]
+            for request in updated:
+                request.append_output_token(request.held_token_ids.pop(0))
+            statuses = self.scheduler.stops.check_tokens(updated)
+            position += 1
+        return [
+            self.outputs.make_output(group_id)
+            for group_id, kind in groups.items()
+            if kind is not RequestOutputKind.FINAL_ONLY or self.outputs.is_finished(group_id)
+        ]
+
+    def _process_tokens(
+        self,
+        result: ModelRunnerOutput,
+        updated: list[Request],
+        statuses: list[RequestStatus | None],
+        position: int,
+        groups: dict[str, RequestOutputKind],
+    ) -> None:
+        """The text, log-probs and stop strings of each request's newest token, which is its
+        `position`-th of the step; notes in `groups` whose output to make."""
+        self.stats.num_generated_tokens += len(updated)
         all_logprobs = result.logprobs
         check_text = self.scheduler.stops.check_text
         for request, status in zip(updated, statuses, strict=True):
             if request.is_finished:
+                request.held_token_ids = []
                 continue  # aborted meanwhile
             logprobs = None
             if all_logprobs:
                 logprobs = all_logprobs.get(request.request_id) or all_logprobs.get(
                     request.group_id
                 )
+                if logprobs and (position or request.held_token_ids):  # one per token
+                    logprobs = logprobs[position : position + 1]
             stop = self.outputs.process_token(request, logprobs, status)
             status = check_text(request, status, stop)
             if status is not None:
@@ -308,11 +350,6 @@ class Engine:
             kind = request.sampling_params.output_kind
             if status is not None or kind is not RequestOutputKind.FINAL_ONLY:
                 groups[request.group_id] = kind  # a FINAL_ONLY group ends with a member
-        return [
-            self.outputs.make_output(group_id)
-            for group_id, kind in groups.items()
-            if kind is not RequestOutputKind.FINAL_ONLY or self.outputs.is_finished(group_id)
-        ]
 
     def _count_outcome(self, request: Request) -> None:
         reason = request.status.finish_reason or "unknown"
@@ -395,4 +432,5 @@ class Engine:
             "kv_cache_dtype": str(self.runner.kv_cache_dtype).removeprefix("torch."),
             "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
             "batch_invariant": self.batch_invariant,
+            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }

@@ -206,7 +206,7 @@ class InputBuilder:
         dst, src = [], []
         for s, end in zip(scheduled, cu[1:]):
             if s.input_is_pending:
-                dst.append(end - 1)
+                dst.append(end - 1 - len(s.spec_token_ids))
                 src.append(pending_rows[s.request_id])
         if not dst:
             return
@@ -231,8 +231,9 @@ class InputBuilder:
 def _positions_and_ids(
     scheduled: list[ScheduledRequest], starts: np.ndarray, q_lens: np.ndarray, cu: np.ndarray
 ) -> tuple[np.ndarray, list[int]]:
-    """Each new token's position and id, sequence after sequence (a pending input's id is
-    0 here, filled on the device from the previous step's samples)."""
+    """Each new token's position and id, sequence after sequence, speculative guesses after
+    the known tokens (a pending input's id is 0 here, filled on the device from the previous
+    step's samples)."""
     num_tokens = int(cu[-1])
     if num_tokens == len(scheduled):  # all decode: one token each
         return starts, [s.token_ids[0] if s.token_ids else 0 for s in scheduled]
@@ -242,4 +243,5 @@ def _positions_and_ids(
         ids += s.token_ids
         if s.input_is_pending:
             ids.append(0)
+        ids += s.spec_token_ids
     return positions, ids

@@ -104,6 +104,8 @@ class ModelRunner:
         self._reusable_md: tuple[list[SamplingParams], SamplingMetadata] | None = None
         self._grammar_masks = GrammarMasks(device)  # structured outputs' bans
         self.requests: dict[str, CachedRequestState] = {}
+        # The step's sampling rows at speculative guesses: row -> the guesses before it.
+        self._guessed_outputs: dict[int, list[int]] = {}
         # The executed step whose rows wait for sample_tokens.
         self._unsampled: tuple[PendingOutput, list, torch.Tensor] | None = None
 
@@ -235,7 +237,8 @@ class ModelRunner:
         else:
             hidden = hidden[to_device(logits_index, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden)  # [R, V]
-        pending = PendingOutput(rows, None, prompt)
+        guesses = {s.request_id: s.spec_token_ids for s in so.scheduled if s.spec_token_ids}
+        pending = PendingOutput(rows, None, prompt, guesses)
         self._unsampled = (pending, rows, logits)
         return pending
 
@@ -303,16 +306,28 @@ class ModelRunner:
     ) -> tuple[list[tuple[str, SamplingParams, int]], list[int] | None]:
         """One sampling row per sample, n rows for the first token of an n > 1 request:
         (request id, params, number of earlier output tokens). Also the index of each row's
-        token in the step, None when row r is token r."""
+        token in the step, None when row r is token r.
+
+        A request that verifies k guesses samples k + 1 rows, at its last known token and
+        at each guess, as if the guesses before the row were its outputs
+        (`_guessed_outputs`); PendingOutput keeps the samples that agree with the guesses.
+        """
         rows: list[tuple[str, SamplingParams, int]] = []
         index: list[int] = []
+        self._guessed_outputs = {}
         starts = md.query_start_loc_cpu
         for i, s in enumerate(so.scheduled):
             if not s.sample:
                 continue
             params = self.requests[s.request_id].sampling_params
             last = starts[i + 1] - 1
-            if params.n > 1:  # its first token: n samples, and the scheduler forks it
+            if s.spec_token_ids:
+                k = len(s.spec_token_ids)
+                for j in range(1, k + 1):
+                    self._guessed_outputs[len(rows) + j] = s.spec_token_ids[:j]
+                rows += [(s.request_id, params, s.num_output_tokens + j) for j in range(k + 1)]
+                index += range(last - k, last + 1)
+            elif params.n > 1:  # its first token: n samples, and the scheduler forks it
                 rows += [(s.request_id, params.for_sample(k), 0) for k in range(params.n)]
                 index += [last] * params.n
             else:
@@ -364,6 +379,8 @@ class ModelRunner:
             states = [self.requests[r[0]] for r in rows]
             prompts = [state.prompt_token_ids for state in states]
             outputs = [state.output_token_ids for state in states]
+            for row, guessed in self._guessed_outputs.items():
+                outputs[row] = outputs[row] + guessed
         else:  # only penalties and bad words read the token ids
             prompts = outputs = [[]] * len(rows)
         return SamplingMetadata.build(

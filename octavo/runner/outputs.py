@@ -46,8 +46,10 @@ class PendingOutput:
         rows: list[tuple[str, SamplingParams, int]],
         out: SamplerOutput | None,
         prompt: tuple[list[PromptLogprobSpan], tuple[torch.Tensor, ...]] | None = None,
+        guesses: dict[str, list[int]] | None = None,
     ):
         self.rows = rows
+        self.guesses = guesses or {}  # request id -> the speculative guesses it verifies
         self._spans = prompt[0] if prompt is not None else []
         self._prompt_host, self._prompt_event = _copy_to_host(prompt[1] if prompt else ())
         self._host, self._event = _copy_to_host(_sampler_tensors(out))
@@ -76,7 +78,31 @@ class PendingOutput:
             result.sampled_token_ids.setdefault(request_id, []).append(token)
         if len(host) > 1:
             _collect_logprobs(self.rows, *host[1:], result)
+        for request_id, guesses in self.guesses.items():
+            _keep_verified(result, request_id, guesses)
         return result
+
+
+def _keep_verified(result: ModelRunnerOutput, request_id: str, guesses: list[int]) -> None:
+    """Keeps a request's samples up to the first that differs from its guess there (the
+    token the model emits in the guess's place), or all of them when every guess holds
+    (the last one follows the final guess).
+
+    Row j samples, with the request's own randomness, the token after the guesses before
+    it; where the guesses so far were right, it is exactly the token decoding without
+    speculation would sample there. A guess is kept when it equals that sample, with
+    probability p(guess); a rejected guess's row samples from p without the guess. For a
+    proposer's single guess this is the rule of arXiv 2211.17192 (accept with
+    min(1, p / q), q = 1, else resample from max(p - q, 0)), and greedy and seeded
+    requests emit the very tokens they would without speculation."""
+    tokens = result.sampled_token_ids[request_id]
+    kept = 1
+    while kept <= len(guesses) and tokens[kept - 1] == guesses[kept - 1]:
+        kept += 1
+    del tokens[kept:]
+    entries = result.logprobs.get(request_id)
+    if entries is not None:
+        del entries[kept:]
 
 
 def _sampler_tensors(out: SamplerOutput | None) -> list[torch.Tensor]:

@@ -1,0 +1,150 @@
+"""Speculative decoding's engine side: who guesses, for which requests, and how it went.
+
+Before each step the `Speculator` asks its proposer to guess the next tokens of every
+decoding request (`Request.spec_token_ids`). The scheduler lets the step compute them after
+the request's last token, the runner samples at each of those positions and keeps the
+samples up to the first that differs from its guess (runner/outputs.py's `_keep_verified`),
+and the engine appends what was kept one token at a time, so that a stop ends it exactly
+where decoding without speculation would.
+
+A proposer is anything with `propose(requests, k)` returning one list of at most k guessed
+token ids per request. `NgramProposer` (prompt lookup) runs on the host; a draft model or
+an EAGLE-style head would be one more proposer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from octavo.config import SpeculativeConfig
+from octavo.core.request import Request, RequestStatus
+from octavo.core.sched_output import SchedulerOutput
+
+# A request whose guesses all fail sits out this many steps per failure in a row (up to the
+# cap) before it guesses again, so that a text with nothing to copy costs ~nothing.
+_BACKOFF_CAP = 8
+
+
+class Proposer(Protocol):
+    def propose(self, requests: list[Request], k: int) -> list[list[int]]:
+        """At most k guessed next tokens for each request (a list may be empty)."""
+        ...
+
+
+class NgramProposer:
+    """Prompt lookup: the request's last n tokens, n from `max_n` down to `min_n`, are looked
+    for earlier in its prompt and output; the tokens after their latest earlier occurrence
+    are the guess."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, requests: list[Request], k: int) -> list[list[int]]:
+        return [self.lookup(request.all_token_ids, k) for request in requests]
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        length = len(token_ids)
+        if length <= self.min_n:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            # Windows that start before the suffix itself: tokens[i : i + n], i + n < length.
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return token_ids[start : start + k]
+        return []
+
+
+@dataclass
+class SpecStats:
+    """What speculation did: guesses verified and kept, in all and by position (position
+    i: the (i + 1)-th guess of a step), and the steps of a request that verified any."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, int | float | list[int]]:
+        mean = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return {
+            "spec_num_drafts": self.num_drafts,
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_accepted_per_position": list(self.accepted_per_position),
+            "spec_mean_accepted_length": mean,
+        }
+
+
+class Speculator:
+    """The engine's speculation: asks the proposer for the requests that decode next step,
+    and counts what their steps kept."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.stats = SpecStats(accepted_per_position=[0] * self.k)
+        # request -> (failed verifications in a row, steps left to sit out); gone with it
+        self._backoff: weakref.WeakKeyDictionary[Request, tuple[int, int]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def propose(self, running: list[Request]) -> None:
+        """Sets the guesses of each running request whose next step samples its next token
+        from one known token (a decode step), unless the batch is too large to gain."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return
+        asking = [r for r in running if self._may_guess(r)]
+        if not asking:
+            return
+        for request, guesses in zip(asking, self.proposer.propose(asking, self.k), strict=True):
+            request.spec_token_ids = list(guesses[: self.k])
+
+    def _may_guess(self, request: Request) -> bool:
+        """A decoding request with none of what speculation leaves out: a structured output
+        (its grammar would have to take each guess), an n > 1 request before it forks."""
+        if (
+            request.status is not RequestStatus.RUNNING
+            or request.num_computed_tokens != request.num_tokens - 1
+            or request.num_pending_tokens
+            or request.grammar is not None
+            or request.awaits_fork
+        ):
+            return False
+        misses, wait = self._backoff.get(request, (0, 0))
+        if wait:
+            self._backoff[request] = (misses, wait - 1)
+            return False
+        return True
+
+    def record(
+        self, so: SchedulerOutput, requests: list[Request], sampled: dict[str, list[int]]
+    ) -> None:
+        """Counts a step's verified guesses (`requests`: the step's, in its order) and sets
+        the back-off of requests whose guesses all failed."""
+        for item, request in zip(so.scheduled, requests, strict=True):
+            if not item.spec_token_ids:
+                continue
+            tokens = sampled.get(item.request_id)
+            if not tokens:
+                continue
+            accepted = len(tokens) - 1
+            stats = self.stats
+            stats.num_drafts += 1
+            stats.num_draft_tokens += len(item.spec_token_ids)
+            stats.num_accepted_tokens += accepted
+            for position in range(accepted):
+                stats.accepted_per_position[position] += 1
+            if accepted:
+                self._backoff.pop(request, None)
+            else:
+                misses = self._backoff.get(request, (0, 0))[0] + 1
+                self._backoff[request] = (misses, min(misses, _BACKOFF_CAP))
