@@ -89,7 +89,9 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer or NgramProposer(
+            config.prompt_lookup_min, config.prompt_lookup_max
+        )
         self.stats = SpecStats(accepted_per_position=[0] * self.k)
         # request -> (failed verifications in a row, steps left to sit out); gone with it
         self._backoff: weakref.WeakKeyDictionary[Request, tuple[int, int]] = (

@@ -18,7 +18,10 @@ def test_the_count_comes_from_the_first_source_that_sets_it(monkeypatch):
     monkeypatch.delenv("OCTAVO_NUM_THREADS")
     assert capability.cpu_threads(None) == (2, "OMP_NUM_THREADS")
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert capability.cpu_threads(None) == (capability.usable_cores(), capability.cpu_threads(None)[1])
+    assert capability.cpu_threads(None) == (
+        capability.usable_cores(),
+        capability.cpu_threads(None)[1],
+    )
     assert capability.usable_cores() <= len(os.sched_getaffinity(0))
 
 
