@@ -1,0 +1,249 @@
+"""Speculative decoding end to end: the embedded model answers with the same tokens and
+log-probs with n-gram speculation as without (greedy and seeded, batched, preempted, from
+the prefix cache), stops and limits land where they do without it, and on a tiny model the
+tokens of unseeded sampling follow the same distribution (a chi-square test that a wrong
+acceptance rule fails)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import CHAT_PROMPTS
+from engine_utils import prompts_of
+from scipy.stats import chi2_contingency
+
+from octavo import LLM, SamplingParams
+from octavo.tokenizer.tokenizer import apply_chat_template
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+COPYING = [
+    "Repeat exactly: the cat sat on the mat, the dog sat on the log, the cow sat on the hay.",
+    "Write the numbers from one to twelve as words, separated by commas.",
+    "Rename x to y and show the code: def f(x):\n    return x * x + x",
+    "Quote the first sentence exactly: Paris is the capital of France. It is on the Seine.",
+]
+
+
+def _ids(llm, texts):
+    tok = llm.get_tokenizer()
+    return [apply_chat_template(tok, [{"role": "user", "content": t}]) for t in texts]
+
+
+def _results(outputs):
+    return [
+        (
+            c.token_ids,
+            c.text,
+            c.finish_reason,
+            c.stop_reason,
+            None
+            if c.logprobs is None
+            else [sorted((t, lp.logprob) for t, lp in d.items()) for d in c.logprobs],
+        )
+        for o in outputs
+        for c in o.outputs
+    ]
+
+
+@pytest.fixture(scope="module", params=["auto", None], ids=["gguf", "float32"])
+def pair(request, llm_factory):
+    """(engine without speculation, engine with it) on one path."""
+    plain = llm_factory(quantization=request.param)
+    spec = llm_factory(quantization=request.param, speculative_config=NGRAM)
+    return plain, spec
+
+
+def _compare(pair, prompts, params, batched=True):
+    plain, spec = pair
+    before = spec.get_stats()["spec_accepted_tokens"]
+    if batched:
+        want = plain.generate(prompts_of(prompts), params, use_tqdm=False)
+        got = spec.generate(prompts_of(prompts), params, use_tqdm=False)
+    else:
+        want = [plain.generate(prompts_of([p]), params, use_tqdm=False)[0] for p in prompts]
+        got = [spec.generate(prompts_of([p]), params, use_tqdm=False)[0] for p in prompts]
+    assert _results(got) == _results(want)
+    return spec.get_stats()["spec_accepted_tokens"] - before
+
+
+def test_greedy_tokens_and_logprobs_are_the_same_alone_and_batched(pair):
+    prompts = _ids(pair[0], COPYING + CHAT_PROMPTS[:4])
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+    accepted = _compare(pair, prompts, params, batched=False)
+    accepted += _compare(pair, prompts, params)
+    assert accepted > 20  # the guesses were used, so the comparison means something
+    stats = pair[1].get_stats()
+    assert stats["spec_mean_accepted_length"] > 1.5
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_seeded_sampling_penalties_and_n_are_the_same(pair):
+    prompts = _ids(pair[0], COPYING)
+    for params in [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=32),
+        SamplingParams(temperature=1.0, top_k=5, seed=3, max_tokens=32, n=2),
+        SamplingParams(temperature=0, repetition_penalty=1.2, frequency_penalty=0.3, max_tokens=32),
+        SamplingParams(temperature=0, max_tokens=24, min_tokens=20, bad_words=["cat sat"]),
+    ]:
+        _compare(pair, prompts, params)
+
+
+def test_stops_and_max_tokens_land_where_they_do_without_speculation(pair):
+    plain, _ = pair
+    prompts = _ids(plain, COPYING)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    greedy = [o.outputs[0] for o in plain.generate(prompts_of(prompts), params, use_tqdm=False)]
+    for max_tokens in (1, 3, 5):
+        _compare(pair, prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    # Stop ids and strings met inside a verified run of guesses, and just after one: each
+    # prompt stops at a token or word of its own answer.
+    for index in (6, 11):
+        per_prompt = [
+            SamplingParams(
+                temperature=0,
+                max_tokens=40,
+                stop_token_ids=[c.token_ids[min(index, len(c.token_ids) - 1)]],
+            )
+            for c in greedy
+        ]
+        _compare(pair, prompts, per_prompt)
+    for index, include in ((4, False), (6, True)):
+        per_prompt = [
+            SamplingParams(
+                temperature=0,
+                max_tokens=40,
+                stop=[(c.text.split() + ["zzz"] * 9)[index]],
+                include_stop_str_in_output=include,
+            )  # fmt: skip
+            for c in greedy
+        ]
+        _compare(pair, prompts, per_prompt)
+
+
+def test_preemption_and_prefix_hits_give_the_same_tokens(llm_factory):
+    plain = llm_factory()
+    tight = llm_factory(speculative_config=NGRAM, num_kv_blocks=14)
+    prompts = _ids(plain, COPYING + CHAT_PROMPTS[:4])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _results(plain.generate(prompts_of(prompts), params, use_tqdm=False))
+    before = tight.get_stats()["num_preemptions"]
+    assert _results(tight.generate(prompts_of(prompts), params, use_tqdm=False)) == want
+    assert tight.get_stats()["num_preemptions"] > before
+    hits = tight.get_stats()["prefix_cache_hits"]
+    assert _results(tight.generate(prompts_of(prompts[:2]), params, use_tqdm=False)) == want[:2]
+    assert tight.get_stats()["prefix_cache_hits"] > hits
+
+
+def test_a_structured_output_runs_beside_speculating_requests(pair):
+    prompts = _ids(pair[0], COPYING[:2])
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    from octavo.sampling_params import StructuredOutputsParams
+
+    json_params = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    plain_params = SamplingParams(temperature=0, max_tokens=20)
+    plain, spec = pair
+    want = plain.generate(prompts_of(prompts), [json_params, plain_params], use_tqdm=False)
+    got = spec.generate(prompts_of(prompts), [json_params, plain_params], use_tqdm=False)
+    assert _results(got) == _results(want)
+    assert json.loads(got[0].outputs[0].text)["n"] is not None
+
+
+# ---- the distribution of unseeded samples, on a tiny model ------------------------------
+
+
+class _ModeProposer:
+    """Guesses the continuation of the most frequent completion: guesses that hold often,
+    so that the test sees both accepted and rejected guesses in plenty."""
+
+    def __init__(self, mode: tuple[int, ...], prompt_len: int):
+        self.mode, self.prompt_len = mode, prompt_len
+
+    def propose(self, requests, k):
+        return [list(self.mode[r.num_output_tokens :][:k]) for r in requests]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # peaked enough that guesses often hold
+    path = tmp_path_factory.mktemp("tiny12")
+    model.save_pretrained(path)
+    options = {"device": "cpu", "num_kv_blocks": 512, "max_model_len": 64, "quantization": None}
+    plain = LLM(str(path), **options)
+    spec = LLM(str(path), speculative_config={"num_speculative_tokens": 3}, **options)
+    return plain, spec
+
+
+def _histogram(llm, prompt, params, count):
+    outs = llm.generate(prompts_of([prompt] * count), params, use_tqdm=False)
+    hist: dict[tuple[int, ...], int] = {}
+    for out in outs:
+        key = tuple(out.outputs[0].token_ids)
+        hist[key] = hist.get(key, 0) + 1
+    return hist
+
+
+def _p_value(a: dict, b: dict) -> float:
+    """Chi-square test of one distribution behind two histograms (rare outcomes pooled)."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
+    common = [k for k in keys if a.get(k, 0) + b.get(k, 0) >= 20]
+    table = [[a.get(k, 0) for k in common], [b.get(k, 0) for k in common]]
+    rest = [sum(a.values()) - sum(table[0]), sum(b.values()) - sum(table[1])]
+    if sum(rest):
+        table[0].append(rest[0])
+        table[1].append(rest[1])
+    return chi2_contingency(table).pvalue
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.8, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=1.2, top_k=3, max_tokens=4, ignore_eos=True),
+    ],
+    ids=["temperature", "top_p", "top_k"],
+)
+def test_unseeded_samples_follow_the_same_distribution(tiny, params, monkeypatch):
+    plain, spec = tiny
+    prompt = [1, 5, 2, 7, 3, 1, 5, 2]
+    want = _histogram(plain, prompt, params, 3000)
+    mode = max(want, key=want.get)
+    spec.engine.speculator.proposer = _ModeProposer(mode, len(prompt))
+    before = spec.get_stats()
+    got = _histogram(spec, prompt, params, 3000)
+    after = spec.get_stats()
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    assert 0.2 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
+    assert _p_value(want, got) > 1e-3
+    # The test can fail: keeping every guess gives another distribution.
+    import octavo.runner.outputs as outputs
+
+    monkeypatch.setattr(
+        outputs,
+        "_keep_verified",
+        lambda result, rid, g: result.sampled_token_ids.__setitem__(
+            rid, [*g, result.sampled_token_ids[rid][-1]]
+        ),
+    )
+    wrong = _histogram(spec, prompt, params, 3000)
+    assert _p_value(want, wrong) < 1e-6
