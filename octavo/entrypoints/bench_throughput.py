@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.cli_args import (
     add_parallel_args,
+    parallel_options,
     add_threads_arg,
     int_at_least,
     positive_int,
@@ -231,9 +232,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
         threads=args.threads,
+        **parallel_options(args),
     )
     vocab = llm.engine.vocab_size
     if args.workload == "nanovllm":
@@ -246,10 +246,13 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     print(f"{'engine':<22}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     results = [_report(run_octavo(llm, w, progress))]
+    spec = _report_speculation(llm.get_stats())
     # The floor times this process's GPU; with tensor parallelism it holds no model.
     on_gpu = llm.engine.runner.device.type == "cuda" and args.tensor_parallel_size == 1
     floor = measured_floor(llm, w) if on_gpu else None
     report: dict = {} if floor is None else _report_floor(*floor, results[0].seconds)
+    if spec:
+        report["speculation"] = spec
     if args.peer == "hf":
         from octavo.engine.builder import resolve_model
 
@@ -272,6 +275,16 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def _report_speculation(stats: dict) -> dict:
+    """Prints what speculative decoding kept, if it ran; returns its counters."""
+    spec = {k: v for k, v in stats.items() if k.startswith("spec_")}
+    if spec:
+        print(f"speculation: mean accepted length {spec['spec_mean_accepted_length']:.2f} "
+              f"({spec['spec_accepted_tokens']} of {spec['spec_draft_tokens']} guesses kept, "
+              f"by position {spec['spec_accepted_per_position']})")  # fmt: skip
+    return spec
 
 
 def _default_batched_tokens(args: argparse.Namespace) -> int | None:

@@ -21,6 +21,7 @@ from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.cli_args import (
     Parser,
     add_parallel_args,
+    parallel_options,
     add_threads_arg,
     announce_threads,
     positive_int,
@@ -101,9 +102,8 @@ def _llm(args: argparse.Namespace):
         load_format=args.load_format,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel,
         threads=args.threads,
+        **parallel_options(args),
     )
     if llm.engine.runner.device.type == "cpu":
         announce_threads(args.threads)

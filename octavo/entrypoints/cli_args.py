@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -78,6 +79,10 @@ def add_parallel_args(p: argparse.ArgumentParser, nodes: bool = False) -> None:
         "--enable-expert-parallel", action="store_true",
         help="mixture-of-experts layers: each rank holds whole experts, not a slice of each",
     )  # fmt: skip
+    p.add_argument(
+        "--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )  # fmt: skip
     if not nodes:
         return
     p.add_argument(
@@ -96,11 +101,23 @@ def add_parallel_args(p: argparse.ArgumentParser, nodes: bool = False) -> None:
     )
 
 
+def _speculative_config(text: str) -> dict:
+    from octavo.config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(text)
+
+
 def parallel_options(args: argparse.Namespace) -> dict:
-    """The parsed options as build_engine's keyword arguments."""
+    """The parsed options (parallelism and speculation) as build_engine's keyword
+    arguments."""
     options = {
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
+        "speculative_config": args.speculative_config,
     }
     if hasattr(args, "nnodes"):
         options.update(nnodes=args.nnodes, dist_init_addr=args.dist_init_addr)

@@ -247,3 +247,34 @@ def test_unseeded_samples_follow_the_same_distribution(tiny, params, monkeypatch
     )
     wrong = _histogram(spec, prompt, params, 3000)
     assert _p_value(want, wrong) < 1e-6
+
+
+def test_the_server_streams_the_same_answer_and_counts_the_guesses(pair):
+    import httpx
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+    from server_fixture import ServerThread
+
+    from octavo.entrypoints.openai.api_server import build_app
+
+    plain, spec = pair
+    messages = [{"role": "user", "content": COPYING[0]}]
+    want = plain.chat(messages, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    with ServerThread(build_app(spec.engine, "m")) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        answer = client.chat.completions.create(
+            model="m", messages=messages, temperature=0, max_tokens=40
+        )
+        stream = client.chat.completions.create(
+            model="m", messages=messages, temperature=0, max_tokens=40, stream=True
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        text = httpx.get(server.url + "/metrics").text
+    assert answer.choices[0].message.content == streamed == want[0].outputs[0].text
+    samples = {
+        (s.name, s.labels.get("position")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("octavo_spec_decode_num_accepted_tokens_total", None)] > 0
+    assert samples[("octavo_spec_decode_num_accepted_tokens_per_pos_total", "0")] > 0

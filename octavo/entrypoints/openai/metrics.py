@@ -180,3 +180,25 @@ class _EngineStatsCollector:
         }
         for name, (doc, key) in counters.items():
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+        if "spec_num_drafts" in s:
+            yield from _speculation_metrics(s)
+
+
+def _speculation_metrics(s: dict):
+    """Speculative decoding's counters, with vLLM's meaning: verify steps, guesses
+    checked and kept, and kept by position (of the step's guesses)."""
+    for name, doc, key in (
+        ("octavo_spec_decode_num_drafts", "Steps of a request that verified guesses",
+         "spec_num_drafts"),
+        ("octavo_spec_decode_num_draft_tokens", "Guessed tokens verified", "spec_draft_tokens"),
+        ("octavo_spec_decode_num_accepted_tokens", "Guessed tokens kept", "spec_accepted_tokens"),
+    ):  # fmt: skip
+        yield CounterMetricFamily(name, doc, value=s[key])
+    by_position = CounterMetricFamily(
+        "octavo_spec_decode_num_accepted_tokens_per_pos",
+        "Guessed tokens kept, by their position in the step's guesses",
+        labels=["position"],
+    )
+    for position, count in enumerate(s["spec_accepted_per_position"]):
+        by_position.add_metric([str(position)], count)
+    yield by_position
