@@ -119,8 +119,6 @@ def build_engine(
     speculative = SpeculativeConfig.parse(speculative_config)
     if speculative is not None and speculative.method != "ngram":
         raise ValueError(f"speculative method {speculative.method!r} is not available yet")
-    if speculative is not None and async_scheduling:
-        raise ValueError("speculative decoding does not run with async_scheduling=True")
     cache = CacheConfig(
         block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching, kv_cache_dtype,
@@ -147,7 +145,7 @@ def build_engine(
         runner, cache, hf_config, dev, max_model_len, max_num_seqs, max_num_batched_tokens
     )
     if async_scheduling is None:  # overlap pays where the device runs beside the host
-        async_scheduling = dev.type == "cuda" and speculative is None
+        async_scheduling = dev.type == "cuda"
     packed = quantization not in (None, "fp8")  # fp8 is emulated in float off the GPU
     mode = compute_mode(dev, torch_dtype, kv_dtype, packed, get_head_dim(hf_config))
     eos = _eos_token_ids(tok, hf_config)

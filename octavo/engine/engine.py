@@ -10,7 +10,8 @@ With async scheduling (the default on CUDA) a step overlaps the host with the de
 
 Step N+1 is scheduled before step N's tokens reach the host; its decode inputs are those
 tokens, read on the device. A request that step N finishes still runs in step N+1 unless
-its length limit was known in advance; that extra token is dropped.
+its length limit was known in advance; that extra token is dropped. A step that speculates
+(engine/speculative.py) guesses from the newest tokens, so it waits for step N first.
 """
 
 from __future__ import annotations
@@ -70,10 +71,8 @@ class Engine:
     ) -> None:
         """compute_mode: the (torch) dtype of the forward's products, and whether a token's
         result is independent of the batch (kernels/cpu.compute_mode); by default the
-        runner's dtype, and no. speculator: speculative decoding's guesses, which need the
-        newest tokens on the host before each step (no async scheduling)."""
-        if speculator is not None and async_scheduling:
-            raise ValueError("speculative decoding does not run with async scheduling")
+        runner's dtype, and no. speculator: speculative decoding's guesses, made from the
+        newest tokens on the host (a step that speculates waits for the one in flight)."""
         self.speculator = speculator
         self.runner = runner
         self.compute_dtype, self.batch_invariant = compute_mode or (runner.dtype, False)
@@ -188,17 +187,20 @@ class Engine:
         runs on the device; a step with nothing new to schedule just finishes the one in
         flight.
         """
+        speculates = self.speculator is not None and self.speculator.active(self.scheduler)
         if not self.async_scheduling:
-            if self.speculator is not None:
+            if speculates:
                 self.speculator.propose(self.scheduler.running)
             so = self.scheduler.schedule()
             if so.is_empty:
                 return []
             return self._finish(so, self._launch(so, grammars_current=True))
         outputs: list[RequestOutput] = []
-        if self._in_flight is not None and self.scheduler.needs_pending_tokens():
+        if self._in_flight is not None and (speculates or self.scheduler.needs_pending_tokens()):
             in_flight, self._in_flight = self._in_flight, None  # finished once, even if it fails
             outputs = self._finish(*in_flight)
+        if speculates:
+            self.speculator.propose(self.scheduler.running)
         so = self.scheduler.schedule()
         grammars_current = self._in_flight is None
         launched = None if so.is_empty else (so, self._launch(so, grammars_current))

@@ -23,6 +23,7 @@ import numpy as np
 from octavo.config import SpeculativeConfig
 from octavo.core.request import Request, RequestStatus
 from octavo.core.sched_output import SchedulerOutput
+from octavo.core.scheduler import Scheduler
 
 # A request whose guesses all fail sits out this many steps per failure in a row (up to the
 # cap) before it guesses again, so that a text with nothing to copy costs ~nothing.
@@ -98,12 +99,16 @@ class Speculator:
             weakref.WeakKeyDictionary()
         )
 
+    def active(self, scheduler: Scheduler) -> bool:
+        """Whether the next step speculates: some request runs, and no more than
+        `disable_by_batch_size` of them."""
+        limit = self.config.disable_by_batch_size
+        running = len(scheduler.running)
+        return running > 0 and (limit is None or running <= limit)
+
     def propose(self, running: list[Request]) -> None:
         """Sets the guesses of each running request whose next step samples its next token
-        from one known token (a decode step), unless the batch is too large to gain."""
-        limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) > limit:
-            return
+        from one known token (a decode step)."""
         asking = [r for r in running if self._may_guess(r)]
         if not asking:
             return

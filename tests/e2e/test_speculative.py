@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from conftest import CHAT_PROMPTS
-from engine_utils import prompts_of
+from engine_utils import prompts_of, scheduling
 from scipy.stats import chi2_contingency
 
 from octavo import LLM, SamplingParams
@@ -77,6 +77,21 @@ def test_greedy_tokens_and_logprobs_are_the_same_alone_and_batched(pair):
     stats = pair[1].get_stats()
     assert stats["spec_mean_accepted_length"] > 1.5
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_async_scheduling_speculates_between_the_steps_it_overlaps(pair):
+    """With async scheduling (CUDA's default) a step that speculates first waits for the
+    one in flight; the tokens stay the same, beside a structured output and penalties."""
+    prompts = _ids(pair[0], COPYING)
+    params = [
+        SamplingParams(temperature=0, max_tokens=32),
+        SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.3),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=32, n=2),
+        SamplingParams(temperature=0, max_tokens=32, logprobs=1),
+    ]
+    with scheduling(pair[1], overlap=True):
+        accepted = _compare(pair, prompts, params)
+    assert accepted > 10
 
 
 def test_seeded_sampling_penalties_and_n_are_the_same(pair):
