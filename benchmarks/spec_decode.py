@@ -3,6 +3,10 @@ their input (repeat, edit, rename, summarise with quotes), greedy; tok/s with an
 speculation, whether the tokens are the same, and the mean accepted length.
 
     python benchmarks/spec_decode.py --k 2 4 6 --max-tokens 160
+    python benchmarks/spec_decode.py --batch 1 4 16   # all prompts at once, copies of them
+
+`--batch B` runs B requests at a time (the prompts, repeated) and reports tok/s of each
+setting at each B: where speculation stops paying as the batch grows.
 """
 
 from __future__ import annotations
@@ -62,12 +66,47 @@ def run(llm: LLM, max_tokens: int) -> dict[str, tuple[float, int, list[list[int]
     return results
 
 
+def run_batched(llm: LLM, batch: int, max_tokens: int) -> tuple[float, int, list]:
+    """Seconds, tokens and answers of `batch` requests at once, the prompts in turn."""
+    prompts = [p for group in PROMPTS.values() for p in group]
+    chats = [[{"role": "user", "content": prompts[i % len(prompts)]}] for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    start = time.perf_counter()
+    outs = llm.chat(chats, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return (
+        seconds,
+        sum(len(o.outputs[0].token_ids) for o in outs),
+        [o.outputs[0].token_ids for o in outs],
+    )
+
+
+def main_batched(args) -> None:
+    print(f"{'k':>3}{'batch':>7}{'tokens':>8}{'tok/s':>8}{'speed-up':>9}{'same':>6}")
+    base = {}
+    for k in [0, *args.k]:
+        config = {"num_speculative_tokens": k} if k else None
+        llm = LLM(quantization=args.quantization, speculative_config=config)
+        run_batched(llm, 2, 8)  # warm-up
+        for batch in args.batch:
+            seconds, tokens, answers = run_batched(llm, batch, args.max_tokens)
+            base.setdefault(batch, (seconds, tokens, answers))
+            speedup = tokens / seconds / (base[batch][1] / base[batch][0])
+            same = "yes" if answers == base[batch][2] else "NO"
+            print(f"{k:>3}{batch:>7}{tokens:>8}{tokens / seconds:>8.1f}{speedup:>9.2f}{same:>6}")
+        llm.shutdown()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--k", type=int, nargs="+", default=[4], help="num_speculative_tokens")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--quantization", default="auto")
+    p.add_argument("--batch", type=int, nargs="+", default=None)
     args = p.parse_args()
+    if args.batch:
+        main_batched(args)
+        return
     configs = [None] + [{"method": "ngram", "num_speculative_tokens": k} for k in args.k]
     runs = []
     for config in configs:

@@ -18,8 +18,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 from octavo.config import SpeculativeConfig
 from octavo.core.request import Request, RequestStatus
 from octavo.core.sched_output import SchedulerOutput
@@ -39,26 +37,53 @@ class Proposer(Protocol):
 class NgramProposer:
     """Prompt lookup: the request's last n tokens, n from `max_n` down to `min_n`, are looked
     for earlier in its prompt and output; the tokens after their latest earlier occurrence
-    are the guess."""
+    are the guess.
+
+    Each request's n-grams are indexed as its tokens come (a dict per n from the n tokens
+    to where they last started), so a lookup costs the same at any length.
+    """
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
+        self._index: weakref.WeakKeyDictionary[Request, _NgramIndex] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
-        return [self.lookup(request.all_token_ids, k) for request in requests]
+        guesses = []
+        for request in requests:
+            index = self._index.get(request)
+            if index is None:
+                index = self._index[request] = _NgramIndex(self.min_n, self.max_n)
+            guesses.append(index.lookup(request.all_token_ids, k))
+        return guesses
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        """The guess for one sequence, indexed from scratch."""
+        return _NgramIndex(self.min_n, self.max_n).lookup(token_ids, k)
+
+
+class _NgramIndex:
+    """Where each n-gram of a growing sequence last started, for n in [min_n, max_n],
+    over the n-grams that end before the sequence's last token."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.sizes = range(max_n, min_n - 1, -1)
+        self.starts: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.end = 0  # n-grams ending at or before this index are in
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
         length = len(token_ids)
-        if length <= self.min_n:
-            return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows that start before the suffix itself: tokens[i : i + n], i + n < length.
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return token_ids[start : start + k]
+        for n in self.sizes:
+            starts = self.starts[n]
+            for start in range(max(self.end - n + 1, 0), length - n):
+                starts[tuple(token_ids[start : start + n])] = start
+        self.end = max(self.end, length - 1)
+        for n in self.sizes:
+            if n < length:
+                start = self.starts[n].get(tuple(token_ids[length - n :]))
+                if start is not None:
+                    return token_ids[start + n : start + n + k]
         return []
 
 
