@@ -37,8 +37,12 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         eos_token_ids: Iterable[int] = (),
         accept_tokens: AcceptTokens = accept_each,
+        num_lookahead_tokens: int = 0,
     ) -> None:
+        """num_lookahead_tokens: KV slots reserved past a sampling step's tokens, where a
+        draft model writes the KV of its guesses."""
         self.config = config
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.stops = StopChecker(eos_token_ids, config.max_model_len, accept_tokens)
         self.kv = kv_cache_manager
         self.waiting: deque[Request] = deque()
@@ -151,17 +155,11 @@ class Scheduler:
                 # finish with the token in flight: nothing to compute.
                 i += 1
                 continue
-            spec = request.spec_token_ids
-            if spec:
-                request.spec_token_ids = []
-                if request.num_computed_tokens + num_new == total:  # it samples: verify them
-                    spec = spec[: self._num_spec_tokens(request, total, budget - num_new)]
-                    if spec and self.kv.allocate_slots(request, num_new + len(spec)):
-                        scheduled.append(self._make_scheduled(request, num_new, new_requests, spec))
-                        budget -= num_new + len(spec)
-                        i += 1
-                        continue
-            while not self.kv.allocate_slots(request, num_new):
+            spec = self._guesses(request, num_new, total, budget)
+            extra = len(spec) + self._lookahead(request, num_new + len(spec), total)
+            if extra and not self.kv.allocate_slots(request, num_new + extra):
+                spec = []  # no blocks for the guesses and the lookahead: a plain step
+            while not self.kv.allocate_slots(request, num_new + len(spec)):
                 victim = self.running.pop()  # newest admitted goes first
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -169,15 +167,29 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 break  # it preempted itself: nobody after it can run either
-            scheduled.append(self._make_scheduled(request, num_new, new_requests))
-            budget -= num_new
+            scheduled.append(self._make_scheduled(request, num_new, new_requests, spec))
+            budget -= num_new + len(spec)
             i += 1
         return scheduled, preempted, budget
 
+    def _guesses(self, request: Request, num_new: int, total: int, budget: int) -> list[int]:
+        """Takes the request's speculative guesses for this step: only if the step samples
+        its next token, and no more than the budget left after its `num_new` tokens, nor
+        than max_tokens or the context lets it emit (a step emits the guesses it keeps and
+        one token more)."""
+        spec, request.spec_token_ids = request.spec_token_ids, []
+        if not spec or request.num_computed_tokens + num_new != total:
+            return []
+        return spec[: self._num_spec_tokens(request, total, budget - num_new)]
+
+    def _lookahead(self, request: Request, num_new: int, total: int) -> int:
+        """Slots a draft model may fill past a step that samples, within the context."""
+        end = request.num_computed_tokens + num_new
+        if not self.num_lookahead_tokens or end < total:
+            return 0
+        return max(min(self.num_lookahead_tokens, self.config.max_model_len - end), 0)
+
     def _num_spec_tokens(self, request: Request, total: int, budget: int) -> int:
-        """How many guesses a step that samples the request's next token may verify: within
-        the step's token budget, and never more than max_tokens or the context lets it emit
-        (a step emits the guesses it keeps and one token more)."""
         room = min(budget, self.config.max_model_len - total - 1)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:

@@ -20,6 +20,7 @@ from octavo.model.config import get_head_dim, get_num_kv_heads
 from octavo.model.parallel import check_tp_size
 from octavo.quant import get_method, resolve_quantization
 from octavo.runner import kv_setup
+from octavo.runner.draft import DraftOptions
 from octavo.runner.interface import Runner
 from octavo.runner.model_runner import ModelRunner
 from octavo.runner.multiproc import MultiprocRunner
@@ -117,8 +118,6 @@ def build_engine(
     """Builds an Engine from LLM()'s options (the README's table gives their meaning)."""
     _check_options(load_format, cuda_graph_max_tokens)
     speculative = SpeculativeConfig.parse(speculative_config)
-    if speculative is not None and speculative.method != "ngram":
-        raise ValueError(f"speculative method {speculative.method!r} is not available yet")
     cache = CacheConfig(
         block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching, kv_cache_dtype,
@@ -140,6 +139,8 @@ def build_engine(
         "cuda_graph_max_tokens": cuda_graph_max_tokens,
         "quantization": quantization, "kv_cache_dtype": kv_dtype,
     }  # fmt: skip
+    if speculative is not None and speculative.method == "draft_model":
+        runner_options["draft"] = _draft_options(speculative, hf_config, dev, parallel, load_format)
     runner = _make_runner(runner_options, dev, parallel)
     sched, num_blocks = _allocate_kv_cache(
         runner, cache, hf_config, dev, max_model_len, max_num_seqs, max_num_batched_tokens
@@ -151,6 +152,30 @@ def build_engine(
     eos = _eos_token_ids(tok, hf_config)
     speculator = Speculator(speculative) if speculative is not None else None
     return Engine(runner, tok, cache, sched, num_blocks, eos, async_scheduling, mode, speculator)
+
+
+def _draft_options(
+    speculative: SpeculativeConfig,
+    hf_config,
+    dev: torch.device,
+    parallel: ParallelConfig,
+    load_format: str,
+) -> DraftOptions:
+    """The draft model's path, config and quantization (its checkpoint's own, as "auto"
+    picks for a target); ValueError if it cannot draft for the target."""
+    if parallel.tensor_parallel_size > 1:
+        raise ValueError("a draft model runs with tensor_parallel_size=1 (n-gram speculation "
+                         "runs with any)")  # fmt: skip
+    path = resolve_model(speculative.model)
+    config = load_hf_config(path)
+    if config.vocab_size != hf_config.vocab_size:
+        raise ValueError(
+            f"the draft model's vocabulary ({config.vocab_size} tokens) is not the target's "
+            f"({hf_config.vocab_size}): a draft must share the target's tokenizer"
+        )
+    quantization = resolve_quantization("auto", path, config, dev, load_format)
+    get_method(quantization, dev, config, path, load_format)
+    return DraftOptions(path, config, quantization, speculative.num_speculative_tokens)
 
 
 def _device_with_threads(device: str, threads: int | None) -> torch.device:

@@ -83,7 +83,10 @@ class Engine:
         self.kv = KVCacheManager(
             num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(scheduler_config, self.kv, eos_token_ids, accept_tokens)
+        lookahead = 0 if speculator is None else speculator.num_lookahead_tokens
+        self.scheduler = Scheduler(
+            scheduler_config, self.kv, eos_token_ids, accept_tokens, lookahead
+        )
         self.stats = EngineStats()
         self.outputs = OutputProcessor(tokenizer)
         self.async_scheduling = async_scheduling
@@ -289,7 +292,7 @@ class Engine:
                     self.outputs.process_prompt_logprobs(request, *found)
         if self.speculator is not None:
             requests = self.scheduler.requests_of(so)
-            self.speculator.record(so, requests, result.sampled_token_ids)
+            self.speculator.record(so, requests, result)
         updated = self.scheduler.update(so, result.sampled_token_ids)
         statuses = self.scheduler.stops.check_tokens(updated)
         return result, updated, statuses

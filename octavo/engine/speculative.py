@@ -8,8 +8,10 @@ and the engine appends what was kept one token at a time, so that a stop ends it
 where decoding without speculation would.
 
 A proposer is anything with `propose(requests, k)` returning one list of at most k guessed
-token ids per request. `NgramProposer` (prompt lookup) runs on the host; a draft model or
-an EAGLE-style head would be one more proposer.
+token ids per request (and, if it has one, `observe(result)` of each step). `NgramProposer`
+(prompt lookup) runs on the host; `DraftModelProposer` hands on the guesses a draft model
+made in the runner after the step (runner/draft.py). An EAGLE-style head or a
+multi-token-prediction layer would guess in the runner the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from octavo.config import SpeculativeConfig
 from octavo.core.request import Request, RequestStatus
 from octavo.core.sched_output import SchedulerOutput
 from octavo.core.scheduler import Scheduler
+from octavo.runner.outputs import ModelRunnerOutput
 
 # A request whose guesses all fail sits out this many steps per failure in a row (up to the
 # cap) before it guesses again, so that a text with nothing to copy costs ~nothing.
@@ -45,9 +48,7 @@ class NgramProposer:
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
-        self._index: weakref.WeakKeyDictionary[Request, _NgramIndex] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._index: weakref.WeakKeyDictionary[Request, _NgramIndex] = weakref.WeakKeyDictionary()
 
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
         guesses = []
@@ -87,6 +88,20 @@ class _NgramIndex:
         return []
 
 
+class DraftModelProposer:
+    """The guesses a draft model made in the runner after the last step
+    (`ModelRunnerOutput.draft_token_ids`, runner/draft.py)."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, list[int]] = {}
+
+    def observe(self, result: ModelRunnerOutput) -> None:
+        self.latest = result.draft_token_ids
+
+    def propose(self, requests: list[Request], k: int) -> list[list[int]]:
+        return [self.latest.get(r.request_id, [])[:k] for r in requests]
+
+
 @dataclass
 class SpecStats:
     """What speculation did: guesses verified and kept, in all and by position (position
@@ -115,9 +130,13 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
+        if proposer is None and config.method == "draft_model":
+            proposer = DraftModelProposer()
         self.proposer = proposer or NgramProposer(
             config.prompt_lookup_min, config.prompt_lookup_max
         )
+        # KV slots the scheduler reserves past a sampling step, for a draft model's guesses.
+        self.num_lookahead_tokens = self.k if config.method == "draft_model" else 0
         self.stats = SpecStats(accepted_per_position=[0] * self.k)
         # request -> (failed verifications in a row, steps left to sit out); gone with it
         self._backoff: weakref.WeakKeyDictionary[Request, tuple[int, int]] = (
@@ -158,10 +177,14 @@ class Speculator:
         return True
 
     def record(
-        self, so: SchedulerOutput, requests: list[Request], sampled: dict[str, list[int]]
+        self, so: SchedulerOutput, requests: list[Request], result: ModelRunnerOutput
     ) -> None:
         """Counts a step's verified guesses (`requests`: the step's, in its order) and sets
-        the back-off of requests whose guesses all failed."""
+        the back-off of requests whose guesses all failed; hands the proposer the result."""
+        observe = getattr(self.proposer, "observe", None)
+        if observe is not None:
+            observe(result)
+        sampled = result.sampled_token_ids
         for item, request in zip(so.scheduled, requests, strict=True):
             if not item.spec_token_ids:
                 continue

@@ -56,6 +56,10 @@ class BlockTableRows:
             self._lengths[request_id] = end
         return row, self._lengths[request_id]
 
+    def capacity(self, request_id: str) -> int:
+        """Blocks in the request's table."""
+        return self._lengths[request_id]
+
     def release(self, request_ids: list[str]) -> None:
         """Forgets finished or preempted requests (unknown ids are ignored)."""
         for request_id in request_ids:

@@ -18,6 +18,7 @@ from octavo.config import CacheConfig
 from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
 from octavo.model.parallel import broadcast_from_first
 from octavo.runner import kv_setup
+from octavo.runner.draft import DraftModel, DraftOptions
 from octavo.runner.cuda_graph import (
     CudaGraphRunner,
     GraphShape,
@@ -73,6 +74,7 @@ class ModelRunner:
         cuda_graph_max_tokens: int = 512,
         quantization: str | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        draft: DraftOptions | None = None,
     ) -> None:
         self.hf_config = hf_config
         self.dtype = dtype
@@ -83,6 +85,9 @@ class ModelRunner:
         self.model = load_model(
             model_path, hf_config, dtype, device, load_format, seed, quantization
         )
+        # Speculative decoding's draft model, beside the target (runner/draft.py).
+        self.draft = None if draft is None else DraftModel(draft, dtype, device, load_format, seed)
+        self._num_launched = 0  # steps launched: a draft guesses only after the newest
         backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(backend)
         self.sampler = Sampler(seed=seed)
@@ -116,6 +121,8 @@ class ModelRunner:
         after profiling a step of `max_num_batched_tokens` tokens and `max_num_seqs` rows over
         temporary caches, freed before the cache is allocated."""
         per_block = kv_bytes_per_block(self.hf_config, cache.block_size, self.kv_cache_dtype)
+        if self.draft is not None:  # its cache has as many blocks
+            per_block += self.draft.kv_bytes_per_block(cache.block_size, self.kv_cache_dtype)
 
         def activation_bytes() -> int:
             blocks = -(-max_num_batched_tokens // self.block_size)
@@ -152,6 +159,10 @@ class ModelRunner:
             for _ in range(self.hf_config.num_hidden_layers)
         ]
         bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(
+                num_blocks + 1, self.block_size, self.kv_cache_dtype, self.attn_backend
+            )
         max_blocks = -(-max_model_len // self.block_size)
         self.inputs = InputBuilder(
             max_num_batched_tokens,
@@ -227,6 +238,9 @@ class ModelRunner:
             hidden = self.graph_runner.replay(graph)
         else:
             hidden = self.model(step.input_ids, step.positions, step.md)  # [T, hidden]
+        self._num_launched += 1
+        if self.draft is not None:
+            self.draft.catch_up(step)
         prompt = self._prompt_logprobs(so, step.md, hidden)
         rows, logits_index = self._sampling_rows(so, step.md)
         self._last_sampled = None
@@ -239,6 +253,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [R, V]
         guesses = {s.request_id: s.spec_token_ids for s in so.scheduled if s.spec_token_ids}
         pending = PendingOutput(rows, None, prompt, guesses)
+        if self.draft is not None:
+            pending.then = self._draft_guesses(so, self._num_launched)
         self._unsampled = (pending, rows, logits)
         return pending
 
@@ -266,6 +282,22 @@ class ModelRunner:
             out.sampled_token_ids,
         )
         return out
+
+    def _draft_guesses(self, so: SchedulerOutput, launched: int):
+        """What the step's result runs once complete: the draft's guesses from its kept
+        tokens. None once a later step has launched (it would overwrite the step's inputs
+        under that step): a speculating engine waits for each step before the next."""
+
+        def wants(request_id: str) -> bool:  # not a fork's first token, nor a grammar's
+            params = self.requests[request_id].sampling_params
+            return params.n == 1 and params.structured_outputs is None
+
+        @torch.inference_mode()
+        def guess(result: ModelRunnerOutput) -> None:
+            if self._num_launched == launched:
+                self.draft.propose(so, result, self.inputs, wants)
+
+        return guess
 
     def _prompt_logprobs(
         self, so: SchedulerOutput, md: AttentionMetadata, hidden: torch.Tensor
@@ -402,3 +434,5 @@ class ModelRunner:
         src, dst = index[0], index[1]
         for cache in self.kv_caches:
             cache[:, dst] = cache[:, src]  # [2, num_blocks, block_size, KVH, D]
+        if self.draft is not None:
+            self.draft.copy_blocks(src, dst)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # A draft model's guesses of each request's next tokens, for the next step to verify.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -50,6 +53,8 @@ class PendingOutput:
     ):
         self.rows = rows
         self.guesses = guesses or {}  # request id -> the speculative guesses it verifies
+        # Runs on the result once it is complete (a draft model's guesses for the next step).
+        self.then: Callable[[ModelRunnerOutput], None] | None = None
         self._spans = prompt[0] if prompt is not None else []
         self._prompt_host, self._prompt_event = _copy_to_host(prompt[1] if prompt else ())
         self._host, self._event = _copy_to_host(_sampler_tensors(out))
@@ -80,6 +85,8 @@ class PendingOutput:
             _collect_logprobs(self.rows, *host[1:], result)
         for request_id, guesses in self.guesses.items():
             _keep_verified(result, request_id, guesses)
+        if self.then is not None:
+            self.then(result)
         return result
 
 

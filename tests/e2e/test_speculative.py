@@ -293,3 +293,71 @@ def test_the_server_streams_the_same_answer_and_counts_the_guesses(pair):
     }
     assert samples[("octavo_spec_decode_num_accepted_tokens_total", None)] > 0
     assert samples[("octavo_spec_decode_num_accepted_tokens_per_pos_total", "0")] > 0
+
+
+# ---- a draft model ---------------------------------------------------------------------
+
+
+def test_the_embedded_model_drafting_for_itself_keeps_every_guess(llm_factory):
+    from octavo.checkpoint.embedded import embedded_model_path
+
+    plain = llm_factory(quantization="auto")
+    config = {"method": "draft_model", "model": embedded_model_path(), "num_speculative_tokens": 3}
+    spec = llm_factory(quantization="auto", speculative_config=json.dumps(config))
+    prompts = _ids(plain, CHAT_PROMPTS[:4] + COPYING[:2])
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=1)
+    _compare((plain, spec), prompts, params)
+    stats = spec.get_stats()
+    # The same kernels, whatever the rows: the draft's greedy tokens are the target's.
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 50
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def _tiny_llama(path, seed: int, layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_a_tiny_draft_for_a_tiny_target_gives_the_target_s_tokens(tmp_path):
+    target = _tiny_llama(tmp_path / "target", 0, 3)
+    draft = _tiny_llama(tmp_path / "draft", 1, 1)
+    options = {"device": "cpu", "max_model_len": 128, "quantization": None}
+    plain = LLM(target, num_kv_blocks=256, **options)
+    config = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    spec = LLM(target, num_kv_blocks=24, speculative_config=config, **options)  # preempts
+    prompts = [[(7 * i + j) % 96 for j in range(5 + 3 * i)] for i in range(6)]
+    for params in [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True, n=2),
+    ]:
+        _compare((plain, spec), prompts, params)
+    stats = spec.get_stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert stats["num_preemptions"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_a_draft_that_cannot_draft_is_a_value_error(tmp_path):
+    target = _tiny_llama(tmp_path / "target", 0, 1)
+    from transformers import LlamaConfig
+
+    other = tmp_path / "other"
+    LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1,
+                architectures=["LlamaForCausalLM"]).save_pretrained(other)  # fmt: skip
+    with pytest.raises(ValueError, match=r"vocabulary \(64 tokens\) is not the target's \(96\)"):
+        LLM(target, device="cpu", load_format="dummy",
+            speculative_config={"method": "draft_model", "model": str(other)})  # fmt: skip
+    with pytest.raises(ValueError, match="a draft model runs with tensor_parallel_size=1"):
+        LLM(target, device="cpu", tensor_parallel_size=2,
+            speculative_config={"method": "draft_model", "model": target})  # fmt: skip

@@ -131,7 +131,7 @@ def test_speculator_asks_for_decoding_requests_only_and_backs_off():
     speculator.propose(s.running)
     assert proposer.asked == [["a"]] and a.spec_token_ids == [9, 9]  # at most k
     out = s.schedule()
-    speculator.record(out, s.requests_of(out), {"a": [3], "b": [4]})
+    speculator.record(out, s.requests_of(out), ModelRunnerOutput({"a": [3], "b": [4]}))
     assert speculator.stats.as_dict()["spec_draft_tokens"] == 2
     s.update(out, {"a": [3], "b": [4]})
     speculator.propose(s.running)  # a's guesses all failed: it sits out one step
