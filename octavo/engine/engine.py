@@ -255,8 +255,13 @@ class Engine:
 
     def _grammar_bitmask(self, so: SchedulerOutput):
         requests = self.scheduler.requests
-        grammars = [requests[request_id].grammar for request_id in so.structured_request_ids]
-        return self._bitmasks.build(so.structured_request_ids, grammars)
+        ids = so.structured_request_ids
+        grammars = [requests[request_id].grammar for request_id in ids]
+        guesses = None
+        if self.speculator is not None:  # a mask for each guess too
+            spec = {s.request_id: s.spec_token_ids for s in so.scheduled if s.spec_token_ids}
+            guesses = [spec.get(request_id, []) for request_id in ids]
+        return self._bitmasks.build(ids, grammars, guesses)
 
     def _fail(self, so: SchedulerOutput) -> None:
         # NOTE: blocks registered in the prefix cache this step may hold garbage now. A held

@@ -157,16 +157,18 @@ class Speculator:
         if not asking:
             return
         for request, guesses in zip(asking, self.proposer.propose(asking, self.k), strict=True):
-            request.spec_token_ids = list(guesses[: self.k])
+            guesses = list(guesses[: self.k])
+            if guesses and request.grammar is not None:  # what the grammar refuses is never kept
+                del guesses[request.grammar.valid_prefix(guesses) :]
+            request.spec_token_ids = guesses
 
     def _may_guess(self, request: Request) -> bool:
-        """A decoding request with none of what speculation leaves out: a structured output
-        (its grammar would have to take each guess), an n > 1 request before it forks."""
+        """A decoding request, unless it is an n > 1 request before it forks, or sits out
+        after failed guesses."""
         if (
             request.status is not RequestStatus.RUNNING
             or request.num_computed_tokens != request.num_tokens - 1
             or request.num_pending_tokens
-            or request.grammar is not None
             or request.awaits_fork
         ):
             return False

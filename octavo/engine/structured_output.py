@@ -47,6 +47,21 @@ class Grammar:
         self._log_refusal(token_id)
         return False
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of the tokens, in order, the grammar would take from here (it does not
+        move)."""
+        return self._matcher.validate_tokens(token_ids)
+
+    def fill_bitmasks_along(self, token_ids: list[int], rows: torch.Tensor) -> None:
+        """rows[0] gets the allowed tokens here, rows[j] those after token_ids[:j] (the
+        grammar takes them, then rolls back): the masks of a step that verifies guesses."""
+        self.fill_bitmask(rows[0])
+        for j, token_id in enumerate(token_ids, start=1):
+            self._matcher.consume_token(token_id)
+            self.fill_bitmask(rows[j])
+        if token_ids:
+            self._matcher.rollback(len(token_ids))
+
     def _log_refusal(self, token_id: int) -> None:
         error = self._matcher.get_error()  # may hold the whole grammar: cut it short
         logger.warning("a structured output's grammar refused token %d: %.300s", token_id, error)
@@ -132,20 +147,43 @@ class GrammarBitmaskBuilder:
         self.pin_memory = pin_memory
         self._host: torch.Tensor | None = None  # [capacity, W] int32
 
-    def build(self, request_ids: list[str], grammars: list[Grammar]) -> GrammarBitmask:
-        """The bitmask of each request's grammar, which has taken every earlier token.
+    def build(
+        self,
+        request_ids: list[str],
+        grammars: list[Grammar],
+        guesses: list[list[int]] | None = None,
+    ) -> GrammarBitmask:
+        """The bitmask of each request's grammar, which has taken every earlier token; a
+        request that verifies speculative guesses (`guesses[i]`) gets a row more for each,
+        the mask after the guesses before it.
 
         NOTE: the runner copies it to the device without waiting; the engine builds the next
         one only after that step's tokens came back, so the buffer is free again by then.
         """
-        num_rows = len(request_ids)
+        if guesses is not None and any(guesses):
+            return self._build_along(request_ids, grammars, guesses)
+        host = self._rows(len(request_ids))
+        fill_bitmasks(grammars, host)
+        return GrammarBitmask(request_ids, host)
+
+    def _build_along(
+        self, request_ids: list[str], grammars: list[Grammar], guesses: list[list[int]]
+    ) -> GrammarBitmask:
+        rows = [rid for rid, g in zip(request_ids, guesses, strict=True) for _ in range(len(g) + 1)]
+        host = self._rows(len(rows))
+        start = 0
+        for grammar, along in zip(grammars, guesses, strict=True):
+            grammar.fill_bitmasks_along(along, host[start : start + len(along) + 1])
+            start += len(along) + 1
+        return GrammarBitmask(rows, host)
+
+    def _rows(self, num_rows: int) -> torch.Tensor:
+        """The first `num_rows` rows of the host buffer, grown by powers of two."""
         if self._host is None or len(self._host) < num_rows:
             capacity = 1 << (num_rows - 1).bit_length()
             width = bitmask_width(self.vocab_size)
             self._host = torch.empty(capacity, width, dtype=torch.int32, pin_memory=self.pin_memory)
-        host = self._host[:num_rows]
-        fill_bitmasks(grammars, host)
-        return GrammarBitmask(request_ids, host)
+        return self._host[:num_rows]
 
 
 def fill_bitmasks(grammars: list[Grammar], bitmask: torch.Tensor) -> None:

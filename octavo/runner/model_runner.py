@@ -288,9 +288,8 @@ class ModelRunner:
         tokens. None once a later step has launched (it would overwrite the step's inputs
         under that step): a speculating engine waits for each step before the next."""
 
-        def wants(request_id: str) -> bool:  # not a fork's first token, nor a grammar's
-            params = self.requests[request_id].sampling_params
-            return params.n == 1 and params.structured_outputs is None
+        def wants(request_id: str) -> bool:  # not a fork's first token
+            return self.requests[request_id].sampling_params.n == 1
 
         @torch.inference_mode()
         def guess(result: ModelRunnerOutput) -> None:

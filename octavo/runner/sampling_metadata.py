@@ -199,13 +199,22 @@ class GrammarMasks:
         self, rows: list[tuple[str, SamplingParams, int]], grammar_bitmask: GrammarBitmask
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the sampling rows with a grammar [R], their bitmasks [R, W] on the device). An
-        n > 1 request's first token samples n rows under its one bitmask row."""
-        mask_row = {request_id: i for i, request_id in enumerate(grammar_bitmask.request_ids)}
-        grammar_rows = [row for row, r in enumerate(rows) if r[0] in mask_row]
+        n > 1 request's first token samples n rows under its one bitmask row; a request that
+        verifies guesses has a bitmask row for each of its sampling rows, in order."""
+        first: dict[str, int] = {}
+        count: dict[str, int] = {}
+        for i, request_id in enumerate(grammar_bitmask.request_ids):
+            first.setdefault(request_id, i)
+            count[request_id] = count.get(request_id, 0) + 1
+        grammar_rows = [row for row, r in enumerate(rows) if r[0] in first]
         if grammar_rows != self._rows[0]:
             self._rows = (grammar_rows, to_device(grammar_rows, torch.int64, self.device))
         host = grammar_bitmask.bitmask
-        order = [mask_row[rows[row][0]] for row in grammar_rows]
+        order, seen = [], {}
+        for row in grammar_rows:
+            request_id = rows[row][0]
+            j = seen[request_id] = seen.get(request_id, -1) + 1
+            order.append(first[request_id] + (j if count[request_id] > 1 else 0))
         if order != list(range(len(host))):
             host = host[order]
         if self.device.type != "cuda":
