@@ -74,6 +74,22 @@ def test_two_ranks_give_one_ranks_greedy_tokens_and_hfs(tiny):
     assert _tokens(two, prompts) == expected
 
 
+def test_two_ranks_verify_speculative_guesses_as_one_rank_decodes(tiny):
+    path, _, one, _ = tiny
+    if "llama" not in path:
+        pytest.skip("one architecture is enough")
+    spec = LLM(path, tensor_parallel_size=2, speculative_config={"num_speculative_tokens": 3},
+               **OPTIONS)  # fmt: skip
+    try:
+        prompts = [(_prompt(i, 6) * 4)[: 9 + 5 * i] for i in range(3)]  # repeats to look up
+        params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0, logprobs=1)
+        assert _tokens(spec, prompts, params) == _tokens(one, prompts, params)
+        stats = spec.get_stats()
+        assert stats["spec_accepted_tokens"] > 0
+    finally:
+        spec.shutdown()
+
+
 @pytest.mark.slow
 def test_workers_profile_their_loop_on_request(tiny, tmp_path):
     """Each rank's cProfile stats of the steps between two calls, then its profiler trace."""
