@@ -12,6 +12,7 @@ costs against k + 1 plain decode steps, and the never-right one what a useless g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -79,7 +80,8 @@ def main() -> None:
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)  # fmt: skip
-    config = engine.speculator.config
+    # Every batch speculates here: the sweep is what sets the default limit.
+    config = dataclasses.replace(engine.speculator.config, disable_by_batch_size=1 << 30)
 
     def prompts_of(batch: int) -> list[list[int]]:
         return [[rng.randint(0, 10000) for _ in range(args.prompt_len)] for _ in range(batch)]

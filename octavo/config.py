@@ -111,8 +111,9 @@ class SpeculativeConfig:
     - `method="draft_model"`: a smaller model `model` of the same vocabulary guesses
       greedily, with a KV cache of its own in the same block positions.
 
-    Speculation is off for a step that runs more than `disable_by_batch_size` requests
-    (None: never off), where verifying guesses costs more than it saves.
+    Speculation is off for a step that runs more than `disable_by_batch_size` requests,
+    where verifying guesses costs more than it saves (None: the device's measured default,
+    engine/builder.py's SPEC_MAX_BATCH).
     """
 
     method: str = "ngram"

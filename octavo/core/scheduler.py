@@ -155,7 +155,9 @@ class Scheduler:
                 # finish with the token in flight: nothing to compute.
                 i += 1
                 continue
-            spec = self._guesses(request, num_new, total, budget)
+            # Guesses take only budget that the requests after this one do not need.
+            others = min(len(self.running) - i - 1, max_seqs - len(scheduled) - 1)
+            spec = self._guesses(request, num_new, total, budget - others)
             extra = len(spec) + self._lookahead(request, num_new + len(spec), total)
             if extra and not self.kv.allocate_slots(request, num_new + extra):
                 spec = []  # no blocks for the guesses and the lookahead: a plain step

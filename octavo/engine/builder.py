@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from importlib import resources
@@ -84,6 +85,12 @@ CPU_STEP_TOKENS = 128
 GPU_STEP_TOKENS = 8192
 
 
+# Speculative decoding's default `disable_by_batch_size`: the largest batch at which n-gram
+# guesses still paid on input-grounded prompts (benchmarks/spec_decode.py --batch, and
+# spec_latency.py on the GPU; docs/PERFORMANCE.md).
+SPEC_MAX_BATCH = {"cpu": 16, "cuda": 32}
+
+
 # The heap from before (the libraries: hundreds of thousands of objects) is hidden from the
 # garbage collector while the engine is built, so that collections the build sets off are short.
 @frozen_gc_heap()
@@ -150,7 +157,12 @@ def build_engine(
     packed = quantization not in (None, "fp8")  # fp8 is emulated in float off the GPU
     mode = compute_mode(dev, torch_dtype, kv_dtype, packed, get_head_dim(hf_config))
     eos = _eos_token_ids(tok, hf_config)
-    speculator = Speculator(speculative) if speculative is not None else None
+    speculator = None
+    if speculative is not None:
+        if speculative.disable_by_batch_size is None:
+            limit = SPEC_MAX_BATCH[dev.type]
+            speculative = dataclasses.replace(speculative, disable_by_batch_size=limit)
+        speculator = Speculator(speculative)
     return Engine(runner, tok, cache, sched, num_blocks, eos, async_scheduling, mode, speculator)
 
 

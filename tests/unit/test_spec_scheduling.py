@@ -155,3 +155,23 @@ def test_speculator_asks_for_decoding_requests_only_and_backs_off():
 def test_bad_speculative_configs_are_value_errors(value, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.parse(value)
+
+
+def test_guesses_never_take_the_budget_of_other_requests_decode():
+    s = make(max_tokens_step=6, max_model_len=64)
+    requests = [req(rid, 3, start=100 * i) for i, rid in enumerate("abcd", start=1)]
+    for r in requests:
+        s.add_request(r)
+    for _ in range(2):  # prefill in two steps of 6 tokens
+        out = s.schedule()
+        s.update(out, {x.request_id: [1] for x in out.scheduled if x.sample})
+    for r in requests:
+        r.spec_token_ids = [5, 5, 5]
+    out = s.schedule()
+    # 6 tokens for 4 decodes: 2 to spare, both for a's guesses; everyone decodes
+    assert {x.request_id: len(x.spec_token_ids) for x in out.scheduled} == {
+        "a": 2,
+        "b": 0,
+        "c": 0,
+        "d": 0,
+    }
