@@ -63,7 +63,7 @@ def decode(engine, prompts: list[list[int]], params: SamplingParams):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen3-8b")
+    p.add_argument("--model", default="qwen3-8b", help='a bundled config, or "embedded"')
     p.add_argument("--k", type=int, nargs="+", default=[4])
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--prompt-len", type=int, default=512)
@@ -72,7 +72,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     k_max = max(args.k)
-    llm = LLM(args.model, load_format="dummy", max_model_len=4096,
+    model = None if args.model == "embedded" else args.model
+    llm = LLM(model, load_format="auto" if model is None else "dummy", max_model_len=4096,
               max_num_seqs=max(8, *args.batch),
               speculative_config={"num_speculative_tokens": k_max})  # fmt: skip
     engine = llm.engine
