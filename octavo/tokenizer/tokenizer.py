@@ -245,6 +245,8 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """Renders one conversation with the model's chat template and tokenizes it.
 
@@ -259,6 +261,9 @@ def apply_chat_template(
             add_generation_prompt.
         add_special_tokens: the tokenizer's special tokens (a BOS, say) on top of those the
             template writes, as vLLM's /tokenize offers; off for generation.
+        tools: OpenAI's tool definitions, for a template that writes them into the prompt.
+        template_kwargs: more variables for the template (vLLM's chat_template_kwargs,
+            e.g. {"enable_thinking": False}).
 
     Raises:
         ValueError: no tokenizer or no chat template, malformed messages, or a template
@@ -282,8 +287,10 @@ def apply_chat_template(
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
+            **(template_kwargs or {}),
         )
-    except jinja2.TemplateError as e:
+    except (jinja2.TemplateError, TypeError) as e:  # TypeError: a kwarg the call names itself
         raise ValueError(f"the chat template rejected the conversation: {e}") from e
     what = "the rendered conversation"  # its problem comes from other keys, say
     return encode_text(tokenizer, text, what, add_special_tokens=add_special_tokens)

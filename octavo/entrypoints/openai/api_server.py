@@ -48,6 +48,7 @@ from octavo.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from octavo.entrypoints.openai.serving import (
+    ChatOptions,
     ClientDisconnected,
     OpenAIError,
     ServingContext,
@@ -67,11 +68,14 @@ def build_app(
     *,
     api_key_metrics: bool = False,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    chat: ChatOptions | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The server's ASGI app over an Engine, or an AsyncEngine (`AsyncEngine.build` keeps
     the CPU's torch work on one thread; `EngineProcess` runs the Engine in a process of its
     own, as `octavo serve` does). The engine loop starts and stops with the app's
-    lifespan; its state is in `app.state.ctx` (a ServingContext).
+    lifespan; its state is in `app.state.ctx` (a ServingContext). `chat` picks how chat
+    replies are read (tool calls, reasoning); `chat_template` replaces the model's.
 
     `api_key` guards every route but /health, and /metrics unless `api_key_metrics`; a
     body over `max_request_bytes` is refused with a 413 before it is read whole."""
@@ -82,7 +86,13 @@ def build_app(
         lambda: async_engine.stats if async_engine.is_running else None,
         lambda: async_engine.restarts,
     )
-    ctx = ServingContext(async_engine, model_name, async_engine.max_model_len, metrics)
+    ctx = ServingContext(
+        async_engine, model_name, async_engine.max_model_len, metrics, chat or ChatOptions()
+    )
+    if chat_template is not None:
+        if async_engine.tokenizer is None:
+            raise ValueError("a chat template needs a tokenizer, and this model has none")
+        async_engine.tokenizer.chat_template = chat_template
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -89,8 +89,41 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    _add_chat_args(p)
     add_parallel_args(p, nodes=True)
     add_threads_arg(p)
+
+
+def _add_chat_args(p: argparse.ArgumentParser) -> None:
+    from octavo.entrypoints.reasoning import REASONING_PARSERS
+    from octavo.entrypoints.tool_calls import TOOL_CALL_PARSERS
+
+    p.add_argument(
+        "--chat-template", default=None, metavar="FILE",
+        help="a jinja2 chat template to use instead of the model's",
+    )  # fmt: skip
+    p.add_argument(
+        "--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+        help="how the model writes tool calls (auto: from the chat template)",
+    )  # fmt: skip
+    p.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='accepted for vLLM\'s sake: tool_choice "auto" is always on with tools',
+    )  # fmt: skip
+    p.add_argument(
+        "--reasoning-parser", default=None, choices=REASONING_PARSERS,
+        help="put the model's <think> text in `reasoning_content` (auto: from the template)",
+    )  # fmt: skip
+
+
+def _chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise SystemExit(f"octavo serve: error: --chat-template {path}: {e.strerror}") from None
 
 
 def _non_negative_float(text: str) -> float:
@@ -136,6 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.engine_in_thread:  # an engine here would map and fault in its large tensors
         _give_large_blocks_back()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    template = _chat_template(args.chat_template)  # before anything starts
     names = (
         "model", "dtype", "device", "load_format", "quantization", "kv_cache_dtype",
         "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
@@ -161,6 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from octavo.engine.engine_process import EngineProcess
     from octavo.entrypoints.openai.api_server import build_app
     from octavo.entrypoints.openai.lifecycle import Server
+    from octavo.entrypoints.openai.serving import ChatOptions
 
     if resolve_device(args.device).type == "cpu":
         announce_threads(args.threads)
@@ -175,6 +210,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=api_key(args),
         api_key_metrics=args.api_key_metrics,
         max_request_bytes=args.max_request_bytes,
+        chat=ChatOptions(args.tool_call_parser, args.reasoning_parser),
+        chat_template=template,
     )
     print(f"octavo: serving {name} on http://{args.host}:{args.port}/v1", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)

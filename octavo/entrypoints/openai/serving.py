@@ -87,6 +87,14 @@ def _without_class_names(message: str) -> str:
     return _EXCEPTION_REPR.sub(r"\2", message)
 
 
+@dataclass(frozen=True)
+class ChatOptions:
+    """How chat replies are read: --tool-call-parser and --reasoning-parser."""
+
+    tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None
+
+
 @dataclass
 class ServingContext:
     """What the endpoints need: the engine loop, the model's name and limits, metrics."""
@@ -95,6 +103,7 @@ class ServingContext:
     model_name: str
     max_model_len: int
     metrics: ServerMetrics
+    chat: ChatOptions = ChatOptions()
 
     @property
     def tokenizer(self):

@@ -4,11 +4,19 @@ the assistant's reply out, whole or streamed."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
+from octavo.entrypoints.openai.chat_tools import (
+    ReplyPlan,
+    ReplyStream,
+    constraint,
+    plan_reply,
+    read_reply,
+)
 from octavo.entrypoints.openai.choices import (
     ChoiceDelta,
     ChoiceTracker,
@@ -45,10 +53,10 @@ async def create_chat_completion(
     """Validates the request, renders the conversation, and answers with JSON or SSE."""
     # On a thread, as rendering and tokenizing a long conversation take a while: the event
     # loop goes on answering other requests, /health among them.
-    prompt, params = await asyncio.to_thread(_prepare, ctx, req)
+    prompt, params, plan = await asyncio.to_thread(_prepare, ctx, req)
     request_id = random_id("chatcmpl")
     outputs = ctx.generate([prompt], [params], request_id)
-    formatter = _Formatter(ctx.model_name, request_id, params.logprobs)
+    formatter = _Formatter(ctx.model_name, request_id, params.logprobs, plan)
     if req.stream:
         chunks = formatter.stream(outputs, ChoiceTracker(req.n), req.include_usage)
         return await start_stream(ctx, raw, chunks)
@@ -61,18 +69,23 @@ async def create_chat_completion(
     await unless_disconnected(raw, collect())
     tracker = ChoiceTracker(req.n)
     deltas = sorted(tracker.update(0, final[0]), key=lambda d: d.index)
+    replies = [read_reply(plan, d.text) for d in deltas]
     response = ChatCompletionResponse(
         id=request_id,
         model=ctx.model_name,
         choices=[
             ChatChoice(
                 index=d.index,
-                message=AssistantMessage(content=d.text),
+                message=AssistantMessage(
+                    content=reply.content,
+                    reasoning_content=reply.reasoning,
+                    tool_calls=reply.tool_calls or [],
+                ),
                 logprobs=formatter.logprobs(d),
-                finish_reason=d.finish_reason,
+                finish_reason=_finish_reason(d.finish_reason, bool(reply.tool_calls)),
                 stop_reason=d.stop_reason,
             )
-            for d in deltas
+            for d, reply in zip(deltas, replies, strict=True)
         ],
         usage=tracker.usage(),
         prompt_logprobs=prompt_logprobs_field(final[0].prompt_logprobs),
@@ -80,14 +93,24 @@ async def create_chat_completion(
     return JSONResponse(response.model_dump())
 
 
-def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
-    """The request checked and turned into engine input: the prompt's ids and the sampling
-    parameters; an OpenAIError for anything the request gets wrong."""
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended after calling tools."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
+def _prepare(
+    ctx: ServingContext, req: ChatCompletionRequest
+) -> tuple[list[int], SamplingParams, ReplyPlan]:
+    """The request checked and turned into engine input: the prompt's ids, the sampling
+    parameters and how its replies are read; an OpenAIError for anything the request gets
+    wrong."""
     ctx.check_model(req.model)
-    reject_unsupported(req, tools=req.tools)
+    reject_unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
-    prompt = render_conversation(ctx, req)
+    template = getattr(ctx.tokenizer, "chat_template", None)
+    plan = plan_reply(ctx.chat, req, template)
+    prompt = render_conversation(ctx, req, tools=plan.tools, template_kwargs=plan.template_kwargs)
     keep = ctx.prompt_tokens_kept(req)
     if keep is not None:  # the rendering adds no special tokens
         prompt = prompt[-keep:]
@@ -109,13 +132,16 @@ def _prepare(ctx: ServingContext, req: ChatCompletionRequest) -> tuple[list[int]
         aliases,
         prompt_logprobs=req.prompt_logprobs,
     )
-    return prompt, params
+    params.structured_outputs = constraint(plan, req, params.structured_outputs)
+    return prompt, params, plan
 
 
 def render_conversation(
     ctx: ServingContext,
     req: ChatCompletionRequest | TokenizeChatRequest,
     add_special_tokens: bool = False,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """The request's messages through the chat template, as token ids; a 400 naming the
     field for flags that contradict each other, text too long for the context, or messages
@@ -132,6 +158,8 @@ def render_conversation(
             req.add_generation_prompt,
             req.continue_final_message,
             add_special_tokens=add_special_tokens,
+            tools=tools,
+            template_kwargs=template_kwargs,
         )
     except ValueError as e:
         raise OpenAIError(str(e), param="messages") from e
@@ -157,16 +185,52 @@ def message_dict(message: ChatMessage) -> dict:
     result = {"role": message.role, "content": content}
     if message.name is not None:
         result["name"] = message.name
+    extra = message.model_extra or {}
+    if extra.get("tool_calls"):
+        result["tool_calls"] = _template_tool_calls(extra["tool_calls"])
+    if isinstance(extra.get("tool_call_id"), str):
+        result["tool_call_id"] = extra["tool_call_id"]
+    return result
+
+
+def _template_tool_calls(calls: object) -> list[dict]:
+    """An assistant message's tool_calls as chat templates read them: each call's
+    arguments as an object (OpenAI sends them as JSON text), as transformers has them."""
+    if not isinstance(calls, list):
+        raise OpenAIError("a message's `tool_calls` must be a list", param="messages")
+    result = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise OpenAIError(
+                'each of a message\'s `tool_calls` needs {"function": {"name": ..., '
+                '"arguments": ...}}', param="messages",
+            )  # fmt: skip
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise OpenAIError(
+                    f"the arguments of tool call {function['name']!r} are not JSON",
+                    param="messages",
+                ) from None
+        result.append({**call, "function": {**function, "arguments": arguments}})
     return result
 
 
 class _Formatter:
     """Builds chat choices and chunks from deltas."""
 
-    def __init__(self, model: str, request_id: str, num_logprobs: int | None) -> None:
+    def __init__(
+        self, model: str, request_id: str, num_logprobs: int | None, plan: ReplyPlan
+    ) -> None:
         self.model = model
         self.request_id = request_id
         self.num_logprobs = num_logprobs
+        self.plan = plan
+        self.plain = plan.tool_format is None and plan.reasoning is None
+        self.readers: dict[int, ReplyStream] = {}  # per choice
 
     def logprobs(self, delta: ChoiceDelta):
         if delta.logprobs is None or self.num_logprobs is None:
@@ -174,11 +238,23 @@ class _Formatter:
         return chat_logprobs(delta.token_ids, delta.logprobs, self.num_logprobs)
 
     def chunk_choice(self, delta: ChoiceDelta) -> ChatChunkChoice:
+        finish_reason = delta.finish_reason
+        if self.plain:
+            message = DeltaMessage(content=delta.text)
+        else:
+            reader = self.readers.setdefault(delta.index, ReplyStream(self.plan))
+            reasoning, content, calls = reader.feed(delta.text, finish_reason is not None)
+            message = DeltaMessage(
+                content=content or None if reasoning or calls else content,
+                reasoning_content=reasoning or None,
+                tool_calls=calls or None,
+            )
+            finish_reason = _finish_reason(finish_reason, reader.made_calls)
         return ChatChunkChoice(
             index=delta.index,
-            delta=DeltaMessage(content=delta.text),
+            delta=message,
             logprobs=self.logprobs(delta),
-            finish_reason=delta.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=delta.stop_reason,
         )
 
