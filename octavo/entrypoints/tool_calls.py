@@ -155,6 +155,9 @@ def _trigger(fmt: ToolFormat) -> str:
     return fmt.opening or fmt.call_open
 
 
+_COMPACT = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
 def tool_grammar(
     fmt: ToolFormat, functions: list[Function], choice: str, name: str | None, parallel: bool
 ) -> str:
@@ -168,7 +171,8 @@ def tool_grammar(
     allowed = [f for f in functions if name is None or f.name == name]
     lines = ["%llguidance {}"]
     for i, function in enumerate(allowed):
-        schema = json.dumps(function.parameters)
+        # Arguments written compactly: a model cannot pad them with whitespace forever.
+        schema = json.dumps({**function.parameters, "x-guidance": _COMPACT})
         lines.append(f'body_{i}: {lit(fmt.body_prefix(function.name))} %json {schema} "}}"')
     lines.append("body: " + " | ".join(f"body_{i}" for i in range(len(allowed))))
     lines.append(f"call: {lit(fmt.call_open)} body {lit(fmt.call_close)}")

@@ -247,6 +247,7 @@ def apply_chat_template(
     add_special_tokens: bool = False,
     tools: list[dict] | None = None,
     template_kwargs: dict | None = None,
+    chat_template: str | None = None,
 ) -> list[int]:
     """Renders one conversation with the model's chat template and tokenizes it.
 
@@ -264,6 +265,7 @@ def apply_chat_template(
         tools: OpenAI's tool definitions, for a template that writes them into the prompt.
         template_kwargs: more variables for the template (vLLM's chat_template_kwargs,
             e.g. {"enable_thinking": False}).
+        chat_template: a template to use instead of the model's.
 
     Raises:
         ValueError: no tokenizer or no chat template, malformed messages, or a template
@@ -276,7 +278,7 @@ def apply_chat_template(
             "continue_final_message and add_generation_prompt cannot both be true: the one "
             "continues the last message, the other starts a new assistant turn"
         )
-    if tokenizer is None or not tokenizer.chat_template:
+    if tokenizer is None or not (chat_template or tokenizer.chat_template):
         raise ValueError(
             "this model has no chat template: use generate() with a plain prompt instead"
         )
@@ -288,6 +290,7 @@ def apply_chat_template(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
+            **({"chat_template": chat_template} if chat_template else {}),
             **(template_kwargs or {}),
         )
     except (jinja2.TemplateError, TypeError) as e:  # TypeError: a kwarg the call names itself

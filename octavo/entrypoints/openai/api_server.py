@@ -86,13 +86,12 @@ def build_app(
         lambda: async_engine.stats if async_engine.is_running else None,
         lambda: async_engine.restarts,
     )
+    if chat_template is not None and async_engine.tokenizer is None:
+        raise ValueError("a chat template needs a tokenizer, and this model has none")
     ctx = ServingContext(
-        async_engine, model_name, async_engine.max_model_len, metrics, chat or ChatOptions()
-    )
-    if chat_template is not None:
-        if async_engine.tokenizer is None:
-            raise ValueError("a chat template needs a tokenizer, and this model has none")
-        async_engine.tokenizer.chat_template = chat_template
+        async_engine, model_name, async_engine.max_model_len, metrics, chat or ChatOptions(),
+        chat_template,
+    )  # fmt: skip
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -309,6 +309,16 @@ class DeltaMessage(BaseModel):
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unused(self, handler):
+        """reasoning_content and tool_calls appear only in a delta that has them, as in
+        OpenAI's chunks."""
+        data = handler(self)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class ChatChunkChoice(BaseModel):

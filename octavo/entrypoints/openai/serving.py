@@ -104,6 +104,13 @@ class ServingContext:
     max_model_len: int
     metrics: ServerMetrics
     chat: ChatOptions = ChatOptions()
+    chat_template_override: str | None = None  # --chat-template
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template chats are rendered with: --chat-template's, else the model's."""
+        tokenizer = self.engine.tokenizer
+        return self.chat_template_override or getattr(tokenizer, "chat_template", None)
 
     @property
     def tokenizer(self):

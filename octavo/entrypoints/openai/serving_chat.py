@@ -108,8 +108,7 @@ def _prepare(
     reject_unsupported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
-    template = getattr(ctx.tokenizer, "chat_template", None)
-    plan = plan_reply(ctx.chat, req, template)
+    plan = plan_reply(ctx.chat, req, ctx.chat_template)
     prompt = render_conversation(ctx, req, tools=plan.tools, template_kwargs=plan.template_kwargs)
     keep = ctx.prompt_tokens_kept(req)
     if keep is not None:  # the rendering adds no special tokens
@@ -160,6 +159,7 @@ def render_conversation(
             add_special_tokens=add_special_tokens,
             tools=tools,
             template_kwargs=template_kwargs,
+            chat_template=ctx.chat_template_override,
         )
     except ValueError as e:
         raise OpenAIError(str(e), param="messages") from e
