@@ -140,7 +140,7 @@ def main() -> None:
         print(f"{r['mode']:<8}{r['batch']:>6}{r['k']:>3}{r['ttft_s'] * 1e3:>9.1f}"
               f"{r['tpot_s'] * 1e3:>9.2f}{r.get('tpot_over_plain', 1.0):>9.2f}"
               f"{r['tpot_s'] / floor:>9.2f}{r['mean_accepted_length']:>10.2f}"
-              f"{r['kept']:>6.2f}{str(r.get('same_tokens', '')):>6}")  # fmt: skip
+              f"{r['kept']:>6.2f}{r.get('same_tokens', '')!s:>6}")  # fmt: skip
     if args.json:
         for r in rows:
             del r["tokens"]

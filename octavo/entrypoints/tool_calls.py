@@ -368,8 +368,7 @@ class ToolCallStream:
         if self.calls_start is not None:
             pieces = self._call_pieces()
         if finished and self.calls_start is not None:
-            whole_content, calls = parse_tool_calls(self.fmt, self.text)
-            if not calls:  # malformed: the rest is content
+            if not parse_tool_calls(self.fmt, self.text)[1]:  # malformed: the rest is content
                 content += self.text[self.content_sent :]
                 self.content_sent = len(self.text)
         if self.calls_start is not None and self.content_sent == self.calls_start:

@@ -135,7 +135,7 @@ def test_stops_and_max_tokens_land_where_they_do_without_speculation(pair):
                 max_tokens=40,
                 stop=[(c.text.split() + ["zzz"] * 9)[index]],
                 include_stop_str_in_output=include,
-            )  # fmt: skip
+            )
             for c in greedy
         ]
         _compare(pair, prompts, per_prompt)
@@ -159,8 +159,10 @@ def test_structured_outputs_verify_guesses_under_their_grammar(pair):
     """Each guess of a structured request is checked against its grammar, and each row is
     sampled under the grammar's mask after the guesses before it."""
     texts = [
-        "Give the words of this sentence as a JSON list of strings: the cat sat on the mat, "
-        "the dog sat on the log, the cow sat on the hay.",
+        (
+            "Give the words of this sentence as a JSON list of strings: the cat sat on the "
+            "mat, the dog sat on the log, the cow sat on the hay."
+        ),
         "Repeat as JSON with a key text: the cat sat on the mat, the dog sat on the log.",
     ]
     prompts = _ids(pair[0], texts + COPYING[:1])
@@ -270,7 +272,7 @@ def test_unseeded_samples_follow_the_same_distribution(tiny, params, monkeypatch
     assert 0.2 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
     assert _p_value(want, got) > 1e-3
     # The test can fail: keeping every guess gives another distribution.
-    import octavo.runner.outputs as outputs
+    from octavo.runner import outputs
 
     monkeypatch.setattr(
         outputs,

@@ -202,7 +202,7 @@ def _object(children):
             "properties": props,
             "required": sorted(props),
             "additionalProperties": False,
-        }  # fmt: skip
+        }
     )
 
 
