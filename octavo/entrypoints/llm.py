@@ -64,13 +64,15 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then
         generates. A conversation is a list of {"role": ..., "content": ...}.
         `continue_final_message` (with add_generation_prompt=False) has the model continue
         the last message instead of starting a new turn, as in vLLM. `tools` (OpenAI's
         function definitions) and `chat_template_kwargs` (e.g. {"enable_thinking": False})
-        go to the template; the text comes back as the model wrote it."""
+        go to the template (`chat_template`, else the model's); the text comes back as the
+        model wrote it."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template, and this model has none")
@@ -86,6 +88,7 @@ class LLM:
                     continue_final_message,
                     tools=tools,
                     template_kwargs=chat_template_kwargs,
+                    chat_template=chat_template,
                 )  # fmt: skip
             }
             for conv in conversations

@@ -254,3 +254,18 @@ def test_a_tiny_random_qwen2_calls_valid_tools(tmp_path, smollm2_tokenizer):
     (call,) = reply.choices[0].message.tool_calls
     schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
     jsonschema.validate(json.loads(call.function.arguments), schema["function"]["parameters"])
+
+
+def test_llm_chat_renders_tools_and_template_variables(llm_factory):
+    llm = llm_factory(quantization="auto")
+    from octavo import SamplingParams
+
+    template = TEMPLATE + "{%- if flavour is defined %}{{ flavour }}{% endif %}"
+    (out,) = llm.chat(
+        QUESTION, SamplingParams(max_tokens=1), use_tqdm=False, tools=[WEATHER],
+        chat_template=template, chat_template_kwargs={"flavour": "vanilla"},
+    )  # fmt: skip
+    prompt = llm.get_tokenizer().decode(out.prompt_token_ids)
+    assert '"name": "get_weather"' in prompt and prompt.endswith("vanilla")
+    with pytest.raises(ValueError, match="rejected the conversation"):
+        llm.chat(QUESTION, use_tqdm=False, chat_template_kwargs={"messages": []})
