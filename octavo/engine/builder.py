@@ -11,6 +11,7 @@ import torch
 
 from octavo.checkpoint.embedded import embedded_model_path
 from octavo.checkpoint.hf_config import load_hf_config
+from octavo.checkpoint.hub import download, looks_like_hub_id
 from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from octavo.engine.engine import Engine
 from octavo.engine.gc_heap import frozen_gc_heap
@@ -39,15 +40,18 @@ def bundled_config_names() -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
-def resolve_model(model: str | None) -> str:
-    """None -> the embedded SmolLM2 GGUF; a bundled config name -> its directory."""
+def resolve_model(model: str | None, revision: str | None = None) -> str:
+    """None -> the embedded SmolLM2 GGUF; a bundled config name -> its directory; a hub id
+    (`org/name`) -> its files in the Hugging Face cache, downloaded if need be."""
     if model is None:
         return embedded_model_path()
     if model in bundled_config_names():
         return str(resources.files("octavo") / "configs" / model)
+    if looks_like_hub_id(model):
+        return download(model, revision)
     if not os.path.exists(model):
         raise ValueError(
-            f"model {model!r} is neither a path nor a bundled config "
+            f"model {model!r} is neither a path, a hub id (org/name) nor a bundled config "
             f"({', '.join(bundled_config_names())})"
         )
     return model
@@ -121,6 +125,7 @@ def build_engine(
     threads: int | None = None,
     enable_expert_parallel: bool = False,
     speculative_config: SpeculativeConfig | dict | str | None = None,
+    revision: str | None = None,
 ) -> Engine:
     """Builds an Engine from LLM()'s options (the README's table gives their meaning)."""
     _check_options(load_format, cuda_graph_max_tokens)
@@ -130,7 +135,7 @@ def build_engine(
         enable_prefix_caching, kv_cache_dtype,
     )  # fmt: skip
     parallel = ParallelConfig(tensor_parallel_size, nnodes, dist_init_addr, enable_expert_parallel)
-    model_path = resolve_model(model)
+    model_path = resolve_model(model, revision)
     hf_config = load_hf_config(model_path)
     dev = _device_with_threads(device, threads)
     _check_parallel(parallel, hf_config, dev)
@@ -138,7 +143,7 @@ def build_engine(
     get_method(quantization, dev, hf_config, model_path, load_format)  # raises before loading
     torch_dtype = resolve_dtype(dtype, dev)
     kv_dtype = kv_setup.kv_cache_dtype(cache.cache_dtype, torch_dtype, dev)
-    tok = load_tokenizer(tokenizer or model_path)
+    tok = load_tokenizer(resolve_model(tokenizer, revision) if tokenizer else model_path)
     runner_options = {
         "model_path": model_path, "hf_config": hf_config, "dtype": torch_dtype,
         "block_size": block_size, "load_format": load_format, "seed": seed,

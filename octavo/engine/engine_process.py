@@ -268,7 +268,8 @@ def _server_tokenizer(options: dict):
     from octavo.engine.builder import resolve_model
     from octavo.tokenizer.tokenizer import load_tokenizer
 
-    return load_tokenizer(options.get("tokenizer") or resolve_model(options.get("model")))
+    name = options.get("tokenizer") or options.get("model")
+    return load_tokenizer(resolve_model(name, options.get("revision")))
 
 
 class _ServerGone(Exception):

@@ -37,9 +37,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="a GGUF file, an HF directory or a bundled config name "
+        help="a GGUF file, an HF directory, a hub id (org/name) or a bundled config name "
         "(default: the embedded SmolLM2-135M-Instruct)",
     )
+    p.add_argument("--revision", default=None, help="the hub model's branch, tag or commit")
     p.add_argument(
         "--dtype",
         default="auto",
@@ -96,6 +97,7 @@ def _llm(args: argparse.Namespace):
 
     llm = LLM(
         args.model,
+        revision=args.revision,
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,

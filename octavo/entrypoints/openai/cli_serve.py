@@ -28,7 +28,11 @@ API_KEY_ENV = "OCTAVO_API_KEY"
 def add_parser(sub) -> None:
     """Registers `octavo serve` on the CLI's subparsers."""
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
-    p.add_argument("--model", default=None, help="GGUF file, HF dir, or bundled config name")
+    p.add_argument(
+        "--model", default=None,
+        help="GGUF file, HF dir, hub id (org/name, org/name:QUANT), or bundled config name",
+    )  # fmt: skip
+    p.add_argument("--revision", default=None, help="the hub model's branch, tag or commit")
     p.add_argument(
         "--served-model-name",
         default=None,
@@ -171,7 +175,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     template = _chat_template(args.chat_template)  # before anything starts
     names = (
-        "model", "dtype", "device", "load_format", "quantization", "kv_cache_dtype",
+        "model", "revision", "dtype", "device", "load_format", "quantization", "kv_cache_dtype",
         "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
         "enable_prefix_caching", "enforce_eager", "cuda_graph_max_tokens", "seed", "threads",
     )  # fmt: skip
