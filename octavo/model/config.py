@@ -39,3 +39,13 @@ def get_rope_scaling(config: PretrainedConfig) -> dict | None:
     rope_type = scaling.pop("type", None)  # old name of the key
     scaling.setdefault("rope_type", rope_type or "default")
     return None if scaling["rope_type"] == "default" else scaling
+
+
+def get_sliding_window(config: PretrainedConfig) -> int | None:
+    """The attention window of a model that slides one (Mistral, Phi-3, Mixtral; Qwen2 and
+    Qwen3 with use_sliding_window), None for full attention. A token attends to the last
+    `window` positions, its own included: up to that length, the attention is full."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or not getattr(config, "use_sliding_window", True):
+        return None
+    return int(window)

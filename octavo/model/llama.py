@@ -1,10 +1,11 @@
-"""Llama-family decoders: Llama (SmolLM2, Llama 3.x), Mistral, Qwen2 / Qwen2.5 and Qwen3.
+"""Llama-family decoders: Llama (SmolLM2, Llama 3.x), Mistral, Qwen2 / Qwen2.5, Qwen3, Phi-3.
 
-The three share one implementation; class attributes and the config pick the differences:
+They share one implementation; class attributes and the config pick the differences:
 
     Llama   qkv bias from `attention_bias` (usually off)
     Qwen2   qkv bias always on; untied lm_head in most sizes
     Qwen3   RMSNorm on each q and k head before rope; explicit head_dim
+    Phi-3   q/k/v and gate/up stored fused in the checkpoint; "longrope" rope
 
 Input is a flat batch of T tokens (no padding); the attention layer reads the paged KV
 cache through the explicit AttentionMetadata. Under tensor parallelism each rank builds its
@@ -178,8 +179,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
         self.config = config
         qkv_bias = self.force_qkv_bias or bool(getattr(config, "attention_bias", False))
         self.model = LlamaModel(config, qkv_bias, self.qk_norm, self.make_mlp)
@@ -243,17 +242,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama, with sliding-window attention where `sliding_window` is set below the
-    context (Mistral 7B v0.1), which octavo does not run yet."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        window = getattr(config, "sliding_window", None)
-        if window is not None and window < config.max_position_embeddings:
-            raise ValueError(
-                f"sliding_window={window} below max_position_embeddings="
-                f"{config.max_position_embeddings} (sliding-window attention) is not supported"
-            )
-        super().__init__(config)
+    """Mistral: Llama. A sliding window (Mistral 7B v0.1) bounds the context instead: the
+    engine runs up to `sliding_window` tokens, where attention is full (model/config.py)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -266,3 +256,43 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with per-head RMSNorm on q and k (qkv bias only if attention_bias)."""
 
     qk_norm = True
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 (and Phi-3.5, Phi-4-mini's layout): Llama whose checkpoints store q/k/v as one
+    `qkv_proj` tensor and gate/up as one `gate_up_proj`, split here into the shards the
+    fused parameters load (so that tensor parallelism slices each); rope may be "longrope"
+    (model/rotary.py)."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        scaling = get_rope_scaling(config) or {}
+        if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                "a partial rotary embedding (partial_rotary_factor < 1) is not supported"
+            )
+        super().__init__(config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self._split_fused(weights))
+
+    def _split_fused(self, weights):
+        config = self.config
+        head_dim = get_head_dim(config)
+        q = config.num_attention_heads * head_dim
+        kv = get_num_kv_heads(config) * head_dim
+        inter = config.intermediate_size
+        for name, tensor in weights:
+            if ".qkv_proj." in name:
+                for part, start, size in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+                    yield (
+                        name.replace(".qkv_proj.", f".{part}_proj."),
+                        tensor.narrow(0, start, size),
+                    )
+            elif ".gate_up_proj." in name:
+                for part, start in (("gate", 0), ("up", inter)):
+                    yield (
+                        name.replace(".gate_up_proj.", f".{part}_proj."),
+                        tensor.narrow(0, start, inter),
+                    )
+            else:
+                yield name, tensor

@@ -243,8 +243,6 @@ class MixtralForCausalLM(_MoEForCausalLM):
     moe_block = "block_sparse_moe"
 
     def __init__(self, config: PretrainedConfig) -> None:
-        if getattr(config, "sliding_window", None) is not None:
-            raise ValueError("Mixtral with sliding_window set is not supported")
         super().__init__(config)
 
     def make_mlp(self, config: PretrainedConfig, layer: int) -> nn.Module:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("octavo.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("octavo.model.llama", "MistralForCausalLM"),
+    "Phi3ForCausalLM": ("octavo.model.llama", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("octavo.model.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("octavo.model.llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("octavo.model.moe", "Qwen3MoeForCausalLM"),

@@ -29,6 +29,29 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope(
+    inv_freq: torch.Tensor, scaling: dict, max_position: int
+) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """Phi-3's "longrope" (LongRoPE): frequencies divided by `short_factor` within the
+    original context and by `long_factor` past it, cos and sin scaled by the attention
+    factor (HF's default: sqrt(1 + ln(factor) / ln(original)), factor = the context over
+    the original). Returns (short, long frequencies, original context, attention factor).
+
+    NOTE: each position takes its own factors, as vLLM does; HF transformers switches the
+    whole sequence to the long factors once it passes the original context, so the two
+    agree up to the original context."""
+    original = scaling["original_max_position_embeddings"]
+    short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+    long = torch.tensor(scaling["long_factor"], dtype=torch.float32)
+    if len(short) != len(inv_freq) or len(long) != len(inv_freq):
+        raise ValueError(f"longrope needs {len(inv_freq)} short and long factors")
+    mscale = scaling.get("attention_factor")
+    if mscale is None:
+        factor = scaling.get("factor") or max_position / original
+        mscale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq / short, inv_freq / long, original, float(mscale)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the HF ("neox", rotate-half) layout.
 
@@ -42,7 +65,7 @@ class RotaryEmbedding(nn.Module):
     read-only; `.to()` on a module gives that module its own copy, as for any buffer.
     """
 
-    SUPPORTED = ("default", "linear", "llama3")
+    SUPPORTED = ("default", "linear", "llama3", "longrope")
     # (max_position, frequencies, device, inference mode) -> the table, while a module holds it.
     _tables: ClassVar[weakref.WeakValueDictionary] = weakref.WeakValueDictionary()
 
@@ -64,10 +87,13 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"rope_type {rope_type!r} is not supported; use one of {self.SUPPORTED}"
             )
+        long_inv_freq, original, mscale = None, max_position, 1.0
         if rope_type == "linear":
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "longrope":
+            inv_freq, long_inv_freq, original, mscale = _longrope(inv_freq, scaling, max_position)
         if freq_factors is not None:
             if len(freq_factors) != head_dim // 2:
                 raise ValueError(
@@ -80,6 +106,8 @@ class RotaryEmbedding(nn.Module):
         key = (
             max_position,
             tuple(inv_freq.tolist()),
+            None if long_inv_freq is None else tuple(long_inv_freq.tolist()),
+            mscale,
             device,
             torch.is_inference_mode_enabled(),
         )
@@ -87,7 +115,10 @@ class RotaryEmbedding(nn.Module):
         if cache is None:
             t = torch.arange(max_position, dtype=torch.float32, device=device)
             freqs = torch.outer(t, inv_freq.to(device))  # [P, D/2]
-            cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, D]
+            if long_inv_freq is not None:  # positions past the original context: long ones
+                long = torch.outer(t, long_inv_freq.to(device))
+                freqs = torch.where(t[:, None] < original, freqs, long)
+            cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mscale  # [P, D]
             self._tables[key] = cache
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 

@@ -302,3 +302,22 @@ def test_a_served_engine_whose_worker_dies_fails_the_stream_and_comes_back(tmp_p
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in old)
         good = {"model": "tiny", "prompt": _prompt(61, 5), "max_tokens": 3}
         assert httpx.post(url, json=good, timeout=60).json()["usage"]["completion_tokens"] == 3
+
+
+def test_two_ranks_split_phi3s_fused_tensors_as_one_rank(tmp_path):
+    """Phi-3 stores q/k/v and gate/up fused: each rank takes its heads and columns of each."""
+    from transformers import Phi3Config
+
+    config = Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    CONFIGS["phi3"] = lambda: config
+    try:
+        hf = _tiny_model("phi3", tmp_path)
+    finally:
+        del CONFIGS["phi3"]
+    two = LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS)
+    try:
+        prompts = [_prompt(70 + i, 6 + 5 * i) for i in range(2)]
+        expected = [[hf_greedy(hf, p, GREEDY.max_tokens)] for p in prompts]
+        assert _tokens(two, prompts) == expected
+    finally:
+        two.shutdown()

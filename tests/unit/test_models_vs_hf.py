@@ -13,7 +13,14 @@ import pytest
 import torch
 from model_utils import TINY, PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from octavo.checkpoint.hf_config import load_hf_config
 from octavo.checkpoint.loader import load_model
@@ -28,12 +35,27 @@ LLAMA3_ROPE = {
     # wavelengths of head_dim 16 at theta 1e4 span 6..~6e3: all three bands are present.
     "original_max_position_embeddings": 16,
 }
+PHI3_ROPE = {
+    "type": "longrope",
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [2.0 + 0.3 * i for i in range(8)],
+}
 CONFIGS = {
     "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=True),
     "llama3_rope": lambda: LlamaConfig(**TINY, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=24, tie_word_embeddings=True),
     "mistral": lambda: MistralConfig(**TINY, head_dim=None, sliding_window=None),
+    # fused qkv / gate_up tensors; longrope (every position below the original 128: short
+    # factors, and the attention factor of 256 / 128)
+    "phi3": lambda: Phi3Config(
+        **TINY,
+        original_max_position_embeddings=128,
+        rope_scaling=PHI3_ROPE,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 
@@ -160,6 +182,8 @@ def test_missing_and_unknown_weights_raise(pair, tmp_path):
     (file,) = tmp_path.glob("*.safetensors")
     state = load_file(file)
     name = "model.layers.1.mlp.up_proj.weight"
+    if name not in state:  # stored fused (Phi-3)
+        name = "model.layers.1.mlp.gate_up_proj.weight"
     save_file({k: v for k, v in state.items() if k != name}, file)
     with pytest.raises(ValueError, match="model.layers.1.mlp.gate_up_proj.weight"):
         load_model(str(tmp_path), cfg, torch.float32, torch.device("cpu"))
@@ -178,8 +202,20 @@ def test_unsupported_architecture_and_missing_path_raise(tmp_path):
         load_hf_config(str(tmp_path))
 
 
-def test_mistral_with_a_sliding_window_is_a_value_error(tmp_path):
-    config = MistralConfig(**TINY, sliding_window=64)
-    config.architectures = ["MistralForCausalLM"]
-    with pytest.raises(ValueError, match="sliding_window=64 below max_position_embeddings=256"):
-        load_model(str(tmp_path), config, torch.float32, torch.device("cpu"), "dummy")
+def test_a_sliding_window_bounds_the_context_where_attention_is_full(tmp_path):
+    """Mistral 7B v0.1's layout: up to the window every token sees its whole context, so
+    the engine runs HF's tokens up to it and refuses a longer context."""
+    from octavo import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(MistralConfig(**TINY, head_dim=None, sliding_window=40))
+    _randomize(hf, seed=3)
+    hf.eval().save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), device="cpu", num_kv_blocks=32, quantization=None)
+    assert llm.engine.scheduler_config.max_model_len == 40
+    prompt = _prompt(11, 20)
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=20)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 20)
+    with pytest.raises(ValueError, match="exceeds the model's sliding window 40"):
+        LLM(str(tmp_path), device="cpu", num_kv_blocks=32, max_model_len=64)
