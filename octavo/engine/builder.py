@@ -89,9 +89,11 @@ CPU_STEP_TOKENS = 128
 GPU_STEP_TOKENS = 8192
 
 
-# Speculative decoding's default `disable_by_batch_size`: the largest batch at which n-gram
-# guesses still paid on input-grounded prompts (benchmarks/spec_decode.py --batch, and
-# spec_latency.py on the GPU; docs/PERFORMANCE.md).
+# Speculative decoding's default `disable_by_batch_size`. CPU: the largest batch at which
+# n-gram guesses still paid on input-grounded prompts (benchmarks/spec_decode.py --batch,
+# docs/PERFORMANCE.md). CUDA: where a verify step of k = 4 stays memory-bound on an H100 or
+# H200 (32 x 5 = 160 rows, below the ~300 rows at which a bf16 GEMM turns compute-bound),
+# until benchmarks/spec_latency.py --batch measures it.
 SPEC_MAX_BATCH = {"cpu": 16, "cuda": 32}
 
 
