@@ -102,7 +102,7 @@ def main() -> None:
         """Replays earlier tokens until a run keeps every guess: off the float path a step
         of k + 1 rows may round a token differently from a step of one, so the model's own
         greedy tokens under speculation are found by running it (a few times at most)."""
-        for _ in range(6):
+        for _ in range(12):
             row = run("replay", k, Replay(source, vocab), prompts)
             if row["kept"] == 1.0:
                 break

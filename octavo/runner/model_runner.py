@@ -351,7 +351,7 @@ class ModelRunner:
             if not s.sample:
                 continue
             params = self.requests[s.request_id].sampling_params
-            last = starts[i + 1] - 1
+            last = int(starts[i + 1]) - 1
             if s.spec_token_ids:
                 k = len(s.spec_token_ids)
                 for j in range(1, k + 1):
