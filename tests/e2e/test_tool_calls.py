@@ -269,3 +269,14 @@ def test_llm_chat_renders_tools_and_template_variables(llm_factory):
     assert '"name": "get_weather"' in prompt and prompt.endswith("vanilla")
     with pytest.raises(ValueError, match="rejected the conversation"):
         llm.chat(QUESTION, use_tqdm=False, chat_template_kwargs={"messages": []})
+
+
+def test_serve_reads_its_chat_template_file_or_says_why_not(tmp_path):
+    from octavo.entrypoints.openai.cli_serve import _chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert _chat_template(str(path)) == TEMPLATE
+    assert _chat_template(None) is None
+    with pytest.raises(SystemExit, match="--chat-template .*nope.jinja: No such file"):
+        _chat_template(str(tmp_path / "nope.jinja"))
