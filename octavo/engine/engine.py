@@ -443,4 +443,15 @@ class Engine:
             "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
             "batch_invariant": self.batch_invariant,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
+            **self._expert_stats(),
         }
+
+    def _expert_stats(self) -> dict:
+        """A mixture of experts' routing: tokens per expert over all layers, and the most
+        loaded expert of any layer against that layer's mean (1.0: even). Only where the
+        model runs in this process."""
+        load = getattr(self.runner, "expert_load", None)
+        found = load() if load is not None else None
+        if found is None:
+            return {}
+        return {"moe_expert_tokens": found[0], "moe_expert_imbalance": found[1]}

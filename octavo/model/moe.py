@@ -83,6 +83,9 @@ class FusedMoE(nn.Module):
             param.shard_ids = tuple((e, p) for e in experts for p in parts)
             param.checkpoint_shapes = dict.fromkeys(param.shard_ids, shape)
         self.act_fn = SiluAndMul()
+        # Tokens routed to each expert (all ranks route alike), for the engine's stats.
+        self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64),
+                             persistent=False)  # fmt: skip
         # Each expert's QuantizedWeights ({"w13": [...], "w2": [...]}, this rank's experts)
         # where a method keeps a checkpoint's blocks; w13 and w2 are then empty.
         self.register_module("quant", None)
@@ -131,6 +134,7 @@ class FusedMoE(nn.Module):
         """This rank's share of the output (its experts, or its slice of each): the ranks'
         shares sum to the whole."""
         experts, weights = self.route(x)
+        self.expert_tokens += torch.bincount(experts.flatten(), minlength=self.num_experts)
         out = torch.zeros_like(x)
         for expert in torch.unique(experts).tolist():  # ascending
             local = expert - self.first
@@ -250,3 +254,22 @@ class MixtralForCausalLM(_MoEForCausalLM):
             config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
             config.intermediate_size, True,
         )  # fmt: skip
+
+
+def expert_load(model: nn.Module) -> tuple[list[int], float] | None:
+    """(tokens routed to each expert, summed over the layers; the largest load any layer put
+    on one expert over that layer's mean), None for a model without experts."""
+    layers = [m.expert_tokens for m in model.modules() if isinstance(m, FusedMoE)]
+    if not layers:
+        return None
+    counts = torch.stack(layers).float()  # [L, E]
+    mean = counts.mean(-1).clamp(min=1e-9)
+    imbalance = (counts.amax(-1) / mean).max().item() if counts.sum() else 0.0
+    return counts.sum(0).long().tolist(), imbalance
+
+
+def reset_expert_load(model: nn.Module) -> None:
+    """Forgets the counts so far (those of start-up's warm-up steps)."""
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            m.expert_tokens.zero_()

@@ -195,7 +195,10 @@ class InputBuilder:
         if graph.decode:
             pad_lens, cu = np.ones(extra_seqs, np.int64), np.arange(graph.num_seqs + 1)
         else:
-            pad_lens, cu = np.zeros(extra_seqs, np.int64), np.append(cu, np.full(extra_seqs, cu[-1]))
+            pad_lens, cu = (
+                np.zeros(extra_seqs, np.int64),
+                np.append(cu, np.full(extra_seqs, cu[-1])),
+            )
         return (
             np.concatenate([input_ids, np.zeros(extra_tokens, np.int64)]),
             np.concatenate([positions, np.zeros(extra_tokens, np.int64)]),

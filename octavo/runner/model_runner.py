@@ -16,6 +16,7 @@ from octavo.attention.registry import get_attention_backend
 from octavo.checkpoint.loader import load_model
 from octavo.config import CacheConfig
 from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
+from octavo.model.moe import expert_load, reset_expert_load
 from octavo.model.parallel import broadcast_from_first
 from octavo.runner import kv_setup
 from octavo.runner.draft import DraftModel, DraftOptions
@@ -184,6 +185,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             warm_up_linears(self.model, max_num_batched_tokens)
             warm_up_eager_decode(self.model, self.inputs, self.dtype, max_num_seqs)
+        reset_expert_load(self.model)
+
+    def expert_load(self) -> tuple[list[int], float] | None:
+        """A mixture of experts' routing so far (model/moe.py's expert_load), else None."""
+        return expert_load(self.model)
 
     def shutdown(self) -> None:
         """Nothing to stop: the model lives in this process (see MultiprocRunner)."""

@@ -291,3 +291,19 @@ def test_a_tokens_weight_reads_count_only_its_routed_experts(pair):
         for m in ours.modules() if isinstance(m, FusedMoE)
     )  # fmt: skip
     assert experts > 0 and bytes_read_per_token(ours) == pytest.approx(everything - experts)
+
+
+def test_stats_count_the_tokens_routed_to_each_expert(tmp_path):
+    path = tmp_path / "cfg"
+    config = CONFIGS["qwen3_moe"]()
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(path)
+    llm = LLM(str(path), load_format="dummy", device="cpu", num_kv_blocks=32, max_model_len=64)
+    assert llm.get_stats()["moe_expert_tokens"] == [0] * config.num_experts  # warm-up forgotten
+    llm.generate({"prompt_token_ids": [1, 2, 3, 4, 5]}, SamplingParams(max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # fmt: skip
+    stats = llm.get_stats()
+    tokens = 5 + 3  # the prompt, then each output but the last as input
+    layers = config.num_hidden_layers - len(config.mlp_only_layers)  # the sparse ones
+    assert sum(stats["moe_expert_tokens"]) == tokens * config.num_experts_per_tok * layers
+    assert stats["moe_expert_imbalance"] >= 1.0

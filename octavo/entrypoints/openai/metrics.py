@@ -182,6 +182,23 @@ class _EngineStatsCollector:
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
         if "spec_num_drafts" in s:
             yield from _speculation_metrics(s)
+        if "moe_expert_tokens" in s:
+            yield from _expert_metrics(s)
+
+
+def _expert_metrics(s: dict):
+    tokens = CounterMetricFamily(
+        "octavo_moe_expert_tokens", "Tokens routed to each expert, over all MoE layers",
+        labels=["expert"],
+    )  # fmt: skip
+    for expert, count in enumerate(s["moe_expert_tokens"]):
+        tokens.add_metric([str(expert)], count)
+    yield tokens
+    yield GaugeMetricFamily(
+        "octavo_moe_expert_imbalance",
+        "The most loaded expert of any MoE layer over that layer's mean (1: even)",
+        value=s["moe_expert_imbalance"],
+    )
 
 
 def _speculation_metrics(s: dict):
