@@ -127,8 +127,9 @@ def main() -> None:
             total_s, total_t = total_s + seconds, total_t + tokens
         base_rate = sum(b[1] for b in base.values()) / sum(b[0] for b in base.values())
         mean = stats.get("spec_mean_accepted_length", 0.0)
-        print(f"{k:>3} {'all':<8}{total_t:>7}{total_t / total_s:>8.1f}"
-              f"{total_t / total_s / base_rate:>9.2f}   mean accepted length {mean:.2f}")  # fmt: skip
+        rate = total_t / total_s
+        print(f"{k:>3} {'all':<8}{total_t:>7}{rate:>8.1f}{rate / base_rate:>9.2f}"
+              f"   mean accepted length {mean:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -300,8 +300,8 @@ def test_stats_count_the_tokens_routed_to_each_expert(tmp_path):
     config.save_pretrained(path)
     llm = LLM(str(path), load_format="dummy", device="cpu", num_kv_blocks=32, max_model_len=64)
     assert llm.get_stats()["moe_expert_tokens"] == [0] * config.num_experts  # warm-up forgotten
-    llm.generate({"prompt_token_ids": [1, 2, 3, 4, 5]}, SamplingParams(max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)  # fmt: skip
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.generate({"prompt_token_ids": [1, 2, 3, 4, 5]}, params, use_tqdm=False)
     stats = llm.get_stats()
     tokens = 5 + 3  # the prompt, then each output but the last as input
     layers = config.num_hidden_layers - len(config.mlp_only_layers)  # the sparse ones
