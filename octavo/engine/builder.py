@@ -130,19 +130,16 @@ def build_engine(
     revision: str | None = None,
 ) -> Engine:
     """Builds an Engine from LLM()'s options (the README's table gives their meaning)."""
-    _check_options(load_format, cuda_graph_max_tokens)
-    speculative = SpeculativeConfig.parse(speculative_config)
+    speculative = _check_options(load_format, cuda_graph_max_tokens, speculative_config)
     cache = CacheConfig(
         block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
         enable_prefix_caching, kv_cache_dtype,
     )  # fmt: skip
     parallel = ParallelConfig(tensor_parallel_size, nnodes, dist_init_addr, enable_expert_parallel)
-    model_path = resolve_model(model, revision)
-    hf_config = load_hf_config(model_path)
+    hf_config = load_hf_config(model_path := resolve_model(model, revision))
     dev = _device_with_threads(device, threads)
     _check_parallel(parallel, hf_config, dev)
-    quantization = resolve_quantization(quantization, model_path, hf_config, dev, load_format)
-    get_method(quantization, dev, hf_config, model_path, load_format)  # raises before loading
+    quantization = _quantization(quantization, model_path, hf_config, dev, load_format)
     torch_dtype = resolve_dtype(dtype, dev)
     kv_dtype = kv_setup.kv_cache_dtype(cache.cache_dtype, torch_dtype, dev)
     tok = load_tokenizer(resolve_model(tokenizer, revision) if tokenizer else model_path)
@@ -152,36 +149,40 @@ def build_engine(
         "attention_backend": attention_backend, "enforce_eager": enforce_eager,
         "cuda_graph_max_tokens": cuda_graph_max_tokens,
         "quantization": quantization, "kv_cache_dtype": kv_dtype,
+        "draft": _draft_options(speculative, hf_config, dev, parallel, load_format),
     }  # fmt: skip
-    if speculative is not None and speculative.method == "draft_model":
-        runner_options["draft"] = _draft_options(speculative, hf_config, dev, parallel, load_format)
     runner = _make_runner(runner_options, dev, parallel)
     sched, num_blocks = _allocate_kv_cache(
         runner, cache, hf_config, dev, max_model_len, max_num_seqs, max_num_batched_tokens
     )
-    if async_scheduling is None:  # overlap pays where the device runs beside the host
-        async_scheduling = dev.type == "cuda"
+    overlap = dev.type == "cuda" if async_scheduling is None else async_scheduling
     packed = quantization not in (None, "fp8")  # fp8 is emulated in float off the GPU
     mode = compute_mode(dev, torch_dtype, kv_dtype, packed, get_head_dim(hf_config))
-    eos = _eos_token_ids(tok, hf_config)
-    speculator = None
-    if speculative is not None:
-        if speculative.disable_by_batch_size is None:
-            limit = SPEC_MAX_BATCH[dev.type]
-            speculative = dataclasses.replace(speculative, disable_by_batch_size=limit)
-        speculator = Speculator(speculative)
-    return Engine(runner, tok, cache, sched, num_blocks, eos, async_scheduling, mode, speculator)
+    eos, speculator = _eos_token_ids(tok, hf_config), _speculator(speculative, dev)
+    return Engine(runner, tok, cache, sched, num_blocks, eos, overlap, mode, speculator)
+
+
+def _speculator(speculative: SpeculativeConfig | None, dev: torch.device) -> Speculator | None:
+    """The engine's speculation, its batch limit the device's default unless given."""
+    if speculative is None:
+        return None
+    if speculative.disable_by_batch_size is None:
+        limit = SPEC_MAX_BATCH[dev.type]
+        speculative = dataclasses.replace(speculative, disable_by_batch_size=limit)
+    return Speculator(speculative)
 
 
 def _draft_options(
-    speculative: SpeculativeConfig,
+    speculative: SpeculativeConfig | None,
     hf_config,
     dev: torch.device,
     parallel: ParallelConfig,
     load_format: str,
-) -> DraftOptions:
-    """The draft model's path, config and quantization (its checkpoint's own, as "auto"
-    picks for a target); ValueError if it cannot draft for the target."""
+) -> DraftOptions | None:
+    """A draft model's path, config and quantization (its checkpoint's own, as "auto"
+    picks for a target), None without one; ValueError if it cannot draft for the target."""
+    if speculative is None or speculative.method != "draft_model":
+        return None
     if parallel.tensor_parallel_size > 1:
         raise ValueError("a draft model runs with tensor_parallel_size=1 (n-gram speculation "
                          "runs with any)")  # fmt: skip
@@ -226,13 +227,25 @@ def _allocate_kv_cache(
     return sched, num_blocks
 
 
-def _check_options(load_format: str, cuda_graph_max_tokens: int) -> None:
+def _quantization(quantization, model_path: str, hf_config, dev, load_format: str) -> str | None:
+    """The quantization method's name, checked against the checkpoint and the device before
+    anything loads."""
+    quantization = resolve_quantization(quantization, model_path, hf_config, dev, load_format)
+    get_method(quantization, dev, hf_config, model_path, load_format)
+    return quantization
+
+
+def _check_options(
+    load_format: str, cuda_graph_max_tokens: int, speculative_config
+) -> SpeculativeConfig | None:
+    """ValueError for a bad option; the speculative config parsed."""
     if load_format not in _LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}")
     if isinstance(cuda_graph_max_tokens, bool) or not isinstance(cuda_graph_max_tokens, int):
         raise ValueError(f"cuda_graph_max_tokens must be an int, got {cuda_graph_max_tokens!r}")
     if cuda_graph_max_tokens < 0:
         raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {cuda_graph_max_tokens}")
+    return SpeculativeConfig.parse(speculative_config)
 
 
 def _make_runner(runner_options: dict, device: torch.device, parallel: ParallelConfig) -> Runner:

@@ -20,13 +20,14 @@ import copy
 import functools
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.core.request import Request, RequestStatus
 from octavo.core.sched_output import SchedulerOutput
 from octavo.core.scheduler import Scheduler
+from octavo.engine.driven import DrivenSequences
+from octavo.engine.engine_stats import EngineStats, engine_stats
 from octavo.engine.output_processor import OutputProcessor
 from octavo.engine.prompts import check_prompt_ids, request_id_list, tokenize_prompt
 from octavo.engine.speculative import Speculator
@@ -38,20 +39,12 @@ from octavo.engine.structured_output import (
 )
 from octavo.outputs import RequestOutput
 from octavo.runner.interface import Runner
-from octavo.runner.outputs import ModelRunnerOutput, PendingOutput, TokenLogprobs
+from octavo.runner.outputs import ModelRunnerOutput, PendingOutput
 from octavo.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from octavo.tokenizer.tokenizer import encode_text
 
 
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_tokens_computed: int = 0
-    num_generated_tokens: int = 0
-    requests_by_outcome: dict[str, int] = field(default_factory=dict)
-
-
-class Engine:
+class Engine(DrivenSequences):
     """Drives one model: owns the runner, the KV cache manager and the scheduler.
 
     Not thread-safe: one caller steps it (LLM.generate, or the server's engine loop).
@@ -366,44 +359,6 @@ class Engine:
         by_outcome = self.stats.requests_by_outcome
         by_outcome[reason] = by_outcome.get(reason, 0) + 1
 
-    # ---- sequences driven from outside (beam search) ----------------------------------
-
-    def report_step(self) -> dict[str, TokenLogprobs] | None:
-        """Runs one step in which each sequence that reaches its last token reports the
-        log-probs of its next token (the sampled one, then its params' top `logprobs`) and
-        takes none: the caller picks tokens (`append_token`). None if nothing could be
-        scheduled. Synchronous: not for use while step() has a step in flight."""
-        so = self.scheduler.schedule()
-        if so.is_empty:
-            return None
-        try:
-            result = self.runner.execute(so)
-        except Exception:
-            self.scheduler.drop_step(so)
-            raise
-        self.scheduler.update(so, {})  # advances num_computed_tokens, appends nothing
-        self.stats.num_steps += 1
-        self.stats.num_tokens_computed += so.num_batched_tokens
-        reports = {}
-        for item in so.scheduled:
-            entries = result.logprobs.get(item.request_id)
-            if item.sample and entries:
-                reports[item.request_id] = entries[0]
-        return reports
-
-    def fork_sequence(self, parent: Request, child_id: str) -> Request:
-        """A new sequence with the parent's tokens, sharing its KV blocks (copy-on-write)."""
-        return self.scheduler.fork_request(parent, child_id)
-
-    @staticmethod
-    def append_token(request: Request, token_id: int) -> None:
-        """Gives a sequence its next token (picked by the caller from its report)."""
-        request.append_output_token(token_id)
-
-    def finish_sequence(self, request: Request) -> None:
-        """Finishes a sequence and frees its KV blocks; its tokens stay readable."""
-        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers, if any; the engine cannot step afterwards."""
         self.runner.shutdown()
@@ -419,39 +374,6 @@ class Engine:
 
     # ---- stats ------------------------------------------------------------------------
 
-    def get_stats(self) -> dict[str, int | float | str]:
-        """Counters for users and metrics: preemptions, prefix-cache queries and hits (in
-        tokens), KV blocks, queue lengths and throughput counters; and the KV cache's dtype
-        (torch's name: "bfloat16", "float8_e4m3fn", ...); the dtype the forward's products
-        compute in, and whether a request's tokens and log-probs are independent of what runs
-        beside it (batch, preemption, chunking, prefix hits)."""
-        return {
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": self.kv.prefix_cache_queries,
-            "prefix_cache_hits": self.kv.prefix_cache_hits,
-            "kv_blocks_total": self.kv.num_total_blocks,
-            "kv_blocks_free": self.kv.num_free_blocks,
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            "num_steps": self.stats.num_steps,
-            "num_tokens_computed": self.stats.num_tokens_computed,
-            "num_generated_tokens": self.stats.num_generated_tokens,
-            "kv_blocks_saved_by_sharing": self.kv.num_shared_block_refs,
-            "kv_blocks_peak_used": self.kv.sharing.peak_blocks_used,
-            "num_cow_copies": self.kv.sharing.num_cow_copies,
-            "kv_cache_dtype": str(self.runner.kv_cache_dtype).removeprefix("torch."),
-            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
-            "batch_invariant": self.batch_invariant,
-            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
-            **self._expert_stats(),
-        }
-
-    def _expert_stats(self) -> dict:
-        """A mixture of experts' routing: tokens per expert over all layers, and the most
-        loaded expert of any layer against that layer's mean (1.0: even). Only where the
-        model runs in this process."""
-        load = getattr(self.runner, "expert_load", None)
-        found = load() if load is not None else None
-        if found is None:
-            return {}
-        return {"moe_expert_tokens": found[0], "moe_expert_imbalance": found[1]}
+    def get_stats(self) -> dict[str, int | float | str | list]:
+        """Counters for users and metrics (engine/engine_stats.py lists them)."""
+        return engine_stats(self)

@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass
 from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.cli_args import (
     add_parallel_args,
-    parallel_options,
     add_threads_arg,
     int_at_least,
+    parallel_options,
     positive_int,
 )
 from octavo.quant import QUANTIZATION_CHOICES

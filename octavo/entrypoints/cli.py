@@ -21,9 +21,9 @@ from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.cli_args import (
     Parser,
     add_parallel_args,
-    parallel_options,
     add_threads_arg,
     announce_threads,
+    parallel_options,
     positive_int,
 )
 from octavo.quant import QUANTIZATION_CHOICES

@@ -151,7 +151,7 @@ def pick_format(parser: str, chat_template: str | None) -> ToolFormat:
     return HERMES
 
 
-def _trigger(fmt: ToolFormat) -> str:
+def trigger_of(fmt: ToolFormat) -> str:
     return fmt.opening or fmt.call_open
 
 
@@ -177,7 +177,7 @@ def tool_grammar(
     lines.append("body: " + " | ".join(f"body_{i}" for i in range(len(allowed))))
     lines.append(f"call: {lit(fmt.call_open)} body {lit(fmt.call_close)}")
     more = f"({lit(fmt.separator)} call)*" if parallel else ""
-    trigger = _trigger(fmt)
+    trigger = trigger_of(fmt)
     if choice == "required":
         lines.append(f"start: {lit(fmt.opening)} call {more} {lit(fmt.closing)}")
     elif fmt.opening:  # free text until the model opens its calls; from there, the calls
@@ -199,11 +199,11 @@ def tool_grammar(
 def parse_tool_calls(fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole reply; a reply whose calls do not parse is all content
     (never an error)."""
-    start = text.find(_trigger(fmt)) if _trigger(fmt) else _bare_start(text)
+    start = text.find(trigger_of(fmt)) if trigger_of(fmt) else bare_start(text)
     if start < 0:
         return text, []
     calls = []
-    for scan in _scan_calls(fmt, text, start):
+    for scan in scan_calls(fmt, text, start):
         if scan.name is None or scan.args_end is None or not scan.complete:
             return text, []
         arguments = text[scan.args_start : scan.args_end]
@@ -214,11 +214,11 @@ def parse_tool_calls(fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolC
         calls.append(ToolCall(scan.name, arguments))
     if not calls:
         return text, []
-    content = text[:start].rstrip() if _trigger(fmt) else ""  # bare calls: all of it
+    content = text[:start].rstrip() if trigger_of(fmt) else ""  # bare calls: all of it
     return content or None, calls
 
 
-def _bare_start(text: str) -> int:
+def bare_start(text: str) -> int:
     """Where a llama3_json reply's calls start: at its first character if that opens an
     object (after <|python_tag|>), else nowhere."""
     stripped = text.lstrip()
@@ -235,7 +235,7 @@ class _CallScan:
     complete: bool = False  # the call's object closed
 
 
-def _scan_calls(fmt: ToolFormat, text: str, start: int) -> list[_CallScan]:
+def scan_calls(fmt: ToolFormat, text: str, start: int) -> list[_CallScan]:
     """The calls' objects after `start`, as far as the text goes: each one's name, where its
     arguments are, and whether it is complete. The glue between objects (tags, separators)
     holds no '{'."""
@@ -324,100 +324,3 @@ def _value_end(text: str, i: int) -> int | None:
     while j < n and text[j] not in ",}] \t\r\n":
         j += 1
     return j if j < n else None
-
-
-# ---- streaming ---------------------------------------------------------------------------
-
-
-@dataclass
-class ToolCallDelta:
-    """A piece of a streamed call: its name first (with its id), then its arguments."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
-
-class ToolCallStream:
-    """Turns a reply's growing text into content pieces and call pieces, never showing the
-    calls' markup as content: text that could still become the opening is held back until
-    it cannot. A reply whose calls turn out malformed ends as content (what the whole-reply
-    parse gives) from where the calls began."""
-
-    def __init__(self, fmt: ToolFormat) -> None:
-        self.fmt = fmt
-        self.text = ""
-        self.content_sent = 0
-        self.calls_start: int | None = None
-        self.sent: list[tuple[str, int]] = []  # per call: its id, arguments characters sent
-        self.done = False
-
-    def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
-        """The new content and call pieces once `delta` is added to the text."""
-        self.text += delta
-        content, pieces = "", []
-        if self.calls_start is None:
-            self.calls_start = self._find_start()
-        end = self.calls_start if self.calls_start is not None else self._safe_end(finished)
-        if self.calls_start is not None and not _trigger(self.fmt):
-            self.content_sent = max(self.content_sent, end)  # before bare calls: a tag at most
-        if end > self.content_sent:
-            content = self.text[self.content_sent : end]
-            self.content_sent = end
-        if self.calls_start is not None:
-            pieces = self._call_pieces()
-        if finished and self.calls_start is not None:
-            if not parse_tool_calls(self.fmt, self.text)[1]:  # malformed: the rest is content
-                content += self.text[self.content_sent :]
-                self.content_sent = len(self.text)
-        if self.calls_start is not None and self.content_sent == self.calls_start:
-            content = content.rstrip()
-        return content, pieces
-
-    def _find_start(self) -> int | None:
-        trigger = _trigger(self.fmt)
-        if trigger:
-            i = self.text.find(trigger)
-            return i if i >= 0 else None
-        i = _bare_start(self.text)
-        return i if i >= 0 else None
-
-    def _safe_end(self, finished: bool) -> int:
-        """How much of the text is surely content."""
-        if finished:
-            return len(self.text)
-        trigger = _trigger(self.fmt)
-        if not trigger:  # llama3_json: a reply that may still open with "{" waits
-            stripped = self.text.lstrip()
-            maybe = not stripped or "<|python_tag|>".startswith(stripped[:14]) or stripped[0] == "{"
-            return 0 if maybe and self.content_sent == 0 else len(self.text)
-        end = len(self.text)
-        for k in range(min(len(trigger) - 1, len(self.text)), 0, -1):
-            if self.text.endswith(trigger[:k]):
-                end -= k
-                break
-        # Whitespace before an opening is not content: held until text follows it.
-        return max(len(self.text[:end].rstrip()), self.content_sent)
-
-    def _call_pieces(self) -> list[ToolCallDelta]:
-        pieces = []
-        for index, scan in enumerate(_scan_calls(self.fmt, self.text, self.calls_start)):
-            if scan.name is None:
-                break
-            if index == len(self.sent):
-                call_id = ToolCall(scan.name, "").id
-                self.sent.append((call_id, 0))
-                pieces.append(ToolCallDelta(index, call_id, scan.name))
-            if scan.args_start is None:
-                continue
-            call_id, sent = self.sent[index]
-            end = scan.args_end if scan.args_end is not None else len(self.text)
-            new = self.text[scan.args_start + sent : end]
-            if new:
-                self.sent[index] = (call_id, sent + len(new))
-                if pieces and pieces[-1].index == index and not pieces[-1].arguments:
-                    pieces[-1].arguments = new
-                else:
-                    pieces.append(ToolCallDelta(index, arguments=new))
-        return pieces

@@ -70,16 +70,17 @@ class DraftModel:
         """Computes the step's tokens' KV, as the target just did."""
         self.model(step.input_ids, step.positions, step.md)
 
+    @torch.inference_mode()
     def propose(
-        self, so: SchedulerOutput, result: ModelRunnerOutput, inputs: InputBuilder, wants
+        self, so: SchedulerOutput, result: ModelRunnerOutput, inputs: InputBuilder, requests
     ) -> None:
         """Fills `result.draft_token_ids` with up to k greedy guesses for each request of the
-        step that sampled and that `wants(request_id)`, within the slots its block table
-        holds."""
+        step that sampled (but an n > 1 request's first token: it forks), within the slots
+        its block table holds. `requests`: the runner's states, by id."""
         starts: dict[str, tuple[int, int]] = {}  # request id -> (position, last kept token)
         for s in so.scheduled:
             kept = result.sampled_token_ids.get(s.request_id)
-            if not s.sample or not kept or not wants(s.request_id):
+            if not s.sample or not kept or requests[s.request_id].sampling_params.n > 1:
                 continue
             last_known = s.num_computed_tokens + s.num_new_tokens - 1 - len(s.spec_token_ids)
             starts[s.request_id] = (last_known + len(kept), kept[-1])

@@ -19,13 +19,13 @@ from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
 from octavo.model.moe import expert_load, reset_expert_load
 from octavo.model.parallel import broadcast_from_first
 from octavo.runner import kv_setup
-from octavo.runner.draft import DraftModel, DraftOptions
 from octavo.runner.cuda_graph import (
     CudaGraphRunner,
     GraphShape,
     capture_sizes,
     mixed_capture_sizes,
 )
+from octavo.runner.draft import DraftModel, DraftOptions
 from octavo.runner.gemm_tuning import tune_linears
 from octavo.runner.host_copy import to_device
 from octavo.runner.inputs import InputBuilder
@@ -37,14 +37,11 @@ from octavo.runner.kv_setup import (
     warm_up_linears,
     zeroed_kv_cache,
 )
-from octavo.runner.outputs import ModelRunnerOutput, PendingOutput, PromptLogprobSpan
-from octavo.runner.sampler import Sampler, SamplerOutput, gather_logprobs
+from octavo.runner.outputs import ModelRunnerOutput, PendingOutput
+from octavo.runner.prompt_logprobs import prompt_logprobs
+from octavo.runner.sampler import Sampler, SamplerOutput
 from octavo.runner.sampling_metadata import GrammarMasks, SamplingMetadata, seeded_rows
 from octavo.sampling_params import SamplingParams
-
-# Prompt log-probs take the logits of this many positions at a time: a long prompt chunk's
-# then need at most ~250 MB more (a 150k vocabulary), not tens of GB.
-PROMPT_LOGPROBS_ROWS = 128
 
 
 @dataclass(slots=True)
@@ -247,7 +244,7 @@ class ModelRunner:
         self._num_launched += 1
         if self.draft is not None:
             self.draft.catch_up(step)
-        prompt = self._prompt_logprobs(so, step.md, hidden)
+        prompt = prompt_logprobs(so, step.md, hidden, self.requests, self.model)
         rows, logits_index = self._sampling_rows(so, step.md)
         self._last_sampled = None
         if not rows:
@@ -259,8 +256,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [R, V]
         guesses = {s.request_id: s.spec_token_ids for s in so.scheduled if s.spec_token_ids}
         pending = PendingOutput(rows, None, prompt, guesses)
-        if self.draft is not None:
-            pending.then = self._draft_guesses(so, self._num_launched)
+        if self.draft is not None:  # its guesses from the kept tokens, unless a later step
+            launched = self._num_launched  # has launched over the inputs since
+            pending.then = lambda result: (
+                self._num_launched == launched
+                and self.draft.propose(so, result, self.inputs, self.requests)
+            )
         self._unsampled = (pending, rows, logits)
         return pending
 
@@ -288,55 +289,6 @@ class ModelRunner:
             out.sampled_token_ids,
         )
         return out
-
-    def _draft_guesses(self, so: SchedulerOutput, launched: int):
-        """What the step's result runs once complete: the draft's guesses from its kept
-        tokens. None once a later step has launched (it would overwrite the step's inputs
-        under that step): a speculating engine waits for each step before the next."""
-
-        def wants(request_id: str) -> bool:  # not a fork's first token
-            return self.requests[request_id].sampling_params.n == 1
-
-        @torch.inference_mode()
-        def guess(result: ModelRunnerOutput) -> None:
-            if self._num_launched == launched:
-                self.draft.propose(so, result, self.inputs, wants)
-
-        return guess
-
-    def _prompt_logprobs(
-        self, so: SchedulerOutput, md: AttentionMetadata, hidden: torch.Tensor
-    ) -> tuple[list[PromptLogprobSpan], tuple[torch.Tensor, ...]] | None:
-        """Raw log-probs of the prompt tokens this step's chunks predict, for the requests
-        that asked for them (`prompt_logprobs`): position p's logits score prompt token
-        p + 1. Returns the spans and their (token ids, log-probs, ranks), or None."""
-        if not so.scores_prompts:
-            return None
-        spans, index, targets = [], [], []
-        starts = md.query_start_loc_cpu
-        for i, s in enumerate(so.scheduled):
-            state = self.requests[s.request_id]
-            k = state.sampling_params.prompt_logprobs
-            if k is None or s.num_output_tokens:  # an output: its prompt is scored
-                continue
-            prompt, first = state.prompt_token_ids, s.num_computed_tokens
-            count = min(s.num_new_tokens, len(prompt) - 1 - first)
-            if count <= 0:
-                continue
-            spans.append(PromptLogprobSpan(s.request_id, first, count, k))
-            index += range(starts[i], starts[i] + count)
-            targets += prompt[first + 1 : first + 1 + count]
-        if not spans:
-            return None
-        k = max(span.k for span in spans)
-        index_t = to_device(index, torch.int64, self.device)
-        targets_t = to_device(targets, torch.int64, self.device)
-        parts = []
-        for lo in range(0, len(index), PROMPT_LOGPROBS_ROWS):
-            rows = slice(lo, lo + PROMPT_LOGPROBS_ROWS)
-            raw = self.model.compute_logits(hidden[index_t[rows]]).float().log_softmax(-1)
-            parts.append(gather_logprobs(raw, targets_t[rows], k))
-        return spans, tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
     def _sampling_rows(
         self, so: SchedulerOutput, md: AttentionMetadata

@@ -16,12 +16,12 @@ from octavo.entrypoints.reasoning import (
     pick_reasoning,
     split_reasoning,
 )
+from octavo.entrypoints.tool_call_stream import ToolCallStream
 from octavo.entrypoints.tool_calls import (
     FORMATS,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
-    ToolCallStream,
     ToolError,
     check_tools,
     parse_tool_calls,

@@ -22,8 +22,8 @@ from octavo.entrypoints.reasoning import (
     pick_reasoning,
     split_reasoning,
 )
+from octavo.entrypoints.tool_call_stream import ToolCallStream
 from octavo.entrypoints.tool_calls import (
-    ToolCallStream,
     ToolError,
     ToolFormat,
     check_tools,
