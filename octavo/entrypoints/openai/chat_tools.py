@@ -24,6 +24,7 @@ from octavo.entrypoints.reasoning import (
 )
 from octavo.entrypoints.tool_call_stream import ToolCallStream
 from octavo.entrypoints.tool_calls import (
+    Function,
     ToolError,
     ToolFormat,
     check_tools,
@@ -37,39 +38,40 @@ from octavo.sampling_params import StructuredOutputsParams
 
 @dataclass
 class ReplyPlan:
-    """How one request's replies are read: its tool-call format (None: no tools), its
-    reasoning format (None: no reasoning parser), and the tools for the template."""
+    """How one request's replies are read: its tool-call format (None: no tools, or
+    tool_choice "none"), its reasoning format (None: no reasoning parser), the tools for the
+    template, and the checked functions with the choice among them."""
 
     tools: list[dict] | None = None
     tool_format: ToolFormat | None = None
     reasoning: ReasoningFormat | None = None
     template_kwargs: dict = field(default_factory=dict)
+    functions: list[Function] = field(default_factory=list)
+    choice: str = "none"
+    named: str | None = None
 
 
 def plan_reply(options: ChatOptions, req: ChatCompletionRequest, template: str | None) -> ReplyPlan:
     """The request's tools checked (a 400 naming the field), the formats picked."""
     try:
         functions = check_tools(req.tools) if req.tools is not None else None
-        choice, _ = resolve_tool_choice(req.tool_choice, functions)
+        choice, named = resolve_tool_choice(req.tool_choice, functions)
     except ToolError as e:
         raise OpenAIError(str(e), param=e.param) from None
-    kwargs = dict(req.chat_template_kwargs or {})
-    plan = ReplyPlan(reasoning=pick_reasoning(options.reasoning_parser, template))
+    plan = ReplyPlan(
+        reasoning=pick_reasoning(options.reasoning_parser, template),
+        template_kwargs=dict(req.chat_template_kwargs or {}),
+    )
     if functions is None:
-        return _with_kwargs(plan, kwargs)
+        return plan
     if "tools" not in (template or ""):
         raise OpenAIError(
             "this model's chat template does not take `tools` (pass one that does with "
             "--chat-template)", param="tools",
         )  # fmt: skip
-    plan.tools = req.tools
+    plan.tools, plan.functions, plan.choice, plan.named = req.tools, functions, choice, named
     if choice != "none":
         plan.tool_format = pick_format(options.tool_call_parser, template)
-    return _with_kwargs(plan, kwargs)
-
-
-def _with_kwargs(plan: ReplyPlan, kwargs: dict) -> ReplyPlan:
-    plan.template_kwargs = kwargs
     return plan
 
 
@@ -81,15 +83,13 @@ def constraint(
     reasoning parser reads the replies."""
     lark = None
     if plan.tool_format is not None:
-        functions = check_tools(req.tools)
-        choice, name = resolve_tool_choice(req.tool_choice, functions)
         if given is not None:
             raise OpenAIError(
                 "a structured output (`response_format`) and tool calls exclude each other: "
                 'set `tool_choice` to "none"', param="tool_choice",
             )  # fmt: skip
-        parallel = req.parallel_tool_calls and name is None  # a named function: one call
-        lark = tool_grammar(plan.tool_format, functions, choice, name, parallel)
+        parallel = req.parallel_tool_calls and plan.named is None  # a named function: one call
+        lark = tool_grammar(plan.tool_format, plan.functions, plan.choice, plan.named, parallel)
     elif given is not None and plan.reasoning is not None:
         lark = _as_lark(given)
     if lark is None:
