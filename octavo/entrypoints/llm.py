@@ -89,7 +89,7 @@ class LLM:
                     tools=tools,
                     template_kwargs=chat_template_kwargs,
                     chat_template=chat_template,
-                )  # fmt: skip
+                )
             }
             for conv in conversations
         ]

@@ -89,7 +89,7 @@ class ReasoningStream:
                 self.sent = end + len(END)
                 self.state = "answer_start"
             else:
-                safe = len(self.text) if finished else _before_partial(self.text, END)
+                safe = len(self.text) if finished else before_partial(self.text, END)
                 reasoning = self.text[self.sent : max(safe, self.sent)]
                 self.sent = max(safe, self.sent)
         if self.state == "answer_start":  # the whitespace after </think> is not answer
@@ -106,8 +106,9 @@ class ReasoningStream:
         return reasoning, answer
 
 
-def _before_partial(text: str, tag: str) -> int:
-    """The end of `text` less a suffix that could be the start of `tag`."""
+def before_partial(text: str, tag: str) -> int:
+    """The end of `text` less a suffix that could be the start of `tag` (a stream holds that
+    back until the next piece tells)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
             return len(text) - k

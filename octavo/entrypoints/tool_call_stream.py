@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from octavo.entrypoints.reasoning import before_partial
 from octavo.entrypoints.tool_calls import (
     ToolCall,
     ToolFormat,
@@ -53,10 +54,10 @@ class ToolCallStream:
             self.content_sent = end
         if self.calls_start is not None:
             pieces = self._call_pieces()
-        if finished and self.calls_start is not None:
-            if not parse_tool_calls(self.fmt, self.text)[1]:  # malformed: the rest is content
-                content += self.text[self.content_sent :]
-                self.content_sent = len(self.text)
+        malformed = finished and self.calls_start is not None
+        if malformed and not parse_tool_calls(self.fmt, self.text)[1]:  # the rest is content
+            content += self.text[self.content_sent :]
+            self.content_sent = len(self.text)
         if self.calls_start is not None and self.content_sent == self.calls_start:
             content = content.rstrip()
         return content, pieces
@@ -78,11 +79,7 @@ class ToolCallStream:
             stripped = self.text.lstrip()
             maybe = not stripped or "<|python_tag|>".startswith(stripped[:14]) or stripped[0] == "{"
             return 0 if maybe and self.content_sent == 0 else len(self.text)
-        end = len(self.text)
-        for k in range(min(len(trigger) - 1, len(self.text)), 0, -1):
-            if self.text.endswith(trigger[:k]):
-                end -= k
-                break
+        end = before_partial(self.text, trigger)
         # Whitespace before an opening is not content: held until text follows it.
         return max(len(self.text[:end].rstrip()), self.content_sent)
 
