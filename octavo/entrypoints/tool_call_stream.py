@@ -54,8 +54,8 @@ class ToolCallStream:
             self.content_sent = end
         if self.calls_start is not None:
             pieces = self._call_pieces()
-        malformed = finished and self.calls_start is not None
-        if malformed and not parse_tool_calls(self.fmt, self.text)[1]:  # the rest is content
+        ended_in_calls = finished and self.calls_start is not None
+        if ended_in_calls and not parse_tool_calls(self.fmt, self.text)[1]:  # malformed: content
             content += self.text[self.content_sent :]
             self.content_sent = len(self.text)
         if self.calls_start is not None and self.content_sent == self.calls_start:

@@ -116,12 +116,18 @@ def test_the_engine_gives_hf_greedy_tokens_alone_and_batched(pair):
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 8)
 
 
-def test_dummy_weights_load_for_a_moe_config(tmp_path):
+def _dummy_qwen3_moe(tmp_path) -> tuple[LLM, object]:
+    """The tiny Qwen3-MoE config's engine on dummy weights, and the config."""
     path = tmp_path / "cfg"
     config = CONFIGS["qwen3_moe"]()
     config.architectures = ["Qwen3MoeForCausalLM"]
     config.save_pretrained(path)
     llm = LLM(str(path), load_format="dummy", device="cpu", num_kv_blocks=32, max_model_len=64)
+    return llm, config
+
+
+def test_dummy_weights_load_for_a_moe_config(tmp_path):
+    llm, _ = _dummy_qwen3_moe(tmp_path)
     out = llm.generate(
         {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4), use_tqdm=False
     )
@@ -294,11 +300,7 @@ def test_a_tokens_weight_reads_count_only_its_routed_experts(pair):
 
 
 def test_stats_count_the_tokens_routed_to_each_expert(tmp_path):
-    path = tmp_path / "cfg"
-    config = CONFIGS["qwen3_moe"]()
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    config.save_pretrained(path)
-    llm = LLM(str(path), load_format="dummy", device="cpu", num_kv_blocks=32, max_model_len=64)
+    llm, config = _dummy_qwen3_moe(tmp_path)
     assert llm.get_stats()["moe_expert_tokens"] == [0] * config.num_experts  # warm-up forgotten
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     llm.generate({"prompt_token_ids": [1, 2, 3, 4, 5]}, params, use_tqdm=False)
