@@ -179,8 +179,11 @@ class Scheduler:
         its next token, and no more than the budget left after its `num_new` tokens, nor
         than max_tokens or the context lets it emit (a step emits the guesses it keeps and
         one token more)."""
-        spec, request.spec_token_ids = request.spec_token_ids, []
-        if not spec or request.num_computed_tokens + num_new != total:
+        spec = request.spec_token_ids
+        if not spec:  # the common case, every step: nothing to take
+            return spec
+        request.spec_token_ids = []
+        if request.num_computed_tokens + num_new != total:
             return []
         return spec[: self._num_spec_tokens(request, total, budget - num_new)]
 
