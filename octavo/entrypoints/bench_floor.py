@@ -134,9 +134,10 @@ def workload_floor(
     output_lens: list[int],
     ceilings: DeviceCeilings,
 ) -> Floor:
-    """memory floor = (KV read by all decode steps + weights x longest output) / bandwidth;
-    compute floor = 2 x params x all tokens / matmul rate; the floor is the larger. The KV
-    cache holds `kv_dtype`."""
+    """memory floor = (KV read by all decode steps + each step's weight reads) / bandwidth;
+    compute floor = 2 x active params x all tokens / matmul rate; the floor is the larger.
+    A step reads every weight, but of a mixture of experts' experts only those its tokens
+    reach (SerialWork.step_weight_bytes). The KV cache holds `kv_dtype`."""
     from octavo.model.config import get_head_dim
 
     params = weights_read_per_step(model)
@@ -148,16 +149,34 @@ def workload_floor(
     # sum over t < out of (prompt + t) = out * prompt + out * (out - 1) / 2
     kv_tokens = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True))
     kv_read = kv_per_token * kv_tokens
-    memory_s = (kv_read + weight_bytes * max(output_lens)) / ceilings.copy_bytes_per_s
-    compute_s = 2 * num_params * (sum(prompt_lens) + sum(output_lens)) / ceilings.matmul_flops
     work = SerialWork(
         prompt_lens, output_lens, weight_bytes, num_params,
-        lm_head_params(model), kv_per_token,
+        lm_head_params(model), kv_per_token, *_expert_parts(model),
     )  # fmt: skip
+    steps = max(output_lens, default=0)
+    weight_read = sum(work.step_weight_bytes(work.running(t)) for t in range(steps))
+    memory_s = (kv_read + weight_read) / ceilings.copy_bytes_per_s
+    tokens = sum(prompt_lens) + sum(output_lens)
+    compute_s = 2 * work.active_params * tokens / ceilings.matmul_flops
     return Floor(
         weight_bytes, kv_per_token, kv_read, memory_s, compute_s,
         serial_floor(work, ceilings), fcfs_serial_estimate(work, ceilings),
     )  # fmt: skip
+
+
+def _expert_parts(model: torch.nn.Module) -> tuple[int, int, float]:
+    """(bytes, parameters) of a mixture of experts' experts, and the share k / E of them one
+    token reaches; (0, 0, 1.0) for a dense model."""
+    from octavo.model.moe import FusedMoE
+
+    nbytes = count = 0
+    share = 1.0
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            for p in (m.w13, m.w2, *(m.quant.parameters() if m.quant is not None else ())):
+                nbytes, count = nbytes + p.numel() * p.element_size(), count + p.numel()
+            share = m.top_k / m.num_experts
+    return nbytes, count, share
 
 
 def lm_head_weights(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -194,9 +213,29 @@ class SerialWork:
     num_params: int  # P: the parameters behind W
     head_params: int  # the LM head's share of P (prompts use it at their last token only)
     kv_bytes_per_token: int  # K
+    # A mixture of experts: its experts' share of W and P, and k / E.
+    expert_bytes: int = 0
+    expert_params: int = 0
+    expert_share: float = 1.0
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token multiplies by (of the experts, its k)."""
+        return round(self.num_params - self.expert_params * (1 - self.expert_share))
+
+    def running(self, step: int) -> int:
+        """Requests with an output token at `step` (0: the prefill's)."""
+        return sum(1 for o in self.output_lens if o > step)
+
+    def step_weight_bytes(self, tokens: int) -> float:
+        """What a step of `tokens` tokens reads of the weights: all, but of the experts the
+        expected share that tokens routed uniformly at random reach, 1 - (1 - k / E)^tokens
+        (dummy weights route about so)."""
+        missed = (1 - self.expert_share) ** max(tokens, 1)
+        return self.weight_bytes - self.expert_bytes * missed
 
     def prefill_flops(self) -> float:
-        prompt_params = self.num_params - self.head_params
+        prompt_params = self.active_params - self.head_params
         return 2.0 * (
             prompt_params * sum(self.prompt_lens) + self.head_params * len(self.prompt_lens)
         )
@@ -224,11 +263,10 @@ def serial_floor(work: SerialWork, ceilings: DeviceCeilings) -> float:
     """
     steps = max(work.output_lens, default=0)
     decode_tokens = sum(max(o - 1, 0) for o in work.output_lens)
-    flops = work.prefill_flops() + 2.0 * work.num_params * decode_tokens
+    flops = work.prefill_flops() + 2.0 * work.active_params * decode_tokens
     kv_bytes = sum(work.decode_kv_bytes(t) for t in range(1, steps))
-    gemm_s = max(
-        steps * work.weight_bytes / ceilings.copy_bytes_per_s, flops / ceilings.matmul_flops
-    )
+    weight_read = sum(work.step_weight_bytes(work.running(t)) for t in range(steps))
+    gemm_s = max(weight_read / ceilings.copy_bytes_per_s, flops / ceilings.matmul_flops)
     return kv_bytes / ceilings.copy_bytes_per_s + gemm_s
 
 
@@ -247,7 +285,8 @@ def fcfs_serial_estimate(work: SerialWork, ceilings: DeviceCeilings) -> float:
     bandwidth, flops = ceilings.copy_bytes_per_s, ceilings.matmul_flops
     seconds = max(work.weight_bytes / bandwidth, work.prefill_flops() / flops)
     for t in range(1, max(work.output_lens, default=0)):
-        running = sum(1 for o in work.output_lens if o > t)
-        gemm_s = max(work.weight_bytes / bandwidth, 2.0 * work.num_params * running / flops)
+        running = work.running(t)
+        gemm_s = max(work.step_weight_bytes(running) / bandwidth,
+                     2.0 * work.active_params * running / flops)  # fmt: skip
         seconds += work.decode_kv_bytes(t) / bandwidth + gemm_s
     return seconds

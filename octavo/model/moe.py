@@ -19,7 +19,8 @@ layers listed in `mlp_only_layers`, or not on the `decoder_sparse_step`, keep a 
 
 On the CPU the experts run one at a time over the tokens routed to them (index_select, then
 index_add in expert order), through the same products as every Linear: a token's output does
-not depend on what else the step holds.
+not depend on what else the step holds. On CUDA the Triton kernels of kernels/fused_moe.py
+run the layer in four launches without reading anything back, so CUDA graphs hold it.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ class FusedMoE(nn.Module):
         # Tokens routed to each expert (all ranks route alike), for the engine's stats.
         self.register_buffer("expert_tokens", torch.zeros(num_experts, dtype=torch.int64),
                              persistent=False)  # fmt: skip
+        # On CUDA: the step's real tokens [1] (the model's, set before each step), so that a
+        # CUDA graph's padding rows are not counted.
+        self.real_tokens: torch.Tensor | None = None
         # Each expert's QuantizedWeights ({"w13": [...], "w2": [...]}, this rank's experts)
         # where a method keeps a checkpoint's blocks; w13 and w2 are then empty.
         self.register_module("quant", None)
@@ -133,6 +137,8 @@ class FusedMoE(nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output (its experts, or its slice of each): the ranks'
         shares sum to the whole."""
+        if x.is_cuda and self.quant is None:
+            return self._fused(x)
         experts, weights = self.route(x)
         self.expert_tokens += torch.bincount(experts.flatten(), minlength=self.num_experts)
         out = torch.zeros_like(x)
@@ -150,6 +156,17 @@ class FusedMoE(nn.Module):
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
         return out
 
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        from octavo.kernels import fused_moe
+
+        logits = F.linear(x, self.gate.weight)
+        experts, weights = fused_moe.route(
+            logits, self.top_k, self.renormalize, self.expert_tokens, self.real_tokens
+        )
+        return fused_moe.fused_experts(
+            x, self.w13, self.w2, experts, weights, self.first, self.num_experts
+        )
+
 
 class _Router(nn.Module):
     """The router's weight [E, hidden], whole on every rank and never quantized."""
@@ -163,15 +180,32 @@ class _Router(nn.Module):
 class _MoEForCausalLM(LlamaForCausalLM):
     """Routes the checkpoint's per-expert tensors into the stacked parameters."""
 
-    # The experts' loop reads the routing on the host each step: no CUDA graph can hold it.
-    supports_cuda_graphs = False
-
     # Checkpoint name of an expert's projection -> its part of w13 / w2.
     expert_parts: dict[str, str] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     moe_block = "mlp"  # the layer's attribute in the checkpoint's names
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(_per_expert(weights))
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """True unless experts kept in a checkpoint's blocks run their loop, which reads the
+        routing on the host."""
+        return all(m.quant is None for m in self.modules() if isinstance(m, FusedMoE))
+
+    def begin_step(self, num_tokens: int) -> None:
+        """Called before each step's forward pass or graph replay: of its rows, the first
+        `num_tokens` are real (the rest a CUDA graph's padding)."""
+        if self._real_tokens is None:
+            moes = [m for m in self.modules() if isinstance(m, FusedMoE)]
+            if not moes or not moes[0].w13.is_cuda:
+                return
+            self._real_tokens = torch.zeros(1, dtype=torch.int32, device=moes[0].w13.device)
+            for m in moes:
+                m.real_tokens = self._real_tokens
+        self._real_tokens.fill_(num_tokens)
+
+    _real_tokens: torch.Tensor | None = None  # on CUDA, shared by every FusedMoE
 
     def route(self, name: str) -> tuple[str, str | int | tuple | None]:
         name = name.replace(f".{self.moe_block}.", ".mlp.")

@@ -99,6 +99,8 @@ class ModelRunner:
             and getattr(self.model, "supports_cuda_graphs", True)
         )
         self.cuda_graph_max_tokens = cuda_graph_max_tokens
+        # A model's hook before each step (model/moe.py: which rows are real).
+        self._begin_step = getattr(self.model, "begin_step", None)
         self.graph_runner: CudaGraphRunner | None = None
         self.inputs: InputBuilder | None = None
         # The previous step's samples on the device: (request id -> row, [R] token ids).
@@ -237,6 +239,8 @@ class ModelRunner:
         graph = self._graph_shape(so)
         last_rows, last_sampled = self._last_sampled or ({}, None)
         step = self.inputs.build(so.scheduled, graph, last_rows, last_sampled)
+        if self._begin_step is not None:
+            self._begin_step(step.md.num_tokens)
         if graph is not None:
             hidden = self.graph_runner.replay(graph)
         else:

@@ -117,6 +117,24 @@ def test_the_serial_floor_lies_between_the_memory_floor_and_the_fcfs_estimate(le
     assert weights_only <= floor <= fcfs_serial_estimate(work, ceilings) * (1 + 1e-9)
 
 
+def test_a_mixture_of_experts_step_reads_the_experts_its_tokens_reach():
+    """Of W = 1000 bytes, 800 are 8 experts of which a token reaches 2: one token reads
+    200 + 800 / 4; more tokens reach more, up to all; a token multiplies by its 2 experts."""
+    from octavo.entrypoints.bench_floor import SerialWork, serial_floor
+
+    work = SerialWork([10], [3], 1000, 500, 100, 4, expert_bytes=800, expert_params=400,
+                      expert_share=0.25)  # fmt: skip
+    assert work.step_weight_bytes(1) == pytest.approx(400)
+    assert work.step_weight_bytes(2) == pytest.approx(1000 - 800 * 0.75**2)
+    assert work.step_weight_bytes(10_000) == pytest.approx(1000)
+    assert work.active_params == 200
+    dense = SerialWork([10], [3], 1000, 500, 100, 4)
+    assert dense.step_weight_bytes(1) == dense.step_weight_bytes(50) == 1000
+    ceilings = DeviceCeilings(copy_bytes_per_s=1.0, matmul_flops=1e9)
+    # Three steps of the one request, 400 bytes each, and decode KV 4 x (11 + 12).
+    assert serial_floor(work, ceilings) == pytest.approx(3 * 400 + 4 * 23)
+
+
 def test_copy_sizes_keep_the_smallest_and_add_those_that_fit():
     gib = 1 << 30
     assert copy_sizes(0) == [gib]  # always one copy to time, whatever the free memory
