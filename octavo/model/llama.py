@@ -60,7 +60,17 @@ class LlamaAttention(nn.Module):
     checkpoint's names (`self_attn.q_norm.weight`); `attn` holds them by reference.
     """
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        qkv_bias: bool,
+        qk_norm: bool,
+        rope: tuple[float, dict | None] | None = None,
+        scale: float | None = None,
+        norm: type[RMSNorm] = RMSNorm,
+    ) -> None:
+        """rope (base, scaling) and scale (head_dim ** -0.5) default to the config's; `norm`
+        is the q/k norms' class."""
         super().__init__()
         num_heads, num_kv_heads = config.num_attention_heads, get_num_kv_heads(config)
         tp = get_tp()
@@ -71,17 +81,19 @@ class LlamaAttention(nn.Module):
         hidden = config.hidden_size
         self.qkv_proj = QKVLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        base, scaling = rope or (get_rope_theta(config), get_rope_scaling(config))
         self.rotary_emb = RotaryEmbedding(
             self.head_dim,
             config.max_position_embeddings,
-            get_rope_theta(config),
-            get_rope_scaling(config),
+            base,
+            scaling,
             getattr(config, "rope_freq_factors", None),
         )
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+            self.head_dim**-0.5 if scale is None else scale,
             self.rotary_emb, self.q_norm, self.k_norm,
         )  # fmt: skip
 
@@ -145,17 +157,13 @@ class LlamaModel(nn.Module):
     def __init__(
         self,
         config: PretrainedConfig,
-        qkv_bias: bool,
-        qk_norm: bool,
-        make_mlp: Callable[[PretrainedConfig, int], nn.Module],
+        make_layer: Callable[[PretrainedConfig, int], nn.Module],
+        norm: type[RMSNorm] = RMSNorm,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, qk_norm, make_mlp(config, i))
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
@@ -180,12 +188,18 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
-        qkv_bias = self.force_qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm, self.make_mlp)
+        self.qkv_bias = self.force_qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.model = LlamaModel(config, self.make_layer, self.norm)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    norm: type[RMSNorm] = RMSNorm  # the final norm's class
+
+    def make_layer(self, config: PretrainedConfig, layer: int) -> nn.Module:
+        """Decoder layer `layer` (Gemma's differ)."""
+        return LlamaDecoderLayer(config, self.qkv_bias, self.qk_norm, self.make_mlp(config, layer))
 
     def make_mlp(self, config: PretrainedConfig, layer: int) -> nn.Module:
         """The feed-forward block of decoder layer `layer` (mixture-of-experts models'

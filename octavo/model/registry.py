@@ -12,6 +12,8 @@ if TYPE_CHECKING:
 
 # HF `architectures[0]` -> (module, class name).
 _MODELS: dict[str, tuple[str, str]] = {
+    "Gemma2ForCausalLM": ("octavo.model.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("octavo.model.gemma", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("octavo.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("octavo.model.llama", "MistralForCausalLM"),
     "Phi3ForCausalLM": ("octavo.model.llama", "Phi3ForCausalLM"),

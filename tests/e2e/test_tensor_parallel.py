@@ -321,3 +321,27 @@ def test_two_ranks_split_phi3s_fused_tensors_as_one_rank(tmp_path):
         assert _tokens(two, prompts) == expected
     finally:
         two.shutdown()
+
+
+def test_two_ranks_run_gemma3_as_hf(tmp_path):
+    """Gemma 3: its norms around both sub-blocks, q/k norms and per-kind rope bases, split
+    over two ranks."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        **(TINY | {"num_hidden_layers": 2}), head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=256, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    CONFIGS["gemma3"] = lambda: config
+    try:
+        hf = _tiny_model("gemma3", tmp_path)
+    finally:
+        del CONFIGS["gemma3"]
+    two = LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS)
+    try:
+        prompts = [_prompt(80 + i, 6 + 5 * i) for i in range(2)]
+        expected = [[hf_greedy(hf, p, GREEDY.max_tokens)] for p in prompts]
+        assert _tokens(two, prompts) == expected
+    finally:
+        two.shutdown()

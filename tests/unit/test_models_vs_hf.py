@@ -1,4 +1,5 @@
-"""octavo's Llama / Qwen2 / Qwen3 give HF transformers' logits and greedy tokens.
+"""octavo's Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 2 / Gemma 3 give HF transformers'
+logits and greedy tokens.
 
 Tiny random HF models are saved as safetensors, loaded by octavo's loader and run over the
 paged KV cache: whole prompts, mixed batches, chunked prefill and decode must all agree with
@@ -15,6 +16,8 @@ from model_utils import TINY, PagedRunner, eos_ids, hf_greedy, hf_logits, rel_er
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -25,6 +28,7 @@ from transformers import (
 from octavo.checkpoint.hf_config import load_hf_config
 from octavo.checkpoint.loader import load_model
 from octavo.model.config import get_rope_scaling
+from octavo.model.gemma import GemmaRMSNorm
 
 TOL = 1e-4
 LLAMA3_ROPE = {
@@ -56,7 +60,23 @@ CONFIGS = {
         bos_token_id=1,
         eos_token_id=2,
     ),
-}
+    # three layers: sliding, sliding, full, with rope bases 1e4 and 1e6 (linear scaling on
+    # the full layer); windows longer than the tests' contexts
+    "gemma3": lambda: Gemma3TextConfig(
+        **(TINY | {"num_hidden_layers": 3}), head_dim=24, query_pre_attn_scalar=32,
+        sliding_window=64, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+        },
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ),
+    "gemma2": lambda: Gemma2Config(
+        **TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=64,
+        attn_logit_softcapping=None, final_logit_softcapping=3.0,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ),
+}  # fmt: skip
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -146,7 +166,10 @@ def test_attention_reads_the_models_own_rope_and_norms(pair):
         if attn.q_norm is not None:
             for name in ("q_norm", "k_norm"):
                 want = hf_params[f"model.layers.{i}.self_attn.{name}.weight"]
-                assert torch.equal(getattr(attn, name).weight, want)
+                norm = getattr(attn, name)
+                if isinstance(norm, GemmaRMSNorm):  # holds 1 + w
+                    want = want + 1.0
+                assert torch.equal(norm.weight, want)
     assert not any(".attn." in name for name, _ in ours.named_parameters())
 
 
