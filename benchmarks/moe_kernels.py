@@ -9,7 +9,7 @@ the sum over k) against its floor, at Qwen3-30B-A3B's shapes (128 experts, top 8
 The router picks from random logits (every expert equally likely, as dummy weights do).
 Each M is also timed without PDL, and where the small path (no sort) runs, on the sorted
 path. `--sweep` also times the rule's tiles with one field changed at a time (the small
-path's tiles from a short list), to check the rule.
+path's down tiles from a short list), to check the rule.
 
     python benchmarks/moe_kernels.py [--rows 1 16 256 4096] [--sweep] [--json out.json]
 """
@@ -108,13 +108,13 @@ def main() -> None:
         results[-1]["no_pdl_us"] = _case(rows, ceilings, w13, w2, router)["us"]
         pdl.ENABLED = True
         if args.sweep and rows * TOP_K <= fused_moe.SMALL_MAX_PAIRS:
-            rule = fused_moe.SMALL_TILES
-            for tiles in ((16, 256), (32, 128), (32, 256), (64, 128), (64, 64), (16, 512)):
-                fused_moe.SMALL_TILES = tiles
+            rule = fused_moe.SMALL_DOWN_TILES
+            for tiles in ((4, 256), (8, 128), (8, 256), (16, 128), (16, 256), (32, 64)):
+                fused_moe.SMALL_DOWN_TILES = tiles
                 r = _case(rows, ceilings, w13, w2, router, repeats=10)
-                sweeps.append(r | {"small_tiles": list(tiles)})
-                print(f"rows {rows}: small tiles {tiles}: {r['us']:.1f} us", flush=True)
-            fused_moe.SMALL_TILES = rule
+                sweeps.append(r | {"small_down_tiles": list(tiles)})
+                print(f"rows {rows}: small down tiles {tiles}: {r['us']:.1f} us", flush=True)
+            fused_moe.SMALL_DOWN_TILES = rule
             continue
         if args.sweep:
             for cfg in _neighbours(fused_moe.tile_config(rows * TOP_K, E)):

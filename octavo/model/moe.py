@@ -196,14 +196,24 @@ class _MoEForCausalLM(LlamaForCausalLM):
     def begin_step(self, num_tokens: int) -> None:
         """Called before each step's forward pass or graph replay: of its rows, the first
         `num_tokens` are real (the rest a CUDA graph's padding)."""
+        real = self._real_tokens_buffer()
+        if real is not None:
+            real.fill_(num_tokens)
+
+    def forward(self, input_ids, positions, md):
+        self._real_tokens_buffer()  # before any graph is captured: graphs read its address
+        return super().forward(input_ids, positions, md)
+
+    def _real_tokens_buffer(self) -> torch.Tensor | None:
+        """The count of real rows [1] int32 every FusedMoE reads, on CUDA (None elsewhere)."""
         if self._real_tokens is None:
             moes = [m for m in self.modules() if isinstance(m, FusedMoE)]
             if not moes or not moes[0].w13.is_cuda:
-                return
+                return None
             self._real_tokens = torch.zeros(1, dtype=torch.int32, device=moes[0].w13.device)
             for m in moes:
                 m.real_tokens = self._real_tokens
-        self._real_tokens.fill_(num_tokens)
+        return self._real_tokens
 
     _real_tokens: torch.Tensor | None = None  # on CUDA, shared by every FusedMoE
 
