@@ -19,6 +19,7 @@ def reference_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Float32, loop-only reference (the oracle the kernels and the decode path are tested
     against). Same contract as AttentionBackend.forward."""
@@ -34,6 +35,8 @@ def reference_attention(
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
         allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
+        if window is not None:  # sliding: the last `window` positions only
+            allowed &= torch.arange(seq_len, device=q.device)[None, :] > q_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
     return out

@@ -77,6 +77,8 @@ class AttentionSpec:
     rotary_emb: nn.Module
     q_norm: nn.Module | None = None
     k_norm: nn.Module | None = None
+    # A query at context position p sees positions p - window + 1 .. p (None: all up to p).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if (self.q_norm is None) != (self.k_norm is None):
@@ -143,6 +145,7 @@ class AttentionBackend(ABC):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Store k/v of the new tokens in the cache, then attend: the attention of
         `forward_qkv` once q and k are normalized and rotated.
@@ -154,6 +157,7 @@ class AttentionBackend(ABC):
             md: the step's metadata, shared by all layers.
             scale: softmax scale, usually head_dim ** -0.5.
             k_scale, v_scale: the scales of an fp8 cache's keys and values.
+            window: a sliding window (AttentionSpec.sliding_window), or None.
         Returns:
             [T, num_heads, head_dim] attention output.
         """

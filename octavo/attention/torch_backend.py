@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +107,19 @@ class _DecodeGroup:
     # of each sequence in turn, then the values' (value rows are offset by cache_blocks).
     cache_rows: torch.Tensor  # [2 * (hi - lo) * num_blocks] int64
     mask: torch.Tensor  # [hi - lo, 1, 1, num_blocks * block_size]: 0 in context, -inf past it
+    seq_lens: torch.Tensor  # [hi - lo] the rows' context lengths
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """`mask` with -inf also before each row's last `window` positions (made once a step
+        for each window its layers use)."""
+        found = self.windowed.get(window)
+        if found is None:
+            positions = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            before = positions[None, :] < (self.seq_lens - window)[:, None]  # [n, L]
+            found = self.mask.masked_fill(before[:, None, None, :], float("-inf"))
+            self.windowed[window] = found
+        return found
 
 
 @dataclass(frozen=True)
@@ -152,7 +165,9 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """See AttentionBackend.forward_qkv: `split_qkv`, then `forward`."""
         q, k, v = split_qkv(qkv, positions, spec, self._cos_sin(positions, qkv.dtype, md, spec))
-        return self.forward(q, k, v, kv_cache, md, spec.scale, k_scale, v_scale)
+        return self.forward(
+            q, k, v, kv_cache, md, spec.scale, k_scale, v_scale, spec.sliding_window
+        )
 
     def forward(
         self,
@@ -164,6 +179,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        window: int | None = None,
     ) -> torch.Tensor:
         """See AttentionBackend.forward."""
         write_kv_cache(k, v, kv_cache, md.slot_mapping[: md.num_tokens], k_scale, v_scale)
@@ -171,10 +187,10 @@ class TorchAttentionBackend(AttentionBackend):
         if cpu_kernels.attention_supported(q, kv_cache):
             token_seq, token_ctx = self._token_context(md)
             return cpu_kernels.paged_attention(
-                q, kv_cache, md.block_tables, token_seq, token_ctx, scale
+                q, kv_cache, md.block_tables, token_seq, token_ctx, scale, window
             )
         if md.is_all_decode:
-            return self._decode(q, kv_cache, md, scale, k_scale, v_scale)
+            return self._decode(q, kv_cache, md, scale, k_scale, v_scale, window)
         out = torch.empty_like(q)
         starts = md.query_start_loc_cpu
         for i, seq_len in enumerate(md.seq_lens_cpu):
@@ -187,7 +203,7 @@ class TorchAttentionBackend(AttentionBackend):
                 keys, values = gather_kv(kv_cache, md.block_tables[i], seq_len)
                 keys = from_kv_cache(keys, q.dtype, k_scale)
                 values = from_kv_cache(values, q.dtype, v_scale)
-            out[start:end] = _attend(q[start:end], keys, values, scale)
+            out[start:end] = _attend(q[start:end], keys, values, scale, window)
         return out
 
     def _decode(
@@ -198,6 +214,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: float,
         v_scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """One token per sequence. The sequences are sorted by length and attended in up to
         DECODE_GROUPS groups, each padded only to its own longest context: padding a batch
@@ -223,7 +240,7 @@ class TorchAttentionBackend(AttentionBackend):
                 q_sorted[g.lo : g.hi].view(n, num_kv_heads, group, head_dim),
                 keys.transpose(1, 2),
                 values.transpose(1, 2),
-                attn_mask=g.mask,
+                attn_mask=g.mask if window is None else g.window_mask(window),
                 scale=scale,
             )
             outs.append(out.reshape(n, num_heads, head_dim))
@@ -308,16 +325,23 @@ def _build_decode_plan(
             past, float("-inf")
         )
         cache_rows = torch.cat([blocks, blocks + cache_blocks])
-        groups.append(_DecodeGroup(lo, hi, num_blocks, cache_rows, mask[:, None, None, :]))
+        groups.append(
+            _DecodeGroup(lo, hi, num_blocks, cache_rows, mask[:, None, None, :], md.seq_lens[seqs])
+        )
     most = max(g.cache_rows.numel() for g in groups)
     in_order = order_cpu == list(range(num_seqs))
     return _DecodePlan(order, inverse, in_order, groups, most)
 
 
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the last q_len positions of a context over the whole context.
+    """Causal attention of the last q_len positions of a context over the whole context
+    (over each one's last `window` positions, with a window).
 
     q: [q_len, H, D]; keys/values: [ctx_len, KVH, D]; returns [q_len, H, D].
     """
@@ -328,5 +352,7 @@ def _attend(
     # Query j sits at context position ctx_len - q_len + j and sees positions <= it.
     q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
     mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos  # [q_len, ctx_len]
+    if window is not None:
+        mask &= torch.arange(ctx_len, device=q.device)[None, :] > q_pos - window
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

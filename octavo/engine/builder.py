@@ -18,7 +18,7 @@ from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.engine.speculative import Speculator
 from octavo.kernels.capability import cpu_threads
 from octavo.kernels.cpu import compute_mode
-from octavo.model.config import get_head_dim, get_num_kv_heads, get_sliding_window
+from octavo.model.config import get_head_dim, get_num_kv_heads
 from octavo.model.parallel import check_tp_size
 from octavo.quant import get_method, resolve_quantization
 from octavo.runner import kv_setup
@@ -292,19 +292,11 @@ def _check_parallel(parallel: ParallelConfig, hf_config, device: torch.device) -
 
 def _max_model_len(hf_config, requested: int | None, kv_capacity: int) -> int:
     """The model's limit, and never more than the KV cache holds (else a long request
-    could never be admitted). An explicit request beyond either is an error. A model with
-    a sliding window runs up to the window, where its attention is full (octavo has no
-    sliding-window attention yet)."""
+    could never be admitted). An explicit request beyond either is an error."""
     model_limit = getattr(hf_config, "max_position_embeddings", None) or kv_capacity
-    window = get_sliding_window(hf_config)
-    if window is not None and window < model_limit:
-        model_limit = window
-        if requested is None or requested > window:
-            logger.info("max_model_len limited to the sliding window's %d tokens", window)
     if requested is not None:
         if requested > model_limit:
-            what = "sliding window" if model_limit == window else "limit"
-            raise ValueError(f"max_model_len={requested} exceeds the model's {what} {model_limit}")
+            raise ValueError(f"max_model_len={requested} exceeds the model's limit {model_limit}")
         if requested > kv_capacity:
             raise ValueError(
                 f"max_model_len={requested} does not fit in the KV cache ({kv_capacity} "

@@ -369,7 +369,8 @@ static inline __attribute__((always_inline)) void values16(const int nd, const f
 
 /* Causal attention of T query tokens over the paged cache. q, out [T, H, D]; kcache, vcache
  * [blocks, block_size, KVH, D]; block_tables [S, bt_stride] int32; token t belongs to
- * sequence seq[t] and sees its first ctx[t] cached positions. D is a multiple of 16.
+ * sequence seq[t] and sees its first ctx[t] cached positions, or with window > 0 only the
+ * last `window` of them (a sliding window). D is a multiple of 16.
  * Work items are a KV head and a tile of up to TQ consecutive tokens of one sequence (a
  * prefill chunk), so that each K and V row read serves the tile's TQ x H / KVH query heads.
  * For each query its scores, their softmax and the weighted sum of values each run over
@@ -379,7 +380,7 @@ static inline __attribute__((always_inline)) void values16(const int nd, const f
 void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, int D,
                             const float *kcache, const float *vcache, int block_size,
                             const int32_t *block_tables, long bt_stride, const int32_t *seq,
-                            const int32_t *ctx, float softmax_scale, int threads) {
+                            const int32_t *ctx, float softmax_scale, int window, int threads) {
     const int G = H / KVH, nd = D / VL;
     const long slot = (long)KVH * D; /* floats from one position to the next in a block */
     int *tiles = malloc((T + 1) * sizeof(int)), num_tiles = 0;
@@ -398,15 +399,20 @@ void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, i
         for (long item = 0; item < (long)num_tiles * KVH; item++) {
             const int t0 = tiles[item / KVH], n = tiles[item / KVH + 1] - t0, h = (int)(item % KVH);
             const int32_t *bt = block_tables + seq[t0] * bt_stride;
-            int L = 0;
-            for (int i = 0; i < n; i++) L = ctx[t0 + i] > L ? ctx[t0 + i] : L;
+            int L = 0, lo = 1 << 30; /* the tile's last position, and its first in a window */
+            for (int i = 0; i < n; i++) {
+                L = ctx[t0 + i] > L ? ctx[t0 + i] : L;
+                const int first = window > 0 && ctx[t0 + i] > window ? ctx[t0 + i] - window : 0;
+                lo = first < lo ? first : lo;
+            }
+            const int j_first = lo / VL * VL; /* positions before it: no row sees them */
             const long L16 = (L + VL - 1) / VL * VL, rows = (long)n * G; /* row r: query r / G, head r % G */
             if (rows * L16 > cap) {
                 free(s);
                 cap = rows * L16;
                 s = malloc(cap * sizeof(float));
             }
-            for (int j0 = 0; j0 < L; j0 += VL) { /* scores of 16 positions at a time */
+            for (int j0 = j_first; j0 < L; j0 += VL) { /* scores of 16 positions at a time */
                 const float *k[VL];
                 for (int i = 0, j = j0; i < VL; i++, j++)
                     k[i] = j >= L ? none
@@ -426,14 +432,15 @@ void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, i
             for (int r = 0; r < rows; r++) {
                 const int Lr = ctx[t0 + r / G];
                 float *sr = s + r * L16, mx = -INFINITY, lanes[VL];
-                const int L16r = (Lr + VL - 1) / VL * VL;
+                const int L16r = (Lr + VL - 1) / VL * VL, lo_r = window > 0 && Lr > window ? Lr - window : 0;
                 for (int j = Lr; j < L16r; j++) sr[j] = -INFINITY;
+                for (int j = j_first; j < lo_r; j++) sr[j] = -INFINITY; /* out of its window */
                 vf m = splat(-INFINITY); /* max is exact in any order */
-                for (int j = 0; j < L16r; j += VL) m = vmax(m, load(sr + j));
+                for (int j = j_first; j < L16r; j += VL) m = vmax(m, load(sr + j));
                 store(lanes, m);
                 for (int i = 0; i < VL; i++) mx = lanes[i] > mx ? lanes[i] : mx;
                 vf sum = zero();
-                for (int j = 0; j < L16r; j += VL) {
+                for (int j = j_first; j < L16r; j += VL) {
                     const vf e = exp_v(add(load(sr + j), splat(-mx)));
                     store(sr + j, e);
                     sum = add(sum, e);
@@ -441,7 +448,7 @@ void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, i
                 inv[r] = 1.0f / hsum(sum);
             }
             for (long i = 0; i < rows * nd; i++) o[i] = zero();
-            for (int j0 = 0; j0 < L; j0 += VL) { /* values of 16 positions at a time */
+            for (int j0 = j_first; j0 < L; j0 += VL) { /* values of 16 positions at a time */
                 const float *v[VL];
                 for (int i = 0, j = j0; i < VL; i++, j++)
                     v[i] = j >= L ? none

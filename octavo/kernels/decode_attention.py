@@ -101,6 +101,7 @@ def _decode_split_kernel(
     k_scale,  # FUSED_QK: the new key is stored over it (to_cache)
     v_scale,  # times the output (an fp8 cache's values; 1.0 otherwise)
     num_splits,  # a run-time value, so changing it costs no recompilation
+    window,  # with SLIDING: the query sees its last `window` positions
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -116,6 +117,7 @@ def _decode_split_kernel(
     HAS_ORDER: tl.constexpr,
     FUSED_QK: tl.constexpr,  # q_ptr is the qkv projection: norm, rotate and store here
     HAS_NORM: tl.constexpr,
+    SLIDING: tl.constexpr,  # a sliding window: the splits cover its positions only
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     if USE_PDL:
@@ -126,8 +128,11 @@ def _decode_split_kernel(
         seq = tl.load(order_ptr + seq)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    kv_lo = split * split_len
+    base = 0
+    if SLIDING:  # the first chunk that holds a position of the window
+        base = tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len - base, num_splits), BLOCK_N) * BLOCK_N
+    kv_lo = base + split * split_len
     kv_hi = tl.minimum(kv_lo + split_len, seq_len)  # may be <= kv_lo: an empty split
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -174,15 +179,19 @@ def _decode_split_kernel(
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
 
     full_end = kv_lo + tl.maximum(kv_hi - kv_lo, 0) // BLOCK_N * BLOCK_N
+    if SLIDING:  # every chunk masked: the window's edge may cross the split's first one
+        full_end = kv_lo
     for kv_start in range(kv_lo, full_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_chunk(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, kv_hi,
             q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
+            window, False,
         )  # fmt: skip
     for kv_start in range(full_end, kv_hi, BLOCK_N):  # the split's ragged tail, if any
         acc, m_i, l_i = attend_kv_chunk(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, kv_hi,
             q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+            window, SLIDING,
         )  # fmt: skip
 
     if FUSED_QK:  # the new token, from registers (a split without it adds exp2(-1e30) = 0)
@@ -290,8 +299,10 @@ def decode_attention(
     order: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's single new token over its whole paged context.
+    """Attention of each sequence's single new token over its whole paged context (over its
+    last `window` positions, with a sliding window).
 
     The new K/V must already be in the cache (see `store_kv`).
 
@@ -314,7 +325,7 @@ def decode_attention(
     check_attention_inputs(q, kv_cache, block_tables, q.shape[1], kv_cache.shape[3])
     return _decode(q, q.stride(0), q.stride(1), q.shape[1], kv_cache, seq_lens, block_tables,
                    scale, num_splits=num_splits, out=out, config=config, order=order,
-                   kv_scales=(k_scale, v_scale))  # fmt: skip
+                   kv_scales=(k_scale, v_scale), window=window)  # fmt: skip
 
 
 class FusedQK(NamedTuple):
@@ -343,6 +354,7 @@ def decode_attention_qkv(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """`decode_attention` straight from the qkv projection: each program also does what
     `qk_norm_rope_store` would do first for its heads (Qwen3's q/k norm if the weights are
@@ -375,7 +387,7 @@ def decode_attention_qkv(
     fused = FusedQK(cos_sin_cache, q_norm, k_norm, slot_mapping, eps)
     return _decode(qkv, qkv.stride(0), head_dim, num_heads, kv_cache, seq_lens, block_tables,
                    scale, num_splits=num_splits, order=order, fused=fused,
-                   kv_scales=(k_scale, v_scale))  # fmt: skip
+                   kv_scales=(k_scale, v_scale), window=window)  # fmt: skip
 
 
 def _decode(
@@ -393,6 +405,7 @@ def _decode(
     order: torch.Tensor | None = None,
     fused: FusedQK | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    window: int | None = None,
 ) -> torch.Tensor:
     """Launches the split kernel (and the reduction, with several splits)."""
     num_seqs = q.shape[0]
@@ -436,6 +449,7 @@ def _decode(
         scale * LOG2E * kv_scales[0],
         *kv_scales,
         num_splits,
+        window or 0,
         stride_tok,
         stride_head,
         out.stride(0),
@@ -451,6 +465,7 @@ def _decode(
         HAS_ORDER=order is not None,
         FUSED_QK=fused is not None,
         HAS_NORM=has_norm,
+        SLIDING=window is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_args(q.device),

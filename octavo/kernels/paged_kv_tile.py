@@ -65,6 +65,8 @@ def attend_kv_chunk(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    window,  # with SLIDING (and MASKED): a row sees positions > q_pos - window only
+    SLIDING: tl.constexpr,
 ):
     """One online-softmax step over context positions kv_start .. kv_start + BLOCK_N - 1."""
     offs_n = kv_start + tl.arange(0, BLOCK_N)  # [N] context positions
@@ -92,6 +94,8 @@ def attend_kv_chunk(
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N] fp32
     if MASKED:
         allowed = in_ctx[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING:
+            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # m_i starts finite, so m_new is never -inf
     alpha = tl.exp2(m_i - m_new)

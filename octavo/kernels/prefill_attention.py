@@ -19,6 +19,8 @@ Causality: query j of a sequence with context L and q_len new tokens sits at pos
 L - q_len + j and sees positions <= it. A tile walks the KV in BLOCK_N chunks, gathered page by
 page through the block table, in two loops: chunks below every row's diagonal (no mask), then
 the chunks the diagonal crosses (masked). Chunks past the tile's last query are never loaded.
+With a sliding window the walk starts at the chunk of the tile's first row's window, and
+every chunk is masked.
 
     context:  [ cached prefix ........ | new tokens ]
     KV chunk:  | full | full | full | diag | diag |    (skipped beyond the last query)
@@ -67,6 +69,7 @@ def _prefill_kernel(
     qk_scale,  # softmax scale * log2(e) * k_scale
     v_scale,  # times the output (an fp8 cache's values; 1.0 otherwise)
     num_seqs,
+    window,  # with SLIDING: each query sees its last `window` positions
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -80,6 +83,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per tile
     BLOCK_M: tl.constexpr,  # rows per tile: BLOCK_Q * GROUP_PAD
     BLOCK_N: tl.constexpr,  # context positions per KV chunk
+    SLIDING: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     if USE_PDL:
@@ -112,20 +116,26 @@ def _prefill_kernel(
 
     # Chunks entirely at or below the tile's first query: no row masks anything.
     full_end = (prefix + first_tok + 1) // BLOCK_N * BLOCK_N
+    masked_start = full_end
+    if SLIDING:  # from the chunk of the first row's window on, every chunk masked
+        masked_start = tl.maximum(prefix + first_tok + 1 - window, 0) // BLOCK_N * BLOCK_N
+        full_end = 0
     for kv_start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = attend_kv_chunk(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, seq_len,
             q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
+            window, False,
         )  # fmt: skip
     # Chunks the causal diagonal crosses, up to the tile's last query.
     last_pos = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)  # exclusive
-    for kv_start in range(full_end, last_pos, BLOCK_N):
+    for kv_start in range(masked_start, last_pos, BLOCK_N):
         acc, m_i, l_i = attend_kv_chunk(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, last_pos,
             q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
+            window, SLIDING,
         )  # fmt: skip
 
-    out = acc / l_i[:, None] * v_scale  # every valid row saw position 0, so l_i > 0
+    out = acc / l_i[:, None] * v_scale  # every valid row saw its own position: l_i > 0
     o_off = (q_start + tok).to(tl.int64) * stride_o_tok + head * stride_o_head
     tl.store(
         out_ptr + o_off[:, None] + offs_d[None, :],
@@ -159,8 +169,10 @@ def prefill_attention(
     config: dict[str, int] | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every new token over its sequence's paged context.
+    """Causal attention of every new token over its sequence's paged context (over its last
+    `window` positions, with a sliding window).
 
     The new K/V must already be in the cache (see `store_kv`).
 
@@ -201,6 +213,7 @@ def prefill_attention(
         scale * LOG2E * k_scale,
         v_scale,
         num_seqs,
+        window or 0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -214,6 +227,7 @@ def prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_q * group_pad,
         BLOCK_N=cfg["block_n"],
+        SLIDING=window is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_args(q.device),

@@ -42,10 +42,24 @@ def get_rope_scaling(config: PretrainedConfig) -> dict | None:
 
 
 def get_sliding_window(config: PretrainedConfig) -> int | None:
-    """The attention window of a model that slides one (Mistral, Phi-3, Mixtral; Qwen2 and
-    Qwen3 with use_sliding_window), None for full attention. A token attends to the last
-    `window` positions, its own included: up to that length, the attention is full."""
+    """The attention window of a model that slides one (Mistral, Phi-3, Mixtral, Gemma 2 and
+    3; Qwen2 and Qwen3 with use_sliding_window), None for full attention. A token attends to
+    the last `window` positions, its own included: up to that length, the attention is
+    full."""
     window = getattr(config, "sliding_window", None)
     if window is None or not getattr(config, "use_sliding_window", True):
         return None
     return int(window)
+
+
+def layer_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each decoder layer's sliding window, None where it attends to the whole context: the
+    layers `layer_types` calls "sliding_attention" (Gemma, Qwen2's upper layers), or every
+    layer of a model with a window and no layer kinds (Mistral, Phi-3, Mixtral), as HF's."""
+    window = get_sliding_window(config)
+    kinds = getattr(config, "layer_types", None)
+    if window is None:
+        return [None] * config.num_hidden_layers
+    if not kinds:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in kinds]

@@ -9,9 +9,8 @@ what Gemma does differently, as HF transformers does it:
                 head; rope base per layer kind (sliding layers: rope_local_base_freq)
     logits      Gemma 2: final_logit_softcapping (tanh(z / cap) * cap)
 
-Sliding layers attend to the last `sliding_window` positions: the engine bounds the context
-at that window (model/config.py's get_sliding_window), where their attention is full.
-Attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not supported.
+Sliding layers attend to the last `sliding_window` positions (their KV blocks are kept whole
+for now). Attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not supported.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.attention.backend import AttentionMetadata
-from octavo.model.config import get_rope_scaling, get_rope_theta
+from octavo.model.config import get_rope_scaling, get_rope_theta, get_sliding_window
 from octavo.model.layers import MergedLinear, RMSNorm, RowParallelLinear, default_weight_loader
 from octavo.model.llama import LlamaAttention, LlamaForCausalLM
 
@@ -99,10 +98,11 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer: int, qk_norm: bool) -> None:
         super().__init__()
         kind = _layer_kinds(config)[layer]
+        window = get_sliding_window(config) if kind == "sliding_attention" else None
         self.self_attn = LlamaAttention(
             config, bool(getattr(config, "attention_bias", False)), qk_norm,
             rope=_rope_of(config, kind), scale=config.query_pre_attn_scalar**-0.5,
-            norm=GemmaRMSNorm,
+            norm=GemmaRMSNorm, sliding_window=window,
         )  # fmt: skip
         self.mlp = GemmaMLP(config)
         eps, hidden = config.rms_norm_eps, config.hidden_size

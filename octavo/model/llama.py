@@ -22,7 +22,13 @@ from torch import nn
 
 from octavo.attention.backend import AttentionMetadata
 from octavo.attention.layer import Attention
-from octavo.model.config import get_head_dim, get_num_kv_heads, get_rope_scaling, get_rope_theta
+from octavo.model.config import (
+    get_head_dim,
+    get_num_kv_heads,
+    get_rope_scaling,
+    get_rope_theta,
+    layer_windows,
+)
 from octavo.model.layers import (
     LMHead,
     MergedLinear,
@@ -68,9 +74,10 @@ class LlamaAttention(nn.Module):
         rope: tuple[float, dict | None] | None = None,
         scale: float | None = None,
         norm: type[RMSNorm] = RMSNorm,
+        sliding_window: int | None = None,
     ) -> None:
         """rope (base, scaling) and scale (head_dim ** -0.5) default to the config's; `norm`
-        is the q/k norms' class."""
+        is the q/k norms' class; a sliding window limits what a token attends to."""
         super().__init__()
         num_heads, num_kv_heads = config.num_attention_heads, get_num_kv_heads(config)
         tp = get_tp()
@@ -94,7 +101,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim,
             self.head_dim**-0.5 if scale is None else scale,
-            self.rotary_emb, self.q_norm, self.k_norm,
+            self.rotary_emb, self.q_norm, self.k_norm, sliding_window,
         )  # fmt: skip
 
     def forward(
@@ -126,10 +133,15 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the next norm."""
 
     def __init__(
-        self, config: PretrainedConfig, qkv_bias: bool, qk_norm: bool, mlp: nn.Module
+        self,
+        config: PretrainedConfig,
+        qkv_bias: bool,
+        qk_norm: bool,
+        mlp: nn.Module,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm, sliding_window=sliding_window)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -199,7 +211,10 @@ class LlamaForCausalLM(nn.Module):
 
     def make_layer(self, config: PretrainedConfig, layer: int) -> nn.Module:
         """Decoder layer `layer` (Gemma's differ)."""
-        return LlamaDecoderLayer(config, self.qkv_bias, self.qk_norm, self.make_mlp(config, layer))
+        return LlamaDecoderLayer(
+            config, self.qkv_bias, self.qk_norm, self.make_mlp(config, layer),
+            layer_windows(config)[layer],
+        )  # fmt: skip
 
     def make_mlp(self, config: PretrainedConfig, layer: int) -> nn.Module:
         """The feed-forward block of decoder layer `layer` (mixture-of-experts models'
@@ -256,8 +271,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama. A sliding window (Mistral 7B v0.1) bounds the context instead: the
-    engine runs up to `sliding_window` tokens, where attention is full (model/config.py)."""
+    """Mistral: Llama, with a sliding window on every layer where the config sets one
+    (Mistral 7B v0.1)."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -117,10 +117,12 @@ def _paged(keys: torch.Tensor, values: torch.Tensor, block_size: int, gen):
     return cache, tables
 
 
+@pytest.mark.parametrize("window", [None, 1, 20, 77])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-def test_paged_attention_matches_sdpa(heads, kv_heads, head_dim):
+def test_paged_attention_matches_sdpa(heads, kv_heads, head_dim, window):
     """Sequences of mixed lengths (a decode token, a chunk, a whole prompt) over a shuffled
-    paged cache, against SDPA on each sequence's own keys with its causal mask."""
+    paged cache, against SDPA on each sequence's own keys with its causal mask (and a
+    sliding window: each query sees its last `window` positions)."""
     gen = torch.Generator().manual_seed(heads * head_dim)
     lengths, new = [1, 37, 600], [1, 5, 600]
     keys = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lengths]
@@ -133,11 +135,14 @@ def test_paged_attention_matches_sdpa(heads, kv_heads, head_dim):
         dtype=torch.int32,
     )
     scale = 1 / math.sqrt(head_dim)
-    out = cpu.paged_attention(q, cache, tables, seq, ctx, scale)
+    out = cpu.paged_attention(q, cache, tables, seq, ctx, scale, window)
     start = 0
     for n, m, k, v in zip(lengths, new, keys, values, strict=True):
         qs = q[start : start + m].transpose(0, 1)[None].double()
-        mask = torch.arange(n)[None, :] <= torch.arange(n - m, n)[:, None]
+        q_pos = torch.arange(n - m, n)[:, None]
+        mask = torch.arange(n)[None, :] <= q_pos
+        if window is not None:
+            mask &= torch.arange(n)[None, :] > q_pos - window
         ref = F.scaled_dot_product_attention(
             qs, k.transpose(0, 1)[None].double(), v.transpose(0, 1)[None].double(),
             attn_mask=mask, scale=scale, enable_gqa=True,

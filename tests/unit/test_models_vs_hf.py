@@ -49,7 +49,8 @@ CONFIGS = {
     "llama3_rope": lambda: LlamaConfig(**TINY, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False),
     "qwen2": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
     "qwen3": lambda: Qwen3Config(**TINY, head_dim=24, tie_word_embeddings=True),
-    "mistral": lambda: MistralConfig(**TINY, head_dim=None, sliding_window=None),
+    # a window shorter than most of the tests' contexts
+    "mistral": lambda: MistralConfig(**TINY, head_dim=None, sliding_window=11),
     # fused qkv / gate_up tensors; longrope (every position below the original 128: short
     # factors, and the attention factor of 256 / 128)
     "phi3": lambda: Phi3Config(
@@ -61,10 +62,10 @@ CONFIGS = {
         eos_token_id=2,
     ),
     # three layers: sliding, sliding, full, with rope bases 1e4 and 1e6 (linear scaling on
-    # the full layer); windows longer than the tests' contexts
+    # the full layer)
     "gemma3": lambda: Gemma3TextConfig(
         **(TINY | {"num_hidden_layers": 3}), head_dim=24, query_pre_attn_scalar=32,
-        sliding_window=64, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=7, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
@@ -72,7 +73,7 @@ CONFIGS = {
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     ),
     "gemma2": lambda: Gemma2Config(
-        **TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=64,
+        **TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=9,
         attn_logit_softcapping=None, final_logit_softcapping=3.0,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     ),
@@ -225,20 +226,22 @@ def test_unsupported_architecture_and_missing_path_raise(tmp_path):
         load_hf_config(str(tmp_path))
 
 
-def test_a_sliding_window_bounds_the_context_where_attention_is_full(tmp_path):
-    """Mistral 7B v0.1's layout: up to the window every token sees its whole context, so
-    the engine runs HF's tokens up to it and refuses a longer context."""
+def test_an_engine_past_the_sliding_window_gives_hfs_tokens(tmp_path):
+    """Mistral 7B v0.1's layout, a window of 16: prompts longer than it, prefilled in chunks
+    of 8 tokens and decoded past it, give HF's greedy tokens."""
     from octavo import LLM, SamplingParams
 
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(MistralConfig(**TINY, head_dim=None, sliding_window=40))
+    hf = AutoModelForCausalLM.from_config(
+        MistralConfig(**TINY, head_dim=None, sliding_window=16), attn_implementation="eager"
+    )
     _randomize(hf, seed=3)
     hf.eval().save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), device="cpu", num_kv_blocks=32, quantization=None)
-    assert llm.engine.scheduler_config.max_model_len == 40
-    prompt = _prompt(11, 20)
+    llm = LLM(str(tmp_path), device="cpu", num_kv_blocks=64, quantization=None,
+              max_num_batched_tokens=8)  # fmt: skip
+    assert llm.engine.scheduler_config.max_model_len == 256
+    prompts = [_prompt(11, 30), _prompt(12, 9)]
     params = SamplingParams(temperature=0, max_tokens=20, min_tokens=20)
-    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
-    assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 20)
-    with pytest.raises(ValueError, match="exceeds the model's sliding window 40"):
-        LLM(str(tmp_path), device="cpu", num_kv_blocks=32, max_model_len=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 20)

@@ -92,6 +92,23 @@ def test_prefill_matches_reference(query_lens, seq_lens, heads, kv_heads):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim", [16, 8])  # the C kernel; SDPA (head_dim not in 16s)
+@pytest.mark.parametrize("window", [1, 6, 25])
+@pytest.mark.parametrize(
+    "query_lens,seq_lens",
+    [([1] * 7, [3, 70, 17, 33, 1, 64, 9]), ([3, 8, 1, 30], [11, 8, 20, 30]), ([4, 4], [4, 13])],
+)
+def test_sliding_window_matches_reference(query_lens, seq_lens, window, dim):
+    """Each query attends to its last `window` positions only: decode batches, prefills
+    and chunks behind a cached prefix."""
+    md, cache, (q, k, v) = _case(query_lens, seq_lens, 6, 2, dim)
+    ref = reference_attention(q, k, v, cache.clone(), md, 0.25, window=window)
+    full = reference_attention(q, k, v, cache.clone(), md, 0.25)
+    out = TorchAttentionBackend().forward(q, k, v, cache, md, 0.25, window=window)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert window >= max(seq_lens) or not torch.allclose(ref, full)  # the window mattered
+
+
 def test_prefill_writes_the_new_keys_and_values_into_their_slots():
     md, cache, (q, k, v) = _case([6, 3], [6, 9], heads=6, kv_heads=2)
     TorchAttentionBackend().forward(q, k, v, cache, md, 0.25)
