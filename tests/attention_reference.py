@@ -20,6 +20,7 @@ def reference_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Float32, loop-only reference (the oracle the kernels and the decode path are tested
     against). Same contract as AttentionBackend.forward."""
@@ -33,6 +34,8 @@ def reference_attention(
         keys = from_kv_cache(keys, torch.float32, k_scale).repeat_interleave(group, dim=1)
         values = from_kv_cache(values, torch.float32, v_scale).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), keys) * scale
+        if softcap is not None:  # Gemma 2
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[:, None]
         allowed = torch.arange(seq_len, device=q.device)[None, :] <= q_pos
         if window is not None:  # sliding: the last `window` positions only

@@ -79,6 +79,8 @@ class AttentionSpec:
     k_norm: nn.Module | None = None
     # A query at context position p sees positions p - window + 1 .. p (None: all up to p).
     sliding_window: int | None = None
+    # Gemma 2: a score x (after the scale) becomes cap * tanh(x / cap) before the softmax.
+    logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if (self.q_norm is None) != (self.k_norm is None):
@@ -146,6 +148,7 @@ class AttentionBackend(ABC):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Store k/v of the new tokens in the cache, then attend: the attention of
         `forward_qkv` once q and k are normalized and rotated.
@@ -158,6 +161,7 @@ class AttentionBackend(ABC):
             scale: softmax scale, usually head_dim ** -0.5.
             k_scale, v_scale: the scales of an fp8 cache's keys and values.
             window: a sliding window (AttentionSpec.sliding_window), or None.
+            softcap: the scores' soft cap (AttentionSpec.logit_softcap), or None.
         Returns:
             [T, num_heads, head_dim] attention output.
         """

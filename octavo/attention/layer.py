@@ -33,12 +33,14 @@ class Attention(nn.Module):
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         # A frozen dataclass is a plain attribute to nn.Module: nothing here is registered.
         self.spec = AttentionSpec(
-            num_heads, num_kv_heads, head_dim, scale, rotary_emb, q_norm, k_norm, sliding_window
-        )
+            num_heads, num_kv_heads, head_dim, scale, rotary_emb, q_norm, k_norm,
+            sliding_window, logit_softcap,
+        )  # fmt: skip
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         self.k_scale = self.v_scale = 1.0

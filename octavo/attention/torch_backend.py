@@ -166,8 +166,9 @@ class TorchAttentionBackend(AttentionBackend):
         """See AttentionBackend.forward_qkv: `split_qkv`, then `forward`."""
         q, k, v = split_qkv(qkv, positions, spec, self._cos_sin(positions, qkv.dtype, md, spec))
         return self.forward(
-            q, k, v, kv_cache, md, spec.scale, k_scale, v_scale, spec.sliding_window
-        )
+            q, k, v, kv_cache, md, spec.scale, k_scale, v_scale, spec.sliding_window,
+            spec.logit_softcap,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -180,6 +181,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """See AttentionBackend.forward."""
         write_kv_cache(k, v, kv_cache, md.slot_mapping[: md.num_tokens], k_scale, v_scale)
@@ -187,10 +189,10 @@ class TorchAttentionBackend(AttentionBackend):
         if cpu_kernels.attention_supported(q, kv_cache):
             token_seq, token_ctx = self._token_context(md)
             return cpu_kernels.paged_attention(
-                q, kv_cache, md.block_tables, token_seq, token_ctx, scale, window
+                q, kv_cache, md.block_tables, token_seq, token_ctx, scale, window, softcap
             )
         if md.is_all_decode:
-            return self._decode(q, kv_cache, md, scale, k_scale, v_scale, window)
+            return self._decode(q, kv_cache, md, scale, k_scale, v_scale, window, softcap)
         out = torch.empty_like(q)
         starts = md.query_start_loc_cpu
         for i, seq_len in enumerate(md.seq_lens_cpu):
@@ -203,7 +205,7 @@ class TorchAttentionBackend(AttentionBackend):
                 keys, values = gather_kv(kv_cache, md.block_tables[i], seq_len)
                 keys = from_kv_cache(keys, q.dtype, k_scale)
                 values = from_kv_cache(values, q.dtype, v_scale)
-            out[start:end] = _attend(q[start:end], keys, values, scale, window)
+            out[start:end] = _attend(q[start:end], keys, values, scale, window, softcap)
         return out
 
     def _decode(
@@ -215,6 +217,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_scale: float,
         v_scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """One token per sequence. The sequences are sorted by length and attended in up to
         DECODE_GROUPS groups, each padded only to its own longest context: padding a batch
@@ -236,12 +239,13 @@ class TorchAttentionBackend(AttentionBackend):
             values = from_kv_cache(kv[1], q.dtype, v_scale)
             # The query heads sharing a KV head become that head's query rows, so each KV
             # head is read once: [n, KVH, group, D] against [n, KVH, L, D].
-            out = F.scaled_dot_product_attention(
+            out = _sdpa(
                 q_sorted[g.lo : g.hi].view(n, num_kv_heads, group, head_dim),
                 keys.transpose(1, 2),
                 values.transpose(1, 2),
-                attn_mask=g.mask if window is None else g.window_mask(window),
-                scale=scale,
+                g.mask if window is None else g.window_mask(window),
+                scale,
+                softcap,
             )
             outs.append(out.reshape(n, num_heads, head_dim))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -339,6 +343,7 @@ def _attend(
     values: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last q_len positions of a context over the whole context
     (over each one's last `window` positions, with a window).
@@ -354,5 +359,22 @@ def _attend(
     mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos  # [q_len, ctx_len]
     if window is not None:
         mask &= torch.arange(ctx_len, device=q.device)[None, :] > q_pos - window
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = _sdpa(qh, kh, vh, mask, scale, softcap, gqa=True)
     return out[0].transpose(0, 1)
+
+
+def _sdpa(q, k, v, mask, scale: float, softcap: float | None, gqa: bool = False):
+    """SDPA, or with a soft cap on the scores the same in plain float32 ops (SDPA has no
+    hook for it). `mask` is boolean (True: attend) or additive."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = q.float() @ k.float().transpose(-1, -2) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)

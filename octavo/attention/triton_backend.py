@@ -72,13 +72,17 @@ class TritonAttentionBackend(AttentionBackend):
                 qkv, kv_cache, md.seq_lens, md.block_tables, slot_mapping, cos_sin_cache,
                 spec.scale, spec.num_heads, q_weight, k_weight, eps, order=md.decode_order,
                 k_scale=k_scale, v_scale=v_scale, window=spec.sliding_window,
+                softcap=spec.logit_softcap,
             )  # fmt: skip
         # q [T, H, D] comes back; k and v go straight into their cache slots.
         q = qk_norm_rope_store(
             qkv, positions, cos_sin_cache, spec.num_heads, spec.num_kv_heads, spec.head_dim,
             kv_cache, slot_mapping, q_weight, k_weight, eps, k_scale, v_scale,
         )  # fmt: skip
-        return self.attend(q, kv_cache, md, spec.scale, k_scale, v_scale, spec.sliding_window)
+        return self.attend(
+            q, kv_cache, md, spec.scale, k_scale, v_scale, spec.sliding_window,
+            spec.logit_softcap,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -91,6 +95,7 @@ class TritonAttentionBackend(AttentionBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """See AttentionBackend.forward. Returns [md.num_tokens, H, D] in q's dtype."""
         num_tokens = md.num_tokens
@@ -98,7 +103,7 @@ class TritonAttentionBackend(AttentionBackend):
             k[:num_tokens], v[:num_tokens], kv_cache, md.slot_mapping[:num_tokens],
             k_scale, v_scale,
         )  # fmt: skip
-        return self.attend(q, kv_cache, md, scale, k_scale, v_scale, window)
+        return self.attend(q, kv_cache, md, scale, k_scale, v_scale, window, softcap)
 
     def attend(
         self,
@@ -109,10 +114,11 @@ class TritonAttentionBackend(AttentionBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of q [T, H, D] over the cache, which already holds this step's K/V."""
         q = q[: md.num_tokens]  # [T, H, D]
-        scales = {"k_scale": k_scale, "v_scale": v_scale, "window": window}
+        scales = {"k_scale": k_scale, "v_scale": v_scale, "window": window, "softcap": softcap}
         if md.is_all_decode:
             # One token per sequence: row b of q is sequence b.
             return decode_attention(

@@ -145,11 +145,12 @@ def paged_attention(
     token_ctx: torch.Tensor,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] float32; kv_cache [2, blocks, block_size, KVH, D] float32; block_tables
     [S, max_blocks] int32; token t of sequence token_seq[t] sees its first token_ctx[t]
     cached positions (int32 [T] each), the last `window` of them with a window -> out
-    [T, H, D]."""
+    [T, H, D]. With `softcap` a score x is softcap * tanh(x / softcap) before the softmax."""
     lib = library()
     assert lib is not None
     num_tokens, num_heads, head_dim = q.shape
@@ -160,7 +161,8 @@ def paged_attention(
         q.data_ptr(), out.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim,
         kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_size,
         block_tables.data_ptr(), block_tables.stride(0), token_seq.data_ptr(),
-        token_ctx.data_ptr(), ctypes.c_float(scale), window or 0, torch.get_num_threads(),
+        token_ctx.data_ptr(), ctypes.c_float(scale), window or 0, ctypes.c_float(softcap or 0.0),
+        torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -210,7 +212,7 @@ def library() -> ctypes.CDLL | None:
     p, i, f, long_ = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
     lib.octavo_linear.argtypes = [i, p, long_, i, i, p, long_, i, i, p, long_, i]
     lib.octavo_linear.restype = None
-    lib.octavo_paged_attention.argtypes = [p, p, i, i, i, i, p, p, i, p, long_, p, p, f, i, i]
+    lib.octavo_paged_attention.argtypes = [p, p, i, i, i, i, p, p, i, p, long_, p, p, f, i, f, i]
     lib.octavo_paged_attention.restype = None
     if lib.octavo_self_check() != 0:
         print("octavo: CPU kernels failed their self-check; using torch's ops", file=sys.stderr)

@@ -370,7 +370,8 @@ static inline __attribute__((always_inline)) void values16(const int nd, const f
 /* Causal attention of T query tokens over the paged cache. q, out [T, H, D]; kcache, vcache
  * [blocks, block_size, KVH, D]; block_tables [S, bt_stride] int32; token t belongs to
  * sequence seq[t] and sees its first ctx[t] cached positions, or with window > 0 only the
- * last `window` of them (a sliding window). D is a multiple of 16.
+ * last `window` of them (a sliding window); with softcap > 0 a score x becomes
+ * softcap tanh(x / softcap) (Gemma 2). D is a multiple of 16.
  * Work items are a KV head and a tile of up to TQ consecutive tokens of one sequence (a
  * prefill chunk), so that each K and V row read serves the tile's TQ x H / KVH query heads.
  * For each query its scores, their softmax and the weighted sum of values each run over
@@ -380,7 +381,8 @@ static inline __attribute__((always_inline)) void values16(const int nd, const f
 void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, int D,
                             const float *kcache, const float *vcache, int block_size,
                             const int32_t *block_tables, long bt_stride, const int32_t *seq,
-                            const int32_t *ctx, float softmax_scale, int window, int threads) {
+                            const int32_t *ctx, float softmax_scale, int window, float softcap,
+                            int threads) {
     const int G = H / KVH, nd = D / VL;
     const long slot = (long)KVH * D; /* floats from one position to the next in a block */
     int *tiles = malloc((T + 1) * sizeof(int)), num_tiles = 0;
@@ -434,6 +436,8 @@ void octavo_paged_attention(const float *q, float *out, int T, int H, int KVH, i
                 float *sr = s + r * L16, mx = -INFINITY, lanes[VL];
                 const int L16r = (Lr + VL - 1) / VL * VL, lo_r = window > 0 && Lr > window ? Lr - window : 0;
                 for (int j = Lr; j < L16r; j++) sr[j] = -INFINITY;
+                if (softcap > 0)
+                    for (int j = lo_r; j < Lr; j++) sr[j] = softcap * tanhf(sr[j] / softcap);
                 for (int j = j_first; j < lo_r; j++) sr[j] = -INFINITY; /* out of its window */
                 vf m = splat(-INFINITY); /* max is exact in any order */
                 for (int j = j_first; j < L16r; j += VL) m = vmax(m, load(sr + j));

@@ -48,6 +48,7 @@ from octavo.kernels.paged_kv_tile import (
     attend_kv_chunk,
     check_attention_inputs,
     dot_operand,
+    soft_cap,
     to_cache,
 )
 from octavo.kernels.pdl import pdl_args
@@ -102,6 +103,7 @@ def _decode_split_kernel(
     v_scale,  # times the output (an fp8 cache's values; 1.0 otherwise)
     num_splits,  # a run-time value, so changing it costs no recompilation
     window,  # with SLIDING: the query sees its last `window` positions
+    softcap,  # with SOFTCAP: the scores' cap, times log2(e)
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -118,6 +120,7 @@ def _decode_split_kernel(
     FUSED_QK: tl.constexpr,  # q_ptr is the qkv projection: norm, rotate and store here
     HAS_NORM: tl.constexpr,
     SLIDING: tl.constexpr,  # a sliding window: the splits cover its positions only
+    SOFTCAP: tl.constexpr,  # Gemma 2's soft cap on the scores
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     if USE_PDL:
@@ -185,17 +188,19 @@ def _decode_split_kernel(
         acc, m_i, l_i = attend_kv_chunk(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, kv_hi,
             q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
-            window, False,
+            window, False, softcap, SOFTCAP,
         )  # fmt: skip
     for kv_start in range(full_end, kv_hi, BLOCK_N):  # the split's ragged tail, if any
         acc, m_i, l_i = attend_kv_chunk(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, kv_hi,
             q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
-            window, SLIDING,
+            window, SLIDING, softcap, SOFTCAP,
         )  # fmt: skip
 
     if FUSED_QK:  # the new token, from registers (a split without it adds exp2(-1e30) = 0)
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale  # [G]
+        if SOFTCAP:
+            s_new = soft_cap(s_new, softcap)
         s_new = tl.where(owns_new, s_new, -1.0e30)
         m_new = tl.maximum(m_i, s_new)
         alpha = tl.exp2(m_i - m_new)
@@ -300,9 +305,10 @@ def decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single new token over its whole paged context (over its
-    last `window` positions, with a sliding window).
+    last `window` positions, with a sliding window; `softcap` caps the scores).
 
     The new K/V must already be in the cache (see `store_kv`).
 
@@ -325,7 +331,7 @@ def decode_attention(
     check_attention_inputs(q, kv_cache, block_tables, q.shape[1], kv_cache.shape[3])
     return _decode(q, q.stride(0), q.stride(1), q.shape[1], kv_cache, seq_lens, block_tables,
                    scale, num_splits=num_splits, out=out, config=config, order=order,
-                   kv_scales=(k_scale, v_scale), window=window)  # fmt: skip
+                   kv_scales=(k_scale, v_scale), window=window, softcap=softcap)  # fmt: skip
 
 
 class FusedQK(NamedTuple):
@@ -355,6 +361,7 @@ def decode_attention_qkv(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`decode_attention` straight from the qkv projection: each program also does what
     `qk_norm_rope_store` would do first for its heads (Qwen3's q/k norm if the weights are
@@ -387,7 +394,7 @@ def decode_attention_qkv(
     fused = FusedQK(cos_sin_cache, q_norm, k_norm, slot_mapping, eps)
     return _decode(qkv, qkv.stride(0), head_dim, num_heads, kv_cache, seq_lens, block_tables,
                    scale, num_splits=num_splits, order=order, fused=fused,
-                   kv_scales=(k_scale, v_scale), window=window)  # fmt: skip
+                   kv_scales=(k_scale, v_scale), window=window, softcap=softcap)  # fmt: skip
 
 
 def _decode(
@@ -406,6 +413,7 @@ def _decode(
     fused: FusedQK | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Launches the split kernel (and the reduction, with several splits)."""
     num_seqs = q.shape[0]
@@ -450,6 +458,7 @@ def _decode(
         *kv_scales,
         num_splits,
         window or 0,
+        (softcap or 1.0) * LOG2E,
         stride_tok,
         stride_head,
         out.stride(0),
@@ -466,6 +475,7 @@ def _decode(
         FUSED_QK=fused is not None,
         HAS_NORM=has_norm,
         SLIDING=window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_args(q.device),

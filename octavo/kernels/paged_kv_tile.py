@@ -67,6 +67,8 @@ def attend_kv_chunk(
     MASKED: tl.constexpr,
     window,  # with SLIDING (and MASKED): a row sees positions > q_pos - window only
     SLIDING: tl.constexpr,
+    softcap,  # with SOFTCAP: the scores' cap in the log2 domain (cap * log2(e))
+    SOFTCAP: tl.constexpr,
 ):
     """One online-softmax step over context positions kv_start .. kv_start + BLOCK_N - 1."""
     offs_n = kv_start + tl.arange(0, BLOCK_N)  # [N] context positions
@@ -92,6 +94,8 @@ def attend_kv_chunk(
     k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 widened (dot_operand); others hold q's dtype
 
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N] fp32
+    if SOFTCAP:
+        s = soft_cap(s, softcap)
     if MASKED:
         allowed = in_ctx[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -103,6 +107,12 @@ def attend_kv_chunk(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """cap * tanh(s / cap), tanh written with exp (exact enough in float32; saturates)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))
 
 
 def check_attention_inputs(

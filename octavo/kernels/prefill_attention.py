@@ -70,6 +70,7 @@ def _prefill_kernel(
     v_scale,  # times the output (an fp8 cache's values; 1.0 otherwise)
     num_seqs,
     window,  # with SLIDING: each query sees its last `window` positions
+    softcap,  # with SOFTCAP: the scores' cap, times log2(e)
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -84,6 +85,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile: BLOCK_Q * GROUP_PAD
     BLOCK_N: tl.constexpr,  # context positions per KV chunk
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # Gemma 2's soft cap on the scores
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
     if USE_PDL:
@@ -124,7 +126,7 @@ def _prefill_kernel(
         acc, m_i, l_i = attend_kv_chunk(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, seq_len,
             q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False,
-            window, False,
+            window, False, softcap, SOFTCAP,
         )  # fmt: skip
     # Chunks the causal diagonal crosses, up to the tile's last query.
     last_pos = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)  # exclusive
@@ -132,7 +134,7 @@ def _prefill_kernel(
         acc, m_i, l_i = attend_kv_chunk(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_start, last_pos,
             q_pos, kv_head, qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True,
-            window, SLIDING,
+            window, SLIDING, softcap, SOFTCAP,
         )  # fmt: skip
 
     out = acc / l_i[:, None] * v_scale  # every valid row saw its own position: l_i > 0
@@ -170,9 +172,10 @@ def prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of every new token over its sequence's paged context (over its last
-    `window` positions, with a sliding window).
+    `window` positions, with a sliding window; `softcap` caps the scores).
 
     The new K/V must already be in the cache (see `store_kv`).
 
@@ -214,6 +217,7 @@ def prefill_attention(
         v_scale,
         num_seqs,
         window or 0,
+        (softcap or 1.0) * LOG2E,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -228,6 +232,7 @@ def prefill_attention(
         BLOCK_M=block_q * group_pad,
         BLOCK_N=cfg["block_n"],
         SLIDING=window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_args(q.device),

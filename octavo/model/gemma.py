@@ -7,10 +7,11 @@ what Gemma does differently, as HF transformers does it:
     MLP         GeGLU: gelu_tanh(gate x) * up x
     attention   scale query_pre_attn_scalar ** -0.5; Gemma 3: RMSNorm (1 + w) on each q / k
                 head; rope base per layer kind (sliding layers: rope_local_base_freq)
-    logits      Gemma 2: final_logit_softcapping (tanh(z / cap) * cap)
+    logits      Gemma 2: attn_logit_softcapping on the attention scores and
+                final_logit_softcapping on the logits (tanh(z / cap) * cap)
 
 Sliding layers attend to the last `sliding_window` positions (their KV blocks are kept whole
-for now). Attention logit soft-capping (Gemma 2's attn_logit_softcapping) is not supported.
+for now).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class GemmaDecoderLayer(nn.Module):
             config, bool(getattr(config, "attention_bias", False)), qk_norm,
             rope=_rope_of(config, kind), scale=config.query_pre_attn_scalar**-0.5,
             norm=GemmaRMSNorm, sliding_window=window,
+            logit_softcap=getattr(config, "attn_logit_softcapping", None) or None,
         )  # fmt: skip
         self.mlp = GemmaMLP(config)
         eps, hidden = config.rms_norm_eps, config.hidden_size
@@ -137,9 +139,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     norm = GemmaRMSNorm
 
     def __init__(self, config: PretrainedConfig) -> None:
-        softcap = getattr(config, "attn_logit_softcapping", None)
-        if softcap:
-            raise ValueError(f"attn_logit_softcapping={softcap} is not supported")
         super().__init__(config)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self._embed_scale: dict[torch.dtype, float] = {}

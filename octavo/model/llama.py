@@ -75,9 +75,11 @@ class LlamaAttention(nn.Module):
         scale: float | None = None,
         norm: type[RMSNorm] = RMSNorm,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         """rope (base, scaling) and scale (head_dim ** -0.5) default to the config's; `norm`
-        is the q/k norms' class; a sliding window limits what a token attends to."""
+        is the q/k norms' class; a sliding window limits what a token attends to, and
+        `logit_softcap` caps the scores (Gemma 2)."""
         super().__init__()
         num_heads, num_kv_heads = config.num_attention_heads, get_num_kv_heads(config)
         tp = get_tp()
@@ -101,7 +103,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim,
             self.head_dim**-0.5 if scale is None else scale,
-            self.rotary_emb, self.q_norm, self.k_norm, sliding_window,
+            self.rotary_emb, self.q_norm, self.k_norm, sliding_window, logit_softcap,
         )  # fmt: skip
 
     def forward(

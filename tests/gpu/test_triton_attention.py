@@ -254,42 +254,46 @@ def test_decode_matches_reference(num_splits, dtype, block_size, group, head_dim
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
-WINDOWS = full_or_small([1, 17, 64, 1000], [1, 17, 64])
+# (window, soft cap): windows narrower than a KV chunk and wider than some contexts; Gemma 2's
+# soft cap alone and with a window.
+WINDOWS = [(w, None) for w in full_or_small([1, 17, 64, 1000], [1, 17, 64])]
+WINDOWS += [(None, 1.5), (17, 1.5)]
 
 
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("window,softcap", WINDOWS)
 @pytest.mark.parametrize("batch", ["prefix_then_new", "decodes_mixed_in", "long"])
-def test_prefill_over_a_sliding_window_matches_reference(batch, window):
-    """Each query sees its last `window` positions: chunks behind a cached prefix, decode
-    rows mixed in, windows narrower than a KV chunk and wider than some contexts."""
+def test_prefill_over_a_sliding_window_matches_reference(batch, window, softcap):
+    """Each query sees its last `window` positions (its scores soft-capped where asked):
+    chunks behind a cached prefix, decode rows mixed in."""
     query_lens, seq_lens = PREFILL_BATCHES[batch]
     q, k, v, cache, md = make_batch(query_lens, seq_lens, 2, 4, 64, 16, torch.bfloat16)
-    ref = reference_attention(q, k, v, cache.clone(), md, 0.125, window=window)
+    ref = reference_attention(q, k, v, cache.clone(), md, 0.125, window=window, softcap=softcap)
     store_kv(k, v, cache, md.slot_mapping)
     out = torch.full_like(q, float("nan"))
     prefill_attention(
         q, cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125, md.num_seqs,
-        out=out, window=window,
+        out=out, window=window, softcap=softcap,
     )  # fmt: skip
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("window,softcap", WINDOWS)
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-def test_decode_over_a_sliding_window_matches_reference(num_splits, window):
+def test_decode_over_a_sliding_window_matches_reference(num_splits, window, softcap):
     """The splits cover the window's positions only; contexts shorter than the window see
-    them all."""
+    them all; scores soft-capped where asked."""
     seq_lens = DECODE_SEQ_LENS
     q, k, v, cache, md = make_batch(
         [1] * len(seq_lens), seq_lens, 2, 4, 64, 16, torch.bfloat16, extra_table_width=3
     )
-    ref = reference_attention(q, k, v, cache.clone(), md, 0.125, window=window)
+    ref = reference_attention(q, k, v, cache.clone(), md, 0.125, window=window, softcap=softcap)
     store_kv(k, v, cache, md.slot_mapping)
     out = torch.full_like(q, float("nan"))
     decode_attention(
-        q, cache, md.seq_lens, md.block_tables, 0.125, num_splits, out=out, window=window
-    )
+        q, cache, md.seq_lens, md.block_tables, 0.125, num_splits, out=out, window=window,
+        softcap=softcap,
+    )  # fmt: skip
     assert not out.isnan().any()
     assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
 
@@ -572,9 +576,10 @@ FORWARD_QKV_BATCHES = {
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("fused_decode", [True, False])
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("window,softcap", [(None, None), (24, None), (24, 0.5)])
 @torch.no_grad()
-def test_forward_qkv_matches_the_torch_backend(batch, qk_norm, fused_decode, fp8, window):
+def test_forward_qkv_matches_the_torch_backend(batch, qk_norm, fused_decode, fp8, window,
+                                               softcap):  # fmt: skip
     """The model's path (qkv -> q/k norm, rotary, K/V store, attention) through the Triton
     backend's kernels equals the torch backend's float32 run of the same layer on the CPU, in
     its output and in the cache slots it writes; a decode step through the one fused kernel
@@ -584,7 +589,7 @@ def test_forward_qkv_matches_the_torch_backend(batch, qk_norm, fused_decode, fp8
     heads, kv_heads = full_or_small((16, 8), (4, 2))
     head_dim, block_size, dtype = full_or_small(128, 32), 16, torch.bfloat16
     spec = _spec(heads, kv_heads, head_dim, qk_norm, dtype, DEVICE)
-    spec = dataclasses.replace(spec, sliding_window=window)
+    spec = dataclasses.replace(spec, sliding_window=window, logit_softcap=softcap)
     _, _, _, cache, md = make_batch(query_lens, seq_lens, kv_heads, heads // kv_heads, head_dim,
                                     block_size, dtype)  # fmt: skip
     scales = {"k_scale": 0.5, "v_scale": 2.0} if fp8 else {}

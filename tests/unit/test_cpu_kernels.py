@@ -117,12 +117,14 @@ def _paged(keys: torch.Tensor, values: torch.Tensor, block_size: int, gen):
     return cache, tables
 
 
-@pytest.mark.parametrize("window", [None, 1, 20, 77])
+@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (20, None), (77, 2.0),
+                                            (None, 0.5)])  # fmt: skip
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
-def test_paged_attention_matches_sdpa(heads, kv_heads, head_dim, window):
+def test_paged_attention_matches_sdpa(heads, kv_heads, head_dim, window, softcap):
     """Sequences of mixed lengths (a decode token, a chunk, a whole prompt) over a shuffled
-    paged cache, against SDPA on each sequence's own keys with its causal mask (and a
-    sliding window: each query sees its last `window` positions)."""
+    paged cache, against attention on each sequence's own keys with its causal mask (and a
+    sliding window: each query sees its last `window` positions; and Gemma 2's soft cap on
+    the scores)."""
     gen = torch.Generator().manual_seed(heads * head_dim)
     lengths, new = [1, 37, 600], [1, 5, 600]
     keys = [torch.randn(n, kv_heads, head_dim, generator=gen) for n in lengths]
@@ -135,7 +137,7 @@ def test_paged_attention_matches_sdpa(heads, kv_heads, head_dim, window):
         dtype=torch.int32,
     )
     scale = 1 / math.sqrt(head_dim)
-    out = cpu.paged_attention(q, cache, tables, seq, ctx, scale, window)
+    out = cpu.paged_attention(q, cache, tables, seq, ctx, scale, window, softcap)
     start = 0
     for n, m, k, v in zip(lengths, new, keys, values, strict=True):
         qs = q[start : start + m].transpose(0, 1)[None].double()
@@ -143,10 +145,13 @@ def test_paged_attention_matches_sdpa(heads, kv_heads, head_dim, window):
         mask = torch.arange(n)[None, :] <= q_pos
         if window is not None:
             mask &= torch.arange(n)[None, :] > q_pos - window
-        ref = F.scaled_dot_product_attention(
-            qs, k.transpose(0, 1)[None].double(), v.transpose(0, 1)[None].double(),
-            attn_mask=mask, scale=scale, enable_gqa=True,
-        )[0].transpose(0, 1)  # fmt: skip
+        kh = k.transpose(0, 1).double().repeat_interleave(heads // kv_heads, 0)
+        vh = v.transpose(0, 1).double().repeat_interleave(heads // kv_heads, 0)
+        scores = qs[0] @ kh.transpose(1, 2) * scale  # [H, m, n]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        ref = (scores.softmax(-1) @ vh).transpose(0, 1)
         assert torch.allclose(out[start : start + m].double(), ref, atol=2e-6, rtol=1e-5)
         start += m
 

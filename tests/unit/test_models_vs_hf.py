@@ -74,7 +74,7 @@ CONFIGS = {
     ),
     "gemma2": lambda: Gemma2Config(
         **TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=9,
-        attn_logit_softcapping=None, final_logit_softcapping=3.0,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     ),
 }  # fmt: skip

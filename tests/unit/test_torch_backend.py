@@ -92,21 +92,24 @@ def test_prefill_matches_reference(query_lens, seq_lens, heads, kv_heads):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("softcap", [None, 0.7])
 @pytest.mark.parametrize("dim", [16, 8])  # the C kernel; SDPA (head_dim not in 16s)
-@pytest.mark.parametrize("window", [1, 6, 25])
+@pytest.mark.parametrize("window", [1, 6, 25, None])
 @pytest.mark.parametrize(
     "query_lens,seq_lens",
     [([1] * 7, [3, 70, 17, 33, 1, 64, 9]), ([3, 8, 1, 30], [11, 8, 20, 30]), ([4, 4], [4, 13])],
 )
-def test_sliding_window_matches_reference(query_lens, seq_lens, window, dim):
-    """Each query attends to its last `window` positions only: decode batches, prefills
-    and chunks behind a cached prefix."""
+def test_sliding_window_and_softcap_match_reference(query_lens, seq_lens, window, dim, softcap):
+    """Each query attends to its last `window` positions only, its scores soft-capped
+    where asked: decode batches, prefills and chunks behind a cached prefix."""
     md, cache, (q, k, v) = _case(query_lens, seq_lens, 6, 2, dim)
-    ref = reference_attention(q, k, v, cache.clone(), md, 0.25, window=window)
-    full = reference_attention(q, k, v, cache.clone(), md, 0.25)
-    out = TorchAttentionBackend().forward(q, k, v, cache, md, 0.25, window=window)
+    ref = reference_attention(q, k, v, cache.clone(), md, 0.25, window=window, softcap=softcap)
+    plain = reference_attention(q, k, v, cache.clone(), md, 0.25)
+    out = TorchAttentionBackend().forward(q, k, v, cache, md, 0.25, window=window,
+                                          softcap=softcap)  # fmt: skip
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert window >= max(seq_lens) or not torch.allclose(ref, full)  # the window mattered
+    if softcap is not None or window is not None and window < max(seq_lens):
+        assert not torch.allclose(ref, plain)  # the window or the cap mattered
 
 
 def test_prefill_writes_the_new_keys_and_values_into_their_slots():
