@@ -57,6 +57,14 @@ _LAYER_NAMES = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",  # [E, hidden, I]
 }
+# Gemma's norms around both sub-blocks (llama.cpp's gemma2 / gemma3 names).
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Architectures whose converter stores RMSNorm weights as 1 + w (HF keeps w).
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -200,14 +208,16 @@ def _num_bytes(ggml_type: int, shape: tuple[int, ...]) -> int:
     return num_elems // block_elems * block_bytes
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
+def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown.
+    `arch` picks Gemma's names for its norms."""
     match = _LAYER_RE.fullmatch(name)
     if match:
         layer, base, kind = match.groups()
-        if base not in _LAYER_NAMES:
+        names = _GEMMA_LAYER_NAMES if arch in _NORMS_PLUS_ONE else _LAYER_NAMES
+        if base not in names:
             return None
-        return f"model.layers.{layer}.{_LAYER_NAMES[base]}.{kind}"
+        return f"model.layers.{layer}.{names[base]}.{kind}"
     base, _, kind = name.rpartition(".")
     if base in _GLOBAL_NAMES and kind in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[base]}.{kind}"
@@ -226,14 +236,16 @@ class GGUFWeight:
     loader.LazyTensor for safetensors), so that a weight no loader reads is never
     dequantized. `num_heads`: un-permute its rows as a llama q/k projection's (None: not)."""
 
-    def __init__(self, tensor: GGUFTensor, num_heads: int | None) -> None:
+    def __init__(self, tensor: GGUFTensor, num_heads: int | None, offset: float = 0.0) -> None:
         self.tensor = tensor
         self.num_heads = num_heads
+        self.offset = offset  # added to every value (Gemma's norms: -1)
         self.shape = tensor.shape
 
     def dequantize(self) -> torch.Tensor:
         """The whole tensor as float32 (a view of the file's memory map if it is F32)."""
-        return torch.from_numpy(self._hf_rows(dequantize_array(self.tensor)))
+        values = torch.from_numpy(self._hf_rows(dequantize_array(self.tensor)))
+        return values + self.offset if self.offset else values
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         return self.dequantize().narrow(dim, start, length)
@@ -310,7 +322,7 @@ def _iter_gguf(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, GG
     for tensor in gguf_file.tensors.values():
         if tensor.name in _IGNORED:
             continue
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
             raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no HF counterpart")
         heads = None
@@ -318,6 +330,7 @@ def _iter_gguf(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, GG
             heads = num_heads
         elif arch == "llama" and ".self_attn.k_proj." in hf_name:
             heads = num_kv_heads
-        yield hf_name, GGUFWeight(tensor, heads)
+        offset = -1.0 if arch in _NORMS_PLUS_ONE and hf_name.endswith("norm.weight") else 0.0
+        yield hf_name, GGUFWeight(tensor, heads, offset)
         if tensor.name == "token_embd.weight" and head_from_embedding:
             yield "lm_head.weight", GGUFWeight(tensor, None)

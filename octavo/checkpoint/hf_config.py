@@ -104,6 +104,8 @@ def gguf_to_hf_config(path: str) -> GGUFConfig:
     kwargs |= _gguf_experts(get, str(arch))
     scaling = _gguf_rope_scaling(get) or {"rope_type": "default"}
     kwargs["rope_parameters"] = {"rope_theta": float(get("rope.freq_base", 10000.0))} | scaling
+    if arch in ("gemma2", "gemma3"):
+        kwargs |= _gguf_gemma(get, str(arch), kwargs)
     config = GGUFConfig(str(arch), **kwargs)
     if "rope_freqs.weight" in tensors:
         config.rope_freq_factors = dequantize_tensor(tensors["rope_freqs.weight"]).tolist()
@@ -124,6 +126,33 @@ def _gguf_experts(get, arch: str) -> dict[str, Any]:
         "moe_intermediate_size": int(get("expert_feed_forward_length")),
         "norm_topk_prob": bool(get("expert_weights_norm", True)),
     }  # fmt: skip
+
+
+def _gguf_gemma(get, arch: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's config fields as llama.cpp reads its files: sliding layers every other one
+    (gemma2) or all but every sixth (gemma3), whose rope base is 10,000; the query scale
+    1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for the 27B models (46 and 62 layers)."""
+    layers, head_dim = fields["num_hidden_layers"], fields["head_dim"]
+    big = layers == (46 if arch == "gemma2" else 62)
+    scalar = fields["hidden_size"] // fields["num_attention_heads"] if big else head_dim
+    if arch == "gemma2":
+        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    else:
+        kinds = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                 for i in range(layers)]  # fmt: skip
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
+        "sliding_window": int(get("attention.sliding_window", fields["max_position_embeddings"])),
+        "layer_types": kinds,
+        "attn_logit_softcapping": get("attn_logit_softcapping"),
+        "final_logit_softcapping": get("final_logit_softcapping"),
+    }  # fmt: skip
+    if arch == "gemma3":
+        out["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": fields["rope_parameters"],
+        }
+    return out
 
 
 def _gguf_rope_scaling(get) -> dict | None:

@@ -25,6 +25,8 @@ _MODELS: dict[str, tuple[str, str]] = {
 
 # GGUF `general.architecture` -> HF architecture name.
 _GGUF_ARCHITECTURES: dict[str, str] = {
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
