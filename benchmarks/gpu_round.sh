@@ -9,7 +9,8 @@
 #                  peer / Qwen3-8B without it (tp06-nopeer, tp8b-peer: the other way round)
 #   latency        one Qwen3-8B request (latency.py; latency06: Qwen3-0.6B)
 #   moe            Qwen3-30B-A3B: one request against the routed experts' floor, then the
-#                  nano-vllm workload
+#                  nano-vllm workload; moefp8 the same with quantization="fp8"
+#   moekernels     one MoE layer at 1-4,096 rows against its floor (moe_kernels.py), bf16 and fp8
 #   serve          `octavo serve` end to end on the dummy Qwen3-0.6B: its start-up, then 64
 #                  requests at once through `octavo bench serve` (a failed one is counted)
 #   serve06, serve8b  `octavo bench serve` against `octavo serve` at two Poisson rates
@@ -87,6 +88,13 @@ for stage in $stages; do
          timeout 400 "${OCTAVO[@]}" bench throughput --model qwen3-30b-a3b --max-model-len 4096 \
             --load-format dummy --workload nanovllm --progress \
             --json "$OUT/throughput_qwen3_30b_a3b.json" 2>&1 | tee "$OUT/moe_thru.log" | tail -4 ;;
+    moefp8) timeout 300 python3 benchmarks/latency.py --model qwen3-30b-a3b --quantization fp8 \
+            --json "$OUT/latency_qwen3_30b_a3b_fp8.json" 2>&1 | tee "$OUT/moe_latency_fp8.log" | tail -4
+         timeout 400 "${OCTAVO[@]}" bench throughput --model qwen3-30b-a3b --max-model-len 4096 \
+            --load-format dummy --workload nanovllm --quantization fp8 --progress \
+            --json "$OUT/throughput_qwen3_30b_a3b_fp8.json" 2>&1 | tee "$OUT/moe_thru_fp8.log" | tail -4 ;;
+    moekernels) timeout 150 python3 benchmarks/moe_kernels.py --json "$OUT/moe_kernels.json" 2>&1 | tail -8
+         timeout 150 python3 benchmarks/moe_kernels.py --fp8 --json "$OUT/moe_kernels_fp8.json" 2>&1 | tail -8 ;;
     serve) serve_bench qwen3-0.6b 64 inf 2>&1 | tee "$OUT/serve.log" | grep -E "^(/health|Successful|Failed)" ;;
     serve06) serve_bench qwen3-0.6b 256 16 64 2>&1 | tee "$OUT/serve06.log" | grep -E "^(Request rate|Output token|Mean|P99)" ;;
     serve8b) serve_bench qwen3-8b 128 4 16 2>&1 | tee "$OUT/serve8b.log" | grep -E "^(Request rate|Output token|Mean|P99)" ;;

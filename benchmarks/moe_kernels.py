@@ -11,7 +11,7 @@ Each M is also timed without PDL, and where the small path (no sort) runs, on th
 path. `--sweep` also times the rule's tiles with one field changed at a time (the small
 path's down tiles from a short list), to check the rule.
 
-    python benchmarks/moe_kernels.py [--rows 1 16 256 4096] [--sweep] [--json out.json]
+    python benchmarks/moe_kernels.py [--rows 1 16 256 4096] [--sweep] [--fp8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -48,19 +48,20 @@ def _graph_time(fn, repeats: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _case(rows: int, ceilings, w13, w2, router, config=None, repeats: int = 50) -> dict:
+def _case(rows: int, ceilings, w13, w2, router, config=None, repeats: int = 50,
+          scales=None) -> dict:  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
 
     def layer():
         ids, weights = fused_moe.route(F.linear(x, router), TOP_K, True)
-        return fused_moe.fused_experts(x, w13, w2, ids, weights, config=config)
+        return fused_moe.fused_experts(x, w13, w2, ids, weights, config=config, scales=scales)
 
     seconds = _graph_time(layer, repeats)
     ids, _ = fused_moe.route(F.linear(x, router), TOP_K, True)
     reached = torch.unique(ids).numel()
     elem = 2
-    weight_bytes = reached * 3 * INTER * HIDDEN * elem
+    weight_bytes = reached * 3 * INTER * HIDDEN * w13.element_size()
     act_bytes = (2 * rows * HIDDEN + 2 * rows * TOP_K * INTER + rows * TOP_K * HIDDEN) * elem
     flops = 2 * rows * TOP_K * 3 * INTER * HIDDEN
     floor = max((weight_bytes + act_bytes) / ceilings.copy_bytes_per_s,
@@ -88,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16, 256, 4096])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--fp8", action="store_true", help="e4m3 experts, a scale per row")
     parser.add_argument("--json")
     args = parser.parse_args()
     ceilings = measure_ceilings()
@@ -97,8 +99,20 @@ def main() -> None:
         return (torch.randn(*shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
 
     w13, w2, router = weights(E, 2 * INTER, HIDDEN), weights(E, HIDDEN, INTER), weights(E, HIDDEN)
+    scales = None
+    if args.fp8:
+        from octavo.quant.rounding import quantize_fp8
+
+        q13, s13 = quantize_fp8(w13.flatten(0, 1))
+        q2, s2 = quantize_fp8(w2.flatten(0, 1))
+        w13, w2 = q13.view(w13.shape), q2.view(w2.shape)
+        scales = (s13.view(E, -1), s2.view(E, -1))
     results, sweeps = [], []
     for rows in args.rows:
+        if scales is not None:  # fp8: the layer at each M, nothing else
+            results.append(_case(rows, ceilings, w13, w2, router, scales=scales) |
+                           {"no_pdl_us": float("nan")})  # fmt: skip
+            continue
         results.append(_case(rows, ceilings, w13, w2, router))
         if rows * TOP_K <= fused_moe.SMALL_MAX_PAIRS:  # the small path against the sorted
             small, fused_moe.SMALL_MAX_PAIRS = fused_moe.SMALL_MAX_PAIRS, 0

@@ -125,16 +125,17 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr, b_scale_ptr,
     N, K, num_pairs, up_offset,
-    stride_am, stride_be, stride_bn, stride_cm,
+    stride_am, stride_be, stride_bn, stride_cm, stride_se,
     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """c[pair, n] = sum_k a[pair // ROWS_PER_A, k] b[expert, n, k] over the block's pairs;
     GATED: silu(that) * (the same over b's rows n + up_offset); WEIGHTED: times the pair's
-    routing weight. b [E, rows, K] has unit stride along K."""
+    routing weight. b [E, rows, K] has unit stride along K; SCALED: b holds e4m3 codes,
+    widened to a's dtype for the dot, and row r of expert e is times b_scale[e, r]."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     num_n = tl.cdiv(N, BLOCK_N)
@@ -156,14 +157,19 @@ def _moe_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_ok = (offs_k < K - k0) | EVEN_K
         a = tl.load(a_ptrs, mask=real[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(a.dtype)
         acc = _dot(a, b, acc, IEEE)
         if GATED:
             b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=k_ok[:, None] & n_ok[None, :],
-                           other=0.0)  # fmt: skip
+                           other=0.0).to(a.dtype)  # fmt: skip
             acc_up = _dot(a, b_up, acc_up, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if SCALED:  # each output row's scale, after the sum over K
+        scale_row = b_scale_ptr + expert * stride_se + offs_n
+        acc = acc * tl.load(scale_row, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scale_row + up_offset, mask=n_ok, other=0.0)[None, :]
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if WEIGHTED:
@@ -174,9 +180,10 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _small_gate_up_kernel(
-    x_ptr, w13_ptr, h_ptr, ids_ptr, first, num_local, num_pairs, hidden, inter,
-    stride_xm, stride_be, stride_bn,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w13_ptr, h_ptr, ids_ptr, scale_ptr, first, num_local, num_pairs, hidden, inter,
+    stride_xm, stride_be, stride_bn, stride_se,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """A few rows, no sort: a program per (pair, tile of BLOCK_N features), h[pair] =
     silu(gate x) * up x on the FMA units. The pairs of a tile are neighbours in the grid,
@@ -203,6 +210,10 @@ def _small_gate_up_kernel(
         wu = tl.load(w + inter * stride_bn + k0 + offs_k[None, :], mask=mask, other=0.0)
         gate += tl.sum(wg.to(tl.float32) * x[None, :], 1)
         up += tl.sum(wu.to(tl.float32) * x[None, :], 1)
+    if SCALED:  # e4m3 codes: each row's scale
+        scale_row = scale_ptr + expert.to(tl.int64) * stride_se + offs_n
+        gate = gate * tl.load(scale_row, mask=n_ok, other=0.0)
+        up = up * tl.load(scale_row + inter, mask=n_ok, other=0.0)
     out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(h_ptr + pair.to(tl.int64) * inter + offs_n, out.to(h_ptr.dtype.element_ty),
              mask=n_ok)  # fmt: skip
@@ -210,10 +221,10 @@ def _small_gate_up_kernel(
 
 @triton.jit
 def _small_down_kernel(
-    h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, first, num_local, num_tokens, hidden, inter,
-    stride_be, stride_bn, stride_om,
+    h_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, scale_ptr, first, num_local, num_tokens,
+    hidden, inter, stride_be, stride_bn, stride_om, stride_se,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    SCALED: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """A program per (token, tile of BLOCK_N outputs): weight * (h[pair] @ the expert's down
     rows) for the token's k pairs at once (a [k, BLOCK_N, BLOCK_K] load an iteration, so
@@ -242,6 +253,9 @@ def _small_down_kernel(
         wd = tl.load(w + k0 + offs_k[None, None, :], mask=w_mask, other=0.0)
         acc += tl.sum(wd.to(tl.float32) * h[:, None, :], 2)
     weights = tl.load(weights_ptr + pairs, mask=ours, other=0.0)
+    if SCALED:  # e4m3 codes: each expert's row scales
+        scales = scale_ptr + tl.where(ours, experts, 0).to(tl.int64)[:, None] * stride_se
+        acc = acc * tl.load(scales + offs_n[None, :], mask=ours[:, None] & n_ok[None, :], other=0.0)
     out = tl.sum(acc * weights[:, None], 0)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + offs_n,
              out.to(out_ptr.dtype.element_ty), mask=n_ok)  # fmt: skip
@@ -351,20 +365,23 @@ def _align_torch(local, num_local, block_m, sorted_ids, block_expert):
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
     weights: torch.Tensor, first: int = 0, num_experts: int | None = None,
-    config: TileConfig | None = None,
+    config: TileConfig | None = None, scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [T, hidden], w13 [E', 2 I, hidden], w2 [E', hidden, I] (this rank's experts first ..
     first + E' - 1 of num_experts), ids / weights [T, k] -> [T, hidden]: the sum over each
     token's k pairs of weight * down(silu(gate x) * up x), pairs of experts this rank lacks
-    counting 0."""
+    counting 0. With `scales` (float32 [E', 2 I] and [E', hidden]) w13 and w2 hold e4m3
+    codes, a weight being its code times its row's scale (activations stay in x's dtype)."""
     num_tokens, hidden = x.shape
     num_local, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_tokens == 0:
         return torch.zeros_like(x)
+    s13, s2 = scales if scales is not None else (x, x)  # any tensor: unread without scales
+    scaled = {"SCALED": scales is not None}
     if num_pairs <= SMALL_MAX_PAIRS and config is None:
-        return _small(x, w13, w2, ids, weights, first)
+        return _small(x, w13, w2, ids, weights, first, s13, s2, scaled)
     cfg = config or tile_config(num_pairs, num_local, x.element_size())
     sorted_ids, block_expert, total = align(ids, num_local, cfg.block_m, first)
     num_blocks = block_expert.numel()
@@ -373,23 +390,24 @@ def fused_experts(
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))  # fmt: skip
     _moe_gemm_kernel[(num_blocks * triton.cdiv(inter, cfg.block_n),)](
-        x, w13, h, weights, sorted_ids, block_expert, total, inter, hidden, num_pairs, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        x, w13, h, weights, sorted_ids, block_expert, total, s13, inter, hidden, num_pairs,
+        inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), s13.stride(0),
         ROWS_PER_A=top_k, GATED=True, WEIGHTED=False, EVEN_K=hidden % cfg.block_k == 0,
-        **common,
+        **common, **scaled,
     )  # fmt: skip
     # Pairs of another rank's experts are never written: they must read as 0.
     alloc = torch.zeros if num_local < (num_experts or num_local) else torch.empty
     y = alloc(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _moe_gemm_kernel[(num_blocks * triton.cdiv(hidden, cfg.block_n),)](
-        h, w2, y, weights, sorted_ids, block_expert, total, hidden, inter, num_pairs, 0,
-        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        h, w2, y, weights, sorted_ids, block_expert, total, s2, hidden, inter, num_pairs, 0,
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0), s2.stride(0),
         ROWS_PER_A=1, GATED=False, WEIGHTED=True, EVEN_K=inter % cfg.block_k == 0, **common,
+        **scaled,
     )  # fmt: skip
     return y.view(num_tokens, top_k, hidden).sum(1)
 
 
-def _small(x, w13, w2, ids, weights, first):
+def _small(x, w13, w2, ids, weights, first, s13, s2, scaled):
     """fused_experts for a few rows: a kernel per projection, no sort (see the kernels)."""
     num_tokens, hidden = x.shape
     num_local, inter, top_k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
@@ -398,17 +416,17 @@ def _small(x, w13, w2, ids, weights, first):
     pdl = pdl_args(x.device)
     block_n, block_k = SMALL_GATE_UP_TILES
     _small_gate_up_kernel[(num_pairs * triton.cdiv(inter, block_n),)](
-        x, w13, h, ids, first, num_local, num_pairs, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1),
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **pdl,
+        x, w13, h, ids, s13, first, num_local, num_pairs, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **pdl, **scaled,
     )  # fmt: skip
     out = torch.empty_like(x)
     block_n, block_k = SMALL_DOWN_TILES
     _small_down_kernel[(num_tokens * triton.cdiv(hidden, block_n),)](
-        h, w2, out, ids, weights, first, num_local, num_tokens, hidden, inter,
-        w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k,
+        h, w2, out, ids, weights, s2, first, num_local, num_tokens, hidden, inter,
+        w2.stride(0), w2.stride(1), out.stride(0), s2.stride(0), TOP_K=top_k,
         K_POW2=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8,
-        **pdl,
+        **pdl, **scaled,
     )  # fmt: skip
     return out
 

@@ -93,6 +93,32 @@ class FusedMoE(nn.Module):
         # Each expert's QuantizedWeights ({"w13": [...], "w2": [...]}, this rank's experts)
         # where a method keeps a checkpoint's blocks; w13 and w2 are then empty.
         self.register_module("quant", None)
+        # quantization="fp8": w13 and w2 hold e4m3 codes, times these float32 scales per row
+        # ([E', 2 I] and [E', hidden]).
+        self.register_buffer("w13_scale", None)
+        self.register_buffer("w2_scale", None)
+
+    def quantize_fp8(self) -> None:
+        """Rounds every expert's rows to e4m3 with a float32 scale each (quantization="fp8"),
+        an expert at a time, so the float weights and their codes are never all held twice."""
+        from octavo.quant.rounding import quantize_fp8
+
+        for name in ("w13", "w2"):
+            weight = getattr(self, name).detach()
+            codes = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
+            scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+            for e in range(weight.shape[0]):
+                codes[e], scale[e] = quantize_fp8(weight[e])
+            setattr(self, name, nn.Parameter(codes, requires_grad=False))
+            setattr(self, f"{name}_scale", scale)
+            del weight
+
+    def _expert(self, name: str, local: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `local`'s w13 or w2 in `dtype` (dequantized where they hold e4m3 codes)."""
+        weight, scale = getattr(self, name)[local], getattr(self, f"{name}_scale")
+        if scale is None:
+            return weight
+        return (weight.float() * scale[local][:, None]).to(dtype)
 
     def keep(self, w13: list[nn.Module], w2: list[nn.Module]) -> None:
         """Computes with these in place of w13 and w2 (each expert's, this rank's share);
@@ -151,8 +177,8 @@ class FusedMoE(nn.Module):
             if self.quant is not None:  # kept in a checkpoint's blocks
                 y = self.quant["w2"][local](self.act_fn(self.quant["w13"][local](rows)))
             else:
-                h = cpu_kernels.dense(rows, self.w13[local])
-                y = cpu_kernels.dense(self.act_fn(h), self.w2[local])
+                h = cpu_kernels.dense(rows, self._expert("w13", local, x.dtype))
+                y = cpu_kernels.dense(self.act_fn(h), self._expert("w2", local, x.dtype))
             out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(x.dtype))
         return out
 
@@ -163,8 +189,9 @@ class FusedMoE(nn.Module):
         experts, weights = fused_moe.route(
             logits, self.top_k, self.renormalize, self.expert_tokens, self.real_tokens
         )
+        scales = None if self.w13_scale is None else (self.w13_scale, self.w2_scale)
         return fused_moe.fused_experts(
-            x, self.w13, self.w2, experts, weights, self.first, self.num_experts
+            x, self.w13, self.w2, experts, weights, self.first, self.num_experts, scales=scales
         )
 
 

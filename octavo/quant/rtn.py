@@ -1,7 +1,9 @@
 """quantization="int8" | "int4" | "fp8" on a float checkpoint: each Linear's weight (qkv, o,
 gate_up, down; not the embedding, norms or LM head) rounded to nearest as it lands, a Linear
 at a time, so a load never holds the float projections together. A rank quantizes the shard
-it loaded, so a row-parallel shard gets scales of its own."""
+it loaded, so a row-parallel shard gets scales of its own. With fp8 a mixture of experts'
+experts are rounded too (e4m3, a scale per row), once loaded; int8 and int4 leave them in
+float."""
 
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ class RoundToNearest(QuantMethod):
     def fill(self, net, source, claims, device, threads) -> None:
         weights = self.float_weights(source)
         place_one_at_a_time(net, claims, weights, None, device, self._quantized, threads)
+        if self.name == "fp8":  # the experts loaded in float with the other weights
+            _quantize_experts(net)
 
     def _quantized(self, linear: Linear, weight: torch.Tensor) -> QuantizedWeight:
         return quantize_weight(self.name, weight)
@@ -57,3 +61,13 @@ class RoundToNearest(QuantMethod):
     def quantize_random(self, net: nn.Module) -> None:
         for linear in linears(net):
             quantize(linear, self.name)
+        if self.name == "fp8":
+            _quantize_experts(net)
+
+
+def _quantize_experts(net: nn.Module) -> None:
+    from octavo.model.moe import FusedMoE
+
+    for module in net.modules():
+        if isinstance(module, FusedMoE) and module.quant is None:
+            module.quantize_fp8()

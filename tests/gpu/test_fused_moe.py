@@ -137,6 +137,37 @@ def test_fused_experts_match_reference(tokens, experts, top_k, hidden, inter, dt
     torch.testing.assert_close(out.float().cpu(), ref, **tol)
 
 
+def _to_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each expert's rows rounded to e4m3 with a float32 scale per row: (codes, scales, the
+    weights they stand for)."""
+    from octavo.quant.rounding import quantize_fp8
+
+    pairs = [quantize_fp8(w[e].float().cpu()) for e in range(w.shape[0])]
+    codes = torch.stack([q for q, _ in pairs])
+    scales = torch.stack([s for _, s in pairs])
+    return codes.to(DEVICE), scales.to(DEVICE), (codes.float() * scales[..., None]).to(DEVICE)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_experts_match_their_dequantized_weights(tokens, experts, top_k, hidden, inter, dtype,
+                                                      path):  # fmt: skip
+    """e4m3 experts with a scale per row (quantization="fp8"): the layer over the weights
+    the codes stand for, activations in x's dtype."""
+    if INTERPRET and (dtype == torch.bfloat16 and tokens > 3 or tokens > 17):
+        pytest.skip("the interpreter's bfloat16 dot is slow")
+    if path == "small" and tokens > 256:
+        pytest.skip("the small path is for a few rows")
+    x, w13, w2, ids, weights = _layer_inputs(
+        tokens, experts, top_k, hidden, inter, dtype, seed=tokens * 7 + hidden
+    )
+    (c13, s13, d13), (c2, s2, d2) = _to_fp8(w13), _to_fp8(w2)
+    out = fused_moe.fused_experts(x, c13, c2, ids, weights, scales=(s13, s2))
+    ref = _reference(x, d13, d2, ids, weights)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float().cpu(), ref, **tol)
+
+
 @pytest.mark.parametrize("first,num_local", [(0, 4), (4, 4), (2, 3)])
 def test_fused_experts_of_one_rank(first, num_local, path):
     """Expert parallelism: a rank with experts first .. first + num_local - 1 gives their

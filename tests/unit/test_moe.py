@@ -116,6 +116,34 @@ def test_the_engine_gives_hf_greedy_tokens_alone_and_batched(pair):
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 8)
 
 
+def test_fp8_rounds_the_experts_and_keeps_the_logits_close(pair):
+    """quantization="fp8": every expert's rows become e4m3 codes with a float32 scale each
+    (a byte a weight); a layer computes over the weights the codes stand for, and the
+    model's logits stay near the float model's (its Linears are rounded too)."""
+    import copy
+
+    _, ours, cfg, path, _ = pair
+    fp8 = load_model(path, cfg, torch.float32, torch.device("cpu"), quantization="fp8")
+    moes = [m for m in fp8.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.w13.dtype == m.w2.dtype == torch.float8_e4m3fn for m in moes)
+    for m in moes:
+        assert m.w13_scale.shape == m.w13.shape[:2] and m.w2_scale.shape == m.w2.shape[:2]
+    layer = moes[0]
+    dequantized = copy.deepcopy(layer)
+    for name in ("w13", "w2"):
+        codes, scale = getattr(layer, name), getattr(layer, f"{name}_scale")
+        setattr(dequantized, name, torch.nn.Parameter(codes.float() * scale[..., None]))
+        setattr(dequantized, f"{name}_scale", None)
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(layer.partial(x), dequantized.partial(x), rtol=1e-5, atol=1e-6)
+    ids = _prompt(0, 23)
+    (want,) = PagedRunner(ours, cfg).step([(0, ids)])
+    (got,) = PagedRunner(fp8, cfg).step([(0, ids)])
+    # Rounded, and near: these sharp tiny models can flip a routing choice on a rounding,
+    # while unrelated logits are about sqrt(2) apart.
+    assert 1e-6 < rel_err(got, want) < 0.5
+
+
 def _dummy_qwen3_moe(tmp_path) -> tuple[LLM, object]:
     """The tiny Qwen3-MoE config's engine on dummy weights, and the config."""
     path = tmp_path / "cfg"
