@@ -16,7 +16,7 @@ from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig, Speculat
 from octavo.engine.engine import Engine
 from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.engine.speculative import Speculator
-from octavo.kernels.capability import cpu_threads
+from octavo.kernels.capability import AUTO_THREADS, ThreadGovernor, cpu_threads
 from octavo.kernels.cpu import compute_mode
 from octavo.model.config import get_head_dim, get_num_kv_heads
 from octavo.model.parallel import check_tp_size
@@ -151,7 +151,7 @@ def build_engine(
         "quantization": quantization, "kv_cache_dtype": kv_dtype,
         "draft": _draft_options(speculative, hf_config, dev, parallel, load_format),
     }  # fmt: skip
-    runner = _make_runner(runner_options, dev, parallel)
+    runner = _make_runner(runner_options, dev, parallel, threads)
     sched, num_blocks = _allocate_kv_cache(
         runner, cache, hf_config, dev, max_model_len, max_num_seqs, max_num_batched_tokens
     )
@@ -248,10 +248,16 @@ def _check_options(
     return SpeculativeConfig.parse(speculative_config)
 
 
-def _make_runner(runner_options: dict, device: torch.device, parallel: ParallelConfig) -> Runner:
-    """The model in this process, or a worker process per tensor-parallel rank."""
+def _make_runner(
+    runner_options: dict, device: torch.device, parallel: ParallelConfig, threads: int | None
+) -> Runner:
+    """The model in this process, or a worker process per tensor-parallel rank. On the CPU,
+    with no thread count asked for, the runner's threads follow the free cores."""
     if parallel.tensor_parallel_size == 1:
-        return ModelRunner(device=device, **runner_options)
+        runner = ModelRunner(device=device, **runner_options)
+        if device.type == "cpu" and cpu_threads(threads)[1] == AUTO_THREADS:
+            runner.thread_governor = ThreadGovernor(torch.get_num_threads())
+        return runner
     return MultiprocRunner(
         runner_options, device.type, parallel.tensor_parallel_size, parallel.nnodes,
         parallel.dist_init_addr, parallel.enable_expert_parallel,

@@ -101,6 +101,9 @@ class ModelRunner:
         self.cuda_graph_max_tokens = cuda_graph_max_tokens
         # A model's hook before each step (model/moe.py: which rows are real).
         self._begin_step = getattr(self.model, "begin_step", None)
+        # On the CPU with no thread count asked for: threads that follow the free cores
+        # (kernels/capability.ThreadGovernor; the builder sets it).
+        self.thread_governor = None
         self.graph_runner: CudaGraphRunner | None = None
         self.inputs: InputBuilder | None = None
         # The previous step's samples on the device: (request id -> row, [R] token ids).
@@ -236,6 +239,8 @@ class ModelRunner:
             raise RuntimeError("the previous step was never sampled (sample_tokens)")
         self._update_states(so)
         self._copy_blocks(so.block_copies)
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         graph = self._graph_shape(so)
         last_rows, last_sampled = self._last_sampled or ({}, None)
         step = self.inputs.build(so.scheduled, graph, last_rows, last_sampled)
