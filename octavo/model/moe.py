@@ -98,20 +98,11 @@ class FusedMoE(nn.Module):
         self.register_buffer("w13_scale", None)
         self.register_buffer("w2_scale", None)
 
-    def quantize_fp8(self) -> None:
-        """Rounds every expert's rows to e4m3 with a float32 scale each (quantization="fp8"),
-        an expert at a time, so the float weights and their codes are never all held twice."""
-        from octavo.quant.rounding import quantize_fp8
-
-        for name in ("w13", "w2"):
-            weight = getattr(self, name).detach()
-            codes = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
-            scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
-            for e in range(weight.shape[0]):
-                codes[e], scale[e] = quantize_fp8(weight[e])
-            setattr(self, name, nn.Parameter(codes, requires_grad=False))
-            setattr(self, f"{name}_scale", scale)
-            del weight
+    def hold_fp8(self, name: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        """Computes with e4m3 `codes` in place of w13 or w2 (`name`), each row times its
+        float32 `scale` ([E', rows]); quant/rtn.py makes them (quantization="fp8")."""
+        setattr(self, name, nn.Parameter(codes, requires_grad=False))
+        setattr(self, f"{name}_scale", scale)
 
     def _expert(self, name: str, local: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `local`'s w13 or w2 in `dtype` (dequantized where they hold e4m3 codes)."""

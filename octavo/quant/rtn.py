@@ -16,6 +16,7 @@ from octavo.kernels.capability import check_fp8_device
 from octavo.model.layers import Linear
 from octavo.quant.fp8 import Fp8Weight
 from octavo.quant.method import QuantMethod, Source, linears, place_one_at_a_time
+from octavo.quant.rounding import quantize_fp8
 from octavo.quant.weights import Int4Weight, Int8Weight, QuantizedWeight
 
 WEIGHTS = {"int8": Int8Weight, "int4": Int4Weight, "fp8": Fp8Weight}
@@ -66,8 +67,18 @@ class RoundToNearest(QuantMethod):
 
 
 def _quantize_experts(net: nn.Module) -> None:
+    """Rounds every expert's rows to e4m3 with a float32 scale each, an expert at a time,
+    so the float weights and their codes are never all held twice."""
     from octavo.model.moe import FusedMoE
 
     for module in net.modules():
-        if isinstance(module, FusedMoE) and module.quant is None:
-            module.quantize_fp8()
+        if not isinstance(module, FusedMoE) or module.quant is not None:
+            continue
+        for name in ("w13", "w2"):
+            weight = getattr(module, name).detach()
+            codes = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
+            scale = torch.empty(weight.shape[:2], dtype=torch.float32, device=weight.device)
+            for e in range(weight.shape[0]):
+                codes[e], scale[e] = quantize_fp8(weight[e])
+            del weight
+            module.hold_fp8(name, codes, scale)

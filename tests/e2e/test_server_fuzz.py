@@ -165,3 +165,47 @@ def test_fuzzed_requests_get_documented_responses_and_no_5xx(served, request):
     raw = json.dumps(body)  # Infinity and huge ints, as a client may send them
     r = client.post(path, content=raw, headers={"Content-Type": "application/json"})
     _check_response(documented[path], path, body, r)
+
+
+BASE_BODIES = {
+    ("/v1/completions", "CompletionRequest"): {"prompt": "hi", "max_tokens": 1},
+    ("/v1/chat/completions", "ChatCompletionRequest"): {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+    },
+    ("/tokenize", "TokenizeChatRequest"): {"messages": [{"role": "user", "content": "hi"}]},
+}  # fmt: skip
+
+
+def _past_each_limit(props: dict) -> list[tuple[str, object]]:
+    """(field, a value just outside a range its schema states) for every stated bound."""
+    cases = []
+    for field, schema in props.items():
+        is_int = "integer" in json.dumps(schema) and "number" not in json.dumps(schema)
+        step = 1 if is_int else 0.5
+        if "minimum" in schema:
+            cases.append((field, schema["minimum"] - step))
+        if "maximum" in schema:
+            cases.append((field, schema["maximum"] + step if is_int else schema["maximum"] * 10))
+        if "exclusiveMinimum" in schema:
+            cases.append((field, schema["exclusiveMinimum"]))
+        if "minItems" in schema:
+            cases.append((field, []))
+        if "minLength" in schema:
+            cases.append((field, ""))
+    return cases
+
+
+def test_every_limit_the_openapi_document_states_is_enforced(served):
+    """A value just past any bound the document states (minimum, maximum, exclusiveMinimum,
+    minItems, minLength) is a 400 naming the field."""
+    client, _ = served
+    schemas = client.app.openapi()["components"]["schemas"]
+    checked = 0
+    for (path, model), base in BASE_BODIES.items():
+        for field, value in _past_each_limit(schemas[model]["properties"]):
+            r = client.post(path, json=base | {field: value})
+            assert r.status_code == 400, (path, field, value, r.text[:300])
+            error = r.json()["error"]
+            assert field in (error["param"] or "") + error["message"], (path, field, error)
+            checked += 1
+    assert checked >= 25

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from octavo.sampling_params import MAX_LOGPROBS, MAX_N, MAX_TEMPERATURE
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -68,6 +70,16 @@ def _accepts_none(annotation: Any) -> bool:
     return annotation is None or type(None) in getattr(annotation, "__args__", ())
 
 
+def limits(default: Any = None, **schema: Any) -> Any:
+    """A field's default, and the range the server enforces stated in the OpenAPI document
+    (`minimum`, `maximum`, `exclusiveMinimum`, `minItems`, ...). The checks themselves stay
+    in SamplingParams and the routes, whose errors name the field and the range."""
+    return Field(default, json_schema_extra=schema)
+
+
+_LOGPROBS = {"minimum": 0, "maximum": MAX_LOGPROBS}
+
+
 class StreamOptions(NullMeansDefault):
     model_config = ConfigDict(strict=True)
 
@@ -80,19 +92,19 @@ class SamplingRequest(NullMeansDefault):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    n: int = limits(1, minimum=1, maximum=MAX_N)
+    temperature: float | None = limits(minimum=0, maximum=MAX_TEMPERATURE)
+    top_p: float | None = limits(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = limits(minimum=-1)  # -1 and 0: no top-k
+    min_p: float | None = limits(minimum=0, maximum=1)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = limits(minimum=-2, maximum=2)
+    frequency_penalty: float | None = limits(minimum=-2, maximum=2)
+    repetition_penalty: float | None = limits(exclusiveMinimum=0)
     ignore_eos: bool = False
-    min_tokens: int | None = None
+    min_tokens: int | None = limits(minimum=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -100,10 +112,10 @@ class SamplingRequest(NullMeansDefault):
     # vLLM's extensions, honoured as vLLM does.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = limits(**_LOGPROBS)
+    allowed_token_ids: list[int] | None = limits(minItems=1)
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: int | None = limits(minimum=-1)  # -1: max_model_len; not 0
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs (keys of
     # StructuredOutputsParams) and its older guided_* fields; at most one of them.
     response_format: dict[str, Any] | None = None
@@ -128,12 +140,14 @@ class CompletionRequest(SamplingRequest):
 
     # Each list stops at its first bad item: a long prompt of token ids is not also checked,
     # one error an id, as a list of str.
-    prompt: str | _FailFast[list[str]] | _FailFast[list[int]] | _FailFast[list[list[int]]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | _FailFast[list[str]] | _FailFast[list[int]] | _FailFast[list[list[int]]] = limits(
+        ..., minLength=1, minItems=1
+    )
+    max_tokens: int | None = limits(16, minimum=1)
+    logprobs: int | None = limits(**_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = limits(minimum=1)  # and >= n
 
 
 class ChatMessage(BaseModel):
@@ -148,11 +162,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions: the conversation is rendered with the model's template."""
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = limits(..., minItems=1)
+    max_tokens: int | None = limits(minimum=1)
+    max_completion_tokens: int | None = limits(minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = limits(**_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -178,7 +192,7 @@ class TokenizeChatRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = limits(..., minItems=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # on top of those the chat template writes
