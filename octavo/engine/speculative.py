@@ -26,8 +26,10 @@ from octavo.core.sched_output import SchedulerOutput
 from octavo.core.scheduler import Scheduler
 from octavo.runner.outputs import ModelRunnerOutput
 
-# A request whose guesses all fail sits out this many steps per failure in a row (up to the
-# cap) before it guesses again, so that a text with nothing to copy costs ~nothing.
+# A request whose guesses all fail, or that gets none, sits out this many steps per miss in
+# a row (up to the cap) before it guesses again, so that a text with nothing to copy costs
+# ~nothing; a step in which every running request sits out does not speculate at all (it
+# need not wait for the step in flight).
 _BACKOFF_CAP = 8
 
 
@@ -138,17 +140,27 @@ class Speculator:
         # KV slots the scheduler reserves past a sampling step, for a draft model's guesses.
         self.num_lookahead_tokens = self.k if config.method == "draft_model" else 0
         self.stats = SpecStats(accepted_per_position=[0] * self.k)
-        # request -> (failed verifications in a row, steps left to sit out); gone with it
+        # request -> (misses in a row, steps left to sit out); gone with it
         self._backoff: weakref.WeakKeyDictionary[Request, tuple[int, int]] = (
             weakref.WeakKeyDictionary()
         )
+        self._sitting_out: set[str] = set()  # this step's, by request id
 
     def active(self, scheduler: Scheduler) -> bool:
-        """Whether the next step speculates: some request runs, and no more than
-        `disable_by_batch_size` of them."""
+        """Whether the next step speculates: some request runs, no more than
+        `disable_by_batch_size` of them, and not all sit out. Called once a step: each
+        request sitting out has a step fewer to wait."""
         limit = self.config.disable_by_batch_size
-        running = len(scheduler.running)
-        return running > 0 and (limit is None or running <= limit)
+        running = scheduler.running
+        if not running or (limit is not None and len(running) > limit):
+            return False
+        self._sitting_out.clear()
+        for request in running:
+            misses, wait = self._backoff.get(request, (0, 0))
+            if wait:
+                self._backoff[request] = (misses, wait - 1)
+                self._sitting_out.add(request.request_id)
+        return len(self._sitting_out) < len(running)
 
     def propose(self, running: list[Request]) -> None:
         """Sets the guesses of each running request whose next step samples its next token
@@ -161,22 +173,24 @@ class Speculator:
             if guesses and request.grammar is not None:  # what the grammar refuses is never kept
                 del guesses[request.grammar.valid_prefix(guesses) :]
             request.spec_token_ids = guesses
+            if not guesses:
+                self._missed(request)
 
     def _may_guess(self, request: Request) -> bool:
         """A decoding request, unless it is an n > 1 request before it forks, or sits out
-        after failed guesses."""
-        if (
+        after a miss (`active` decides who does, each step)."""
+        return not (
             request.status is not RequestStatus.RUNNING
             or request.num_computed_tokens != request.num_tokens - 1
             or request.num_pending_tokens
             or request.awaits_fork
-        ):
-            return False
-        misses, wait = self._backoff.get(request, (0, 0))
-        if wait:
-            self._backoff[request] = (misses, wait - 1)
-            return False
-        return True
+            or request.request_id in self._sitting_out
+        )
+
+    def _missed(self, request: Request) -> None:
+        """Guesses that all failed, or none found: sit out one step more than last time."""
+        misses = self._backoff.get(request, (0, 0))[0] + 1
+        self._backoff[request] = (misses, min(misses, _BACKOFF_CAP))
 
     def record(
         self, so: SchedulerOutput, requests: list[Request], result: ModelRunnerOutput
@@ -203,5 +217,4 @@ class Speculator:
             if accepted:
                 self._backoff.pop(request, None)
             else:
-                misses = self._backoff.get(request, (0, 0))[0] + 1
-                self._backoff[request] = (misses, min(misses, _BACKOFF_CAP))
+                self._missed(request)

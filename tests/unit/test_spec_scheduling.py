@@ -128,16 +128,49 @@ def test_speculator_asks_for_decoding_requests_only_and_backs_off():
     for r in (a, b):
         s.add_request(r)
     s.update(s.schedule(), {"a": [1]})  # b's prompt takes two steps
+    assert speculator.active(s)
     speculator.propose(s.running)
     assert proposer.asked == [["a"]] and a.spec_token_ids == [9, 9]  # at most k
     out = s.schedule()
     speculator.record(out, s.requests_of(out), ModelRunnerOutput({"a": [3], "b": [4]}))
     assert speculator.stats.as_dict()["spec_draft_tokens"] == 2
     s.update(out, {"a": [3], "b": [4]})
-    speculator.propose(s.running)  # a's guesses all failed: it sits out one step
+    assert speculator.active(s)  # a's guesses all failed: it sits out one step
+    speculator.propose(s.running)
     assert proposer.asked[-1] == ["b"]
+    assert speculator.active(s)
     speculator.propose(s.running)
     assert proposer.asked[-1] == ["a", "b"]
+
+
+def test_requests_that_find_nothing_sit_out_and_a_step_of_them_does_not_speculate():
+    """Lookups that find nothing back off as failed guesses do (1, 2, 3 ... steps), and a
+    step in which every running request sits out is not a speculating one."""
+
+    class Nothing:
+        def __init__(self):
+            self.asked = 0
+
+        def propose(self, requests, k):
+            self.asked += 1
+            return [[] for _ in requests]
+
+    proposer = Nothing()
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=2), proposer)
+    s = make()
+    a = req("a", 4)
+    s.add_request(a)
+    s.update(s.schedule(), {"a": [1]})
+    pattern = []
+    for _ in range(9):
+        active = speculator.active(s)
+        if active:
+            speculator.propose(s.running)
+        pattern.append(active)
+        s.update(s.schedule(), {"a": [2]})
+    # asked, sit 1, asked, sit 2, asked, sit 3 ...
+    assert pattern == [True, False, True, False, False, True, False, False, False]
+    assert proposer.asked == 3
 
 
 @pytest.mark.parametrize(
