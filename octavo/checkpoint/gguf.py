@@ -63,6 +63,8 @@ _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3's fused projections, as HF stores them too (the model splits them).
+_PHI3_LAYER_NAMES = _LAYER_NAMES | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Architectures whose converter stores RMSNorm weights as 1 + w (HF keeps w).
 _NORMS_PLUS_ONE = ("gemma2", "gemma3")
 _GLOBAL_NAMES = {
@@ -70,8 +72,8 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Tensors that are not weights of the HF model; `rope_freqs` is read into the config.
-_IGNORED = {"rope_freqs.weight"}
+# Tensors that are not weights of the HF model; the rope ones are read into the config.
+_IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 _GGUF_VERSIONS = (2, 3)
@@ -215,6 +217,7 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
     if match:
         layer, base, kind = match.groups()
         names = _GEMMA_LAYER_NAMES if arch in _NORMS_PLUS_ONE else _LAYER_NAMES
+        names = _PHI3_LAYER_NAMES if arch == "phi3" else names
         if base not in names:
             return None
         return f"model.layers.{layer}.{names[base]}.{kind}"

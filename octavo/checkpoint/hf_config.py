@@ -106,6 +106,18 @@ def gguf_to_hf_config(path: str) -> GGUFConfig:
     kwargs["rope_parameters"] = {"rope_theta": float(get("rope.freq_base", 10000.0))} | scaling
     if arch in ("gemma2", "gemma3"):
         kwargs |= _gguf_gemma(get, str(arch), kwargs)
+    if "rope_factors_long.weight" in tensors:  # Phi-3's longrope (llama.cpp's tensors)
+        kwargs["rope_parameters"] = {
+            "rope_theta": float(get("rope.freq_base", 10000.0)), "rope_type": "longrope",
+            "long_factor": dequantize_tensor(tensors["rope_factors_long.weight"]).tolist(),
+            "short_factor": dequantize_tensor(tensors["rope_factors_short.weight"]).tolist(),
+            "original_max_position_embeddings": int(
+                get("rope.scaling.original_context_length", kwargs["max_position_embeddings"])
+            ),
+            "attention_factor": get("rope.scaling.attn_factor"),
+        }  # fmt: skip
+    if arch == "phi3" and get("attention.sliding_window") is not None:
+        kwargs["sliding_window"] = int(get("attention.sliding_window"))
     config = GGUFConfig(str(arch), **kwargs)
     if "rope_freqs.weight" in tensors:
         config.rope_freq_factors = dequantize_tensor(tensors["rope_freqs.weight"]).tolist()

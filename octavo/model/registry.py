@@ -28,6 +28,7 @@ _GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",

@@ -1,7 +1,8 @@
-"""Gemma 2 and Gemma 3 from GGUF files written as llama.cpp's converter writes them (norm
-weights stored as 1 + w, Gemma's norm names, sliding layers every other one / all but every
-sixth, the local rope base 10,000, the soft caps in the metadata): the logits and greedy
-tokens of the HF model they were written from."""
+"""Gemma 2, Gemma 3 and Phi-3 from GGUF files written as llama.cpp's converter writes them
+(Gemma: norm weights stored as 1 + w, its norm names, sliding layers every other one / all
+but every sixth, the local rope base 10,000, the soft caps in the metadata; Phi-3: fused
+projections, longrope's factor tensors): the logits and greedy tokens of the HF model they
+were written from."""
 
 from __future__ import annotations
 
@@ -112,3 +113,62 @@ def test_gemma_gguf_gives_the_logits_and_tokens_of_its_hf_original(arch, tmp_pat
     assert PagedRunner(ours, ours_cfg).greedy(0, prompt, 10, eos_ids(hf)) == hf_greedy(
         hf, prompt, 10
     )
+
+
+def test_phi3_gguf_with_longrope_gives_the_logits_of_its_hf_original(tmp_path):
+    """Phi-3 as llama.cpp's converter writes it: q/k/v fused in `attn_qkv`, gate and up in
+    `ffn_up`, longrope's factors as `rope_factors_long` / `rope_factors_short` tensors."""
+    from transformers import Phi3Config
+
+    rope = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [2.0 + 0.3 * i for i in range(8)]}  # fmt: skip
+    cfg = Phi3Config(**TINY, original_max_position_embeddings=16, rope_scaling=rope,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+    hf.eval()
+    names = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+             "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    path = tmp_path / "phi3.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_scaling_orig_ctx_len(16)
+    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+    for name, w in hf.state_dict().items():
+        data = w.float().numpy().copy()
+        if name.startswith("model.layers."):
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            writer.add_tensor(f"blk.{layer}.{names[module]}.{kind}", data)
+        else:
+            base = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }
+            writer.add_tensor(base[name], data)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours_cfg = load_hf_config(str(path))
+    assert ours_cfg.architectures == ["Phi3ForCausalLM"]
+    ours = load_model(str(path), ours_cfg, torch.float32, CPU)
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    (logits,) = PagedRunner(ours, ours_cfg).step([(0, ids)])
+    assert rel_err(logits, hf_logits(hf, ids)) < 1e-4  # within the original 16: short factors
