@@ -25,7 +25,7 @@ from torch import nn
 from octavo.attention.backend import AttentionMetadata
 from octavo.model.config import get_rope_scaling, get_rope_theta, get_sliding_window
 from octavo.model.layers import MergedLinear, RMSNorm, RowParallelLinear, default_weight_loader
-from octavo.model.llama import LlamaAttention, LlamaForCausalLM
+from octavo.model.llama import LlamaAttention, LlamaForCausalLM, attention_block
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -121,13 +121,10 @@ class GemmaDecoderLayer(nn.Module):
         md: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual): the residual stream is residual + hidden, as in Llama's."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, md))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        hidden, residual = attention_block(self, positions, hidden, residual, md)
+        hidden, residual = self.pre_feedforward_layernorm(
+            self.post_attention_layernorm(hidden), residual
+        )
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 

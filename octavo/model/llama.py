@@ -155,14 +155,26 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         md: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, md)
+        hidden, residual = attention_block(self, positions, hidden, residual, md)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+def attention_block(
+    layer: nn.Module,
+    positions: torch.Tensor,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    md: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's input norm (with the residual add carried from the layer before:
+    the stream is residual + hidden) and its self-attention -> (attention output, residual)."""
+    if residual is None:
+        residual = hidden
+        hidden = layer.input_layernorm(hidden)
+    else:
+        hidden, residual = layer.input_layernorm(hidden, residual)
+    return layer.self_attn(positions, hidden, md), residual
 
 
 class LlamaModel(nn.Module):

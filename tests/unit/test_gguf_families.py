@@ -11,26 +11,18 @@ import numpy as np
 import pytest
 import torch
 from model_utils import TINY, PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
+from test_gguf_loader import _HF_TO_GGUF as HF_TO_GGUF
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 
 from octavo.checkpoint.hf_config import load_hf_config
 from octavo.checkpoint.loader import load_model
 
 CPU = torch.device("cpu")
-LAYERS = {
-    "input_layernorm": "attn_norm",
+# Gemma's norms around both sub-blocks, by llama.cpp's names.
+LAYERS = HF_TO_GGUF | {
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
 }
 WINDOW, GLOBAL_BASE = 6, 1e6
 CONFIGS = {
