@@ -106,18 +106,8 @@ def gguf_to_hf_config(path: str) -> GGUFConfig:
     kwargs["rope_parameters"] = {"rope_theta": float(get("rope.freq_base", 10000.0))} | scaling
     if arch in ("gemma2", "gemma3"):
         kwargs |= _gguf_gemma(get, str(arch), kwargs)
-    if "rope_factors_long.weight" in tensors:  # Phi-3's longrope (llama.cpp's tensors)
-        kwargs["rope_parameters"] = {
-            "rope_theta": float(get("rope.freq_base", 10000.0)), "rope_type": "longrope",
-            "long_factor": dequantize_tensor(tensors["rope_factors_long.weight"]).tolist(),
-            "short_factor": dequantize_tensor(tensors["rope_factors_short.weight"]).tolist(),
-            "original_max_position_embeddings": int(
-                get("rope.scaling.original_context_length", kwargs["max_position_embeddings"])
-            ),
-            "attention_factor": get("rope.scaling.attn_factor"),
-        }  # fmt: skip
-    if arch == "phi3" and get("attention.sliding_window") is not None:
-        kwargs["sliding_window"] = int(get("attention.sliding_window"))
+    if arch == "phi3":
+        kwargs |= _gguf_phi3(get, tensors, kwargs)
     config = GGUFConfig(str(arch), **kwargs)
     if "rope_freqs.weight" in tensors:
         config.rope_freq_factors = dequantize_tensor(tensors["rope_freqs.weight"]).tolist()
@@ -138,6 +128,26 @@ def _gguf_experts(get, arch: str) -> dict[str, Any]:
         "moe_intermediate_size": int(get("expert_feed_forward_length")),
         "norm_topk_prob": bool(get("expert_weights_norm", True)),
     }  # fmt: skip
+
+
+def _gguf_phi3(get, tensors, fields: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's longrope, from llama.cpp's `rope_factors_long` / `_short` tensors, and its
+    sliding window."""
+    from octavo.checkpoint.gguf_blocks import dequantize_tensor
+
+    out: dict[str, Any] = {}
+    if "rope_factors_long.weight" in tensors:
+        original = get("rope.scaling.original_context_length", fields["max_position_embeddings"])
+        out["rope_parameters"] = {
+            "rope_theta": float(get("rope.freq_base", 10000.0)), "rope_type": "longrope",
+            "long_factor": dequantize_tensor(tensors["rope_factors_long.weight"]).tolist(),
+            "short_factor": dequantize_tensor(tensors["rope_factors_short.weight"]).tolist(),
+            "original_max_position_embeddings": int(original),
+            "attention_factor": get("rope.scaling.attn_factor"),
+        }  # fmt: skip
+    if get("attention.sliding_window") is not None:
+        out["sliding_window"] = int(get("attention.sliding_window"))
+    return out
 
 
 def _gguf_gemma(get, arch: str, fields: dict[str, Any]) -> dict[str, Any]:

@@ -99,11 +99,8 @@ class ModelRunner:
             and getattr(self.model, "supports_cuda_graphs", True)
         )
         self.cuda_graph_max_tokens = cuda_graph_max_tokens
-        # A model's hook before each step (model/moe.py: which rows are real).
-        self._begin_step = getattr(self.model, "begin_step", None)
-        # On the CPU with no thread count asked for: threads that follow the free cores
-        # (kernels/capability.ThreadGovernor; the builder sets it).
-        self.thread_governor = None
+        self._begin_step = getattr(self.model, "begin_step", None)  # model/moe.py's
+        self.thread_governor = None  # CPU threads that follow the free cores (the builder's)
         self.graph_runner: CudaGraphRunner | None = None
         self.inputs: InputBuilder | None = None
         # The previous step's samples on the device: (request id -> row, [R] token ids).
@@ -225,6 +222,13 @@ class ModelRunner:
             if s.new_output_token_ids:
                 self.requests[s.request_id].output_token_ids += s.new_output_token_ids
 
+    def _before_step(self, num_tokens: int) -> None:
+        """The model's hook (the step's real rows), and the CPU threads' check."""
+        if self._begin_step is not None:
+            self._begin_step(num_tokens)
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
+
     @torch.inference_mode()
     def execute_async(self, so: SchedulerOutput) -> PendingOutput:
         """Queues one step's forward pass over all scheduled tokens on the device, and the
@@ -239,13 +243,10 @@ class ModelRunner:
             raise RuntimeError("the previous step was never sampled (sample_tokens)")
         self._update_states(so)
         self._copy_blocks(so.block_copies)
-        if self.thread_governor is not None:
-            self.thread_governor.tick()
         graph = self._graph_shape(so)
         last_rows, last_sampled = self._last_sampled or ({}, None)
         step = self.inputs.build(so.scheduled, graph, last_rows, last_sampled)
-        if self._begin_step is not None:
-            self._begin_step(step.md.num_tokens)
+        self._before_step(step.md.num_tokens)
         if graph is not None:
             hidden = self.graph_runner.replay(graph)
         else:
@@ -382,22 +383,15 @@ class ModelRunner:
         else:  # only penalties and bad words read the token ids
             prompts = outputs = [[]] * len(rows)
         return SamplingMetadata.build(
-            params,
-            prompts,
-            outputs,
-            vocab_size=self.vocab_size,
-            device=self.device,
+            params, prompts, outputs, vocab_size=self.vocab_size, device=self.device,
             num_output_tokens=[r[2] for r in rows],
-        )
+        )  # fmt: skip
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: gives a sequence its own copy of a shared partial block."""
         if not copies:
             return
-        index = to_device(
-            [[c[0] for c in copies], [c[1] for c in copies]], torch.int64, self.device
-        )
-        src, dst = index[0], index[1]
+        src, dst = to_device([list(c) for c in zip(*copies)], torch.int64, self.device)
         for cache in self.kv_caches:
             cache[:, dst] = cache[:, src]  # [2, num_blocks, block_size, KVH, D]
         if self.draft is not None:
