@@ -15,8 +15,8 @@ triton = pytest.importorskip("triton")
 if os.environ.get("OCTAVO_TRITON_INTERPRET") == "1":
     pytest.skip("compiles for a GPU", allow_module_level=True)
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 pytestmark = pytest.mark.gpu
 
