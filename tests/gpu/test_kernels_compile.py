@@ -21,34 +21,43 @@ from triton.compiler import ASTSource
 pytestmark = pytest.mark.gpu
 
 
-def _compile(kernel, types: dict[str, str], constexprs: dict[str, object]) -> dict:
+H100_SHARED_BYTES = 232448  # the most shared memory a block may have on sm90
+
+
+def _compile(kernel, types: dict[str, str], constexprs: dict[str, object], **options) -> dict:
+    """The kernel's sm90 assembly; its shared memory must fit a block's."""
     names = inspect.signature(kernel.fn).parameters
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.metadata.shared <= H100_SHARED_BYTES
+    return compiled.asm
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])  # 256: Gemma's
 @pytest.mark.parametrize("sliding", [False, True])
 @pytest.mark.parametrize("softcap", [False, True])
-def test_prefill_attention_compiles(sliding, softcap):
-    from octavo.kernels.prefill_attention import _prefill_kernel
+def test_prefill_attention_compiles(sliding, softcap, head_dim):
+    from octavo.kernels.prefill_attention import _prefill_kernel, default_prefill_config
 
     types = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], "*bf16")
     types |= dict.fromkeys(["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"], "*i32")
     types |= dict.fromkeys(["qk_scale", "v_scale", "softcap"], "fp32")
+    cfg = default_prefill_config(head_dim, 4)
     asm = _compile(_prefill_kernel, types, {
-        "NUM_KV_HEADS": 8, "GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "BLOCK_SIZE": 16,
-        "BLOCK_Q": 16, "BLOCK_M": 64, "BLOCK_N": 64, "SLIDING": sliding, "SOFTCAP": softcap,
-        "USE_PDL": True,
-    })  # fmt: skip
+        "NUM_KV_HEADS": 8, "GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
+        "BLOCK_Q": cfg["block_m"] // 4, "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"],
+        "SLIDING": sliding, "SOFTCAP": softcap, "USE_PDL": True,
+    }, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     assert asm["cubin"]
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("sliding", [False, True])
 @pytest.mark.parametrize("softcap", [False, True])
-def test_decode_attention_compiles(fused, sliding, softcap):
-    from octavo.kernels.decode_attention import _decode_split_kernel
+def test_decode_attention_compiles(fused, sliding, softcap, head_dim):
+    from octavo.kernels.decode_attention import _decode_split_kernel, default_decode_config
 
     types = dict.fromkeys(
         ["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "q_norm_ptr", "k_norm_ptr"], "*bf16"
@@ -58,11 +67,12 @@ def test_decode_attention_compiles(fused, sliding, softcap):
     types |= {"slot_ptr": "*i64"} | dict.fromkeys(
         ["eps", "qk_scale", "k_scale", "v_scale", "softcap"], "fp32"
     )
+    cfg = default_decode_config(head_dim)
     asm = _compile(_decode_split_kernel, types, {
-        "NUM_KV_HEADS": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_SIZE": 16,
-        "BLOCK_N": 64, "SINGLE_SPLIT": False, "HAS_ORDER": True, "FUSED_QK": fused,
+        "NUM_KV_HEADS": 8, "GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
+        "BLOCK_N": cfg["block_n"], "SINGLE_SPLIT": False, "HAS_ORDER": True, "FUSED_QK": fused,
         "HAS_NORM": fused, "SLIDING": sliding, "SOFTCAP": softcap, "USE_PDL": True,
-    })  # fmt: skip
+    }, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
     assert asm["cubin"]
 
 
@@ -75,11 +85,13 @@ def test_fused_moe_gemms_compile(weights, gated):
              "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "total_ptr": "*i32",
              "b_scale_ptr": "*fp32"}  # fmt: skip
     scaled = weights != "*bf16"
-    asm = _compile(fused_moe._moe_gemm_kernel, types, {
-        "ROWS_PER_A": 8 if gated else 1, "GATED": gated, "WEIGHTED": not gated,
-        "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "EVEN_K": True, "IEEE": False,
-        "SCALED": scaled, "USE_PDL": True,
-    })  # fmt: skip
+    for rows in (8, 4096 * 8):  # the smallest and the largest tiles of the rule
+        cfg = fused_moe.tile_config(rows, 128)
+        asm = _compile(fused_moe._moe_gemm_kernel, types, {
+            "ROWS_PER_A": 8 if gated else 1, "GATED": gated, "WEIGHTED": not gated,
+            "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+            "EVEN_K": True, "IEEE": False, "SCALED": scaled, "USE_PDL": True,
+        }, num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
     assert asm["cubin"]
     common = {"BLOCK_N": 16, "BLOCK_K": 512, "SCALED": scaled, "USE_PDL": True, "TOP_K": 8}
     small = {"x_ptr": "*bf16", "w13_ptr": weights, "h_ptr": "*bf16", "ids_ptr": "*i32",
