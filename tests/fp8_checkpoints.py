@@ -10,7 +10,7 @@ import math
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 FP8_CONFIG = {
     "quant_method": "fp8",
@@ -35,6 +35,13 @@ CONFIGS = {
     "qwen3": lambda **dims: Qwen3Config(**(DIMS | dims), tie_word_embeddings=True),
     "llama": lambda **dims: LlamaConfig(**(DIMS | dims), tie_word_embeddings=False),
 }
+# A mixture of experts, as Qwen3-30B-A3B-FP8 stores one (each expert's projections in blocks).
+MOE_CONFIG = {
+    "qwen3_moe": lambda **dims: Qwen3MoeConfig(
+        **(DIMS | dims), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+        tie_word_embeddings=True,
+    ),
+}  # fmt: skip
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KEPT_FLOAT = "model.layers.1.self_attn.o_proj"  # as a checkpoint's modules_to_not_convert
 
@@ -61,17 +68,36 @@ def block_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with transformers' stacked experts (`experts.gate_up_proj` [E, 2 I, H],
+    `experts.down_proj` [E, H, I]) as the hub stores them: `experts.{e}.gate_proj.weight`..."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(".experts.gate_up_proj"):
+            prefix, inter = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{prefix}{e}.up_proj.weight"] = t[e, inter:]
+        elif name.endswith(".experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
 def write_checkpoints(root, arch: str, drop: str | None = None, **dims) -> tuple[str, str]:
     """(fp8 checkpoint dir, its dequantized float32 twin's dir) of one random model `arch`
     with DIMS | dims. The projections get a magnitude per 128 x 128 block, so that a scale
     in the wrong place shows; KEPT_FLOAT stays float32 in both; `drop` names a weight whose
     scales are left out."""
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(CONFIGS[arch](**dims), dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_config((CONFIGS | MOE_CONFIG)[arch](**dims), dtype=torch.float32)
     hf.config.architectures = [type(hf).__name__]
     gen = torch.Generator().manual_seed(1)
     fp8, twin = {}, {}
-    for name, p in hf.state_dict().items():
+    for name, p in _per_expert(hf.state_dict()).items():
         if name == "lm_head.weight" and hf.config.tie_word_embeddings:
             continue
         noise = torch.randn(p.shape, generator=gen)
