@@ -304,43 +304,37 @@ def test_a_served_engine_whose_worker_dies_fails_the_stream_and_comes_back(tmp_p
         assert httpx.post(url, json=good, timeout=60).json()["usage"]["completion_tokens"] == 3
 
 
-def test_two_ranks_split_phi3s_fused_tensors_as_one_rank(tmp_path):
-    """Phi-3 stores q/k/v and gate/up fused: each rank takes its heads and columns of each."""
+def _phi3():
     from transformers import Phi3Config
 
-    config = Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    CONFIGS["phi3"] = lambda: config
+    return Phi3Config(**TINY, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _gemma3():
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        **(TINY | {"num_hidden_layers": 2}), head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "family,config",
+    # Phi-3 stores q/k/v and gate/up fused: each rank takes its heads and columns of each.
+    # Gemma 3: norms around both sub-blocks, q/k norms, per-kind rope bases, a window of 8.
+    [("phi3", _phi3), ("gemma3", _gemma3)],
+)
+def test_two_ranks_run_each_family_as_hf(family, config, tmp_path):
+    CONFIGS[family] = config
     try:
-        hf = _tiny_model("phi3", tmp_path)
+        hf = _tiny_model(family, tmp_path)
     finally:
-        del CONFIGS["phi3"]
+        del CONFIGS[family]
     two = LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS)
     try:
         prompts = [_prompt(70 + i, 6 + 5 * i) for i in range(2)]
-        expected = [[hf_greedy(hf, p, GREEDY.max_tokens)] for p in prompts]
-        assert _tokens(two, prompts) == expected
-    finally:
-        two.shutdown()
-
-
-def test_two_ranks_run_gemma3_as_hf(tmp_path):
-    """Gemma 3: its norms around both sub-blocks, q/k norms and per-kind rope bases, split
-    over two ranks."""
-    from transformers import Gemma3TextConfig
-
-    config = Gemma3TextConfig(
-        **(TINY | {"num_hidden_layers": 2}), head_dim=16, query_pre_attn_scalar=24,
-        sliding_window=256, layer_types=["sliding_attention", "full_attention"],
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    CONFIGS["gemma3"] = lambda: config
-    try:
-        hf = _tiny_model("gemma3", tmp_path)
-    finally:
-        del CONFIGS["gemma3"]
-    two = LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS)
-    try:
-        prompts = [_prompt(80 + i, 6 + 5 * i) for i in range(2)]
         expected = [[hf_greedy(hf, p, GREEDY.max_tokens)] for p in prompts]
         assert _tokens(two, prompts) == expected
     finally:

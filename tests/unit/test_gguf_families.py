@@ -12,6 +12,7 @@ import pytest
 import torch
 from model_utils import TINY, PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
 from test_gguf_loader import _HF_TO_GGUF as HF_TO_GGUF
+from test_gguf_loader import write_gguf
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 
 from octavo.checkpoint.hf_config import load_hf_config
@@ -55,32 +56,21 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def _write(path, arch: str, hf, cfg) -> None:
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(GLOBAL_BASE)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_sliding_window(WINDOW)
-    if arch == "gemma2":
-        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
-        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    def gemma_keys(writer: gguf.GGUFWriter) -> None:
+        writer.add_sliding_window(WINDOW)
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+
+    tensors = {}
     for name, w in hf.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied
         data = w.float().numpy().copy()
         if name.endswith("norm.weight"):  # the converter's + 1
             data = data + np.float32(1.0)
-        writer.add_tensor(_gguf_name(name), data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        tensors[_gguf_name(name)] = (data, gguf.GGMLQuantizationType.F32)
+    write_gguf(path, arch, cfg, tensors, gemma_keys, rope_base=GLOBAL_BASE)
 
 
 @pytest.mark.parametrize("arch", list(CONFIGS))
@@ -127,37 +117,29 @@ def test_phi3_gguf_with_longrope_gives_the_logits_of_its_hf_original(tmp_path):
     names = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
              "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
-    path = tmp_path / "phi3.gguf"
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_rope_scaling_orig_ctx_len(16)
-    writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
-    writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+
+    def longrope(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        writer.add_rope_scaling_orig_ctx_len(16)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+
+    base = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    tensors = {}
     for name, w in hf.state_dict().items():
-        data = w.float().numpy().copy()
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            writer.add_tensor(f"blk.{layer}.{names[module]}.{kind}", data)
+            name = f"blk.{layer}.{names[module]}.{kind}"
         else:
-            base = {
-                "model.embed_tokens.weight": "token_embd.weight",
-                "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight",
-            }
-            writer.add_tensor(base[name], data)  # fmt: skip
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            name = base[name]
+        tensors[name] = (w.float().numpy().copy(), gguf.GGMLQuantizationType.F32)
+    path = tmp_path / "phi3.gguf"
+    write_gguf(path, "phi3", cfg, tensors, longrope)  # fmt: skip
     ours_cfg = load_hf_config(str(path))
     assert ours_cfg.architectures == ["Phi3ForCausalLM"]
     ours = load_model(str(path), ours_cfg, torch.float32, CPU)

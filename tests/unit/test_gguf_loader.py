@@ -112,8 +112,12 @@ def gguf_name(hf_name: str) -> str:
     return f"{base[module]}.{kind}"
 
 
-def write_gguf(path, arch: str, cfg, tensors: dict[str, tuple[np.ndarray, Q]]) -> None:
-    """Writes GGUF metadata for `cfg` and `tensors` (GGUF name -> (float data, type))."""
+def write_gguf(
+    path, arch: str, cfg, tensors: dict[str, tuple[np.ndarray, Q]], extra=None,
+    rope_base: float = 10000.0,
+) -> None:  # fmt: skip
+    """Writes GGUF metadata for `cfg` and `tensors` (GGUF name -> (float data, type));
+    `extra(writer)` adds an architecture's own keys."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -121,12 +125,14 @@ def write_gguf(path, arch: str, cfg, tensors: dict[str, tuple[np.ndarray, Q]]) -
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(rope_base)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_key_length(get_head_dim(cfg))
     writer.add_value_length(get_head_dim(cfg))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if extra is not None:
+        extra(writer)
     for name, (data, qtype) in tensors.items():
         if qtype == Q.F32:
             writer.add_tensor(name, data)
