@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.attention.backend import AttentionMetadata
-from octavo.model.config import get_rope_scaling, get_rope_theta, get_sliding_window
+from octavo.model.config import get_rope_scaling, get_rope_theta, layer_windows
 from octavo.model.layers import MergedLinear, RMSNorm, RowParallelLinear, default_weight_loader
 from octavo.model.llama import LlamaAttention, LlamaForCausalLM, attention_block
 
@@ -69,15 +69,6 @@ class GemmaMLP(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-def _layer_kinds(config: PretrainedConfig) -> list[str]:
-    kinds = getattr(config, "layer_types", None)
-    if kinds:
-        return list(kinds)
-    # Older Gemma 2 configs: even layers slide
-    return ["sliding_attention" if i % 2 == 0 else "full_attention"
-            for i in range(config.num_hidden_layers)]  # fmt: skip
-
-
 def _rope_of(config: PretrainedConfig, kind: str) -> tuple[float, dict | None]:
     """(base, scaling) of a layer kind: transformers 5 keeps a dict per kind; older Gemma 3
     configs give the sliding layers `rope_local_base_freq`."""
@@ -98,12 +89,11 @@ def _rope_of(config: PretrainedConfig, kind: str) -> tuple[float, dict | None]:
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer: int, qk_norm: bool) -> None:
         super().__init__()
-        kind = _layer_kinds(config)[layer]
-        window = get_sliding_window(config) if kind == "sliding_attention" else None
         self.self_attn = LlamaAttention(
             config, bool(getattr(config, "attention_bias", False)), qk_norm,
-            rope=_rope_of(config, kind), scale=config.query_pre_attn_scalar**-0.5,
-            norm=GemmaRMSNorm, sliding_window=window,
+            rope=_rope_of(config, config.layer_types[layer]),
+            scale=config.query_pre_attn_scalar**-0.5, norm=GemmaRMSNorm,
+            sliding_window=layer_windows(config)[layer],
             logit_softcap=getattr(config, "attn_logit_softcapping", None) or None,
         )  # fmt: skip
         self.mlp = GemmaMLP(config)

@@ -202,6 +202,15 @@ class _MoEForCausalLM(LlamaForCausalLM):
     expert_parts: dict[str, str] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     moe_block = "mlp"  # the layer's attribute in the checkpoint's names
 
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        # The step's real rows [1] (begin_step), made on the model's device; every FusedMoE
+        # reads the one tensor, whose address CUDA graphs keep.
+        self.real_tokens = torch.zeros(1, dtype=torch.int32)
+        for m in self.modules():
+            if isinstance(m, FusedMoE):
+                m.real_tokens = self.real_tokens
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(_per_expert(weights))
 
@@ -214,26 +223,8 @@ class _MoEForCausalLM(LlamaForCausalLM):
     def begin_step(self, num_tokens: int) -> None:
         """Called before each step's forward pass or graph replay: of its rows, the first
         `num_tokens` are real (the rest a CUDA graph's padding)."""
-        real = self._real_tokens_buffer()
-        if real is not None:
-            real.fill_(num_tokens)
-
-    def forward(self, input_ids, positions, md):
-        self._real_tokens_buffer()  # before any graph is captured: graphs read its address
-        return super().forward(input_ids, positions, md)
-
-    def _real_tokens_buffer(self) -> torch.Tensor | None:
-        """The count of real rows [1] int32 every FusedMoE reads, on CUDA (None elsewhere)."""
-        if self._real_tokens is None:
-            moes = [m for m in self.modules() if isinstance(m, FusedMoE)]
-            if not moes or not moes[0].w13.is_cuda:
-                return None
-            self._real_tokens = torch.zeros(1, dtype=torch.int32, device=moes[0].w13.device)
-            for m in moes:
-                m.real_tokens = self._real_tokens
-        return self._real_tokens
-
-    _real_tokens: torch.Tensor | None = None  # on CUDA, shared by every FusedMoE
+        if self.real_tokens.is_cuda:  # the CPU loop counts its rows itself
+            self.real_tokens.fill_(num_tokens)
 
     def route(self, name: str) -> tuple[str, str | int | tuple | None]:
         name = name.replace(f".{self.moe_block}.", ".mlp.")
@@ -307,9 +298,6 @@ class MixtralForCausalLM(_MoEForCausalLM):
 
     expert_parts = _MoEForCausalLM.expert_parts | {"w1": "gate", "w3": "up", "w2": "down"}
     moe_block = "block_sparse_moe"
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__(config)
 
     def make_mlp(self, config: PretrainedConfig, layer: int) -> nn.Module:
         return FusedMoE(
