@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--deterministic", action="store_true")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -61,6 +62,7 @@ def main() -> None:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
+        deterministic=args.deterministic,
         **({} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}),
     )
     rng = random.Random(0)

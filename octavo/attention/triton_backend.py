@@ -12,6 +12,8 @@
       max_query_len == 1:  decode_attention, split-K over the KV   (decode_attention.py)
       otherwise:           prefill_attention, causal, paged prefix (prefill_attention.py);
                            decode rows mixed into the batch go here too
+    deterministic mode (`split`): every step through qk_norm_rope_store and
+    prefill_attention over fixed spans of the context, a decode step's spans in parallel
 
 No step reads the device from the host: grid sizes come from host ints (`md.num_tokens`,
 `md.num_seqs`) and tensor shapes. The decode launch depends only on shapes (batch size and
@@ -45,6 +47,10 @@ class TritonAttentionBackend(AttentionBackend):
     # sends them through `qk_norm_rope_store` and `attend` instead, as other steps go (the
     # same results, two kernels; benchmarks switch it to compare the two).
     decodes_from_qkv = True
+    # > 0: deterministic mode (runner/deterministic.py). Every step, decode included, runs
+    # the prefill kernel over fixed spans of `split` context positions, so a token's output
+    # is the same bits whatever step computes it.
+    split = 0
 
     def forward_qkv(
         self,
@@ -64,7 +70,7 @@ class TritonAttentionBackend(AttentionBackend):
         if spec.q_norm is not None and spec.k_norm is not None:
             q_weight, k_weight, eps = spec.q_norm.weight, spec.k_norm.weight, spec.q_norm.eps
         slot_mapping = md.slot_mapping[: qkv.shape[0]]
-        if md.is_all_decode and self.decodes_from_qkv:
+        if md.is_all_decode and self.decodes_from_qkv and not self.split:
             # NOTE: the kernel rotates at position seq_len - 1, not `positions`: the same in a
             # step of one new token per sequence, CUDA-graph padding rows included
             # (runner/inputs.py).
@@ -119,7 +125,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Attention of q [T, H, D] over the cache, which already holds this step's K/V."""
         q = q[: md.num_tokens]  # [T, H, D]
         scales = {"k_scale": k_scale, "v_scale": v_scale, "window": window, "softcap": softcap}
-        if md.is_all_decode:
+        if md.is_all_decode and not self.split:
             # One token per sequence: row b of q is sequence b.
             return decode_attention(
                 q, kv_cache, md.seq_lens, md.block_tables, scale, order=md.decode_order, **scales
@@ -132,5 +138,7 @@ class TritonAttentionBackend(AttentionBackend):
             md.block_tables,
             scale,
             num_seqs=md.num_seqs,
+            split=self.split,
+            all_decode=md.is_all_decode,
             **scales,
         )

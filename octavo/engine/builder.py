@@ -128,6 +128,7 @@ def build_engine(
     enable_expert_parallel: bool = False,
     speculative_config: SpeculativeConfig | dict | str | None = None,
     revision: str | None = None,
+    deterministic: bool = False,
 ) -> Engine:
     """Builds an Engine from LLM()'s options (the README's table gives their meaning)."""
     speculative = _check_options(load_format, cuda_graph_max_tokens, speculative_config)
@@ -142,6 +143,8 @@ def build_engine(
     quantization = _quantization(quantization, model_path, hf_config, dev, load_format)
     torch_dtype = resolve_dtype(dtype, dev)
     kv_dtype = kv_setup.kv_cache_dtype(cache.cache_dtype, torch_dtype, dev)
+    packed = quantization not in (None, "fp8")  # fp8 is emulated in float off the GPU
+    mode = _compute_mode(dev, torch_dtype, kv_dtype, packed, hf_config, deterministic)
     tok = load_tokenizer(resolve_model(tokenizer, revision) if tokenizer else model_path)
     runner_options = {
         "model_path": model_path, "hf_config": hf_config, "dtype": torch_dtype,
@@ -150,16 +153,29 @@ def build_engine(
         "cuda_graph_max_tokens": cuda_graph_max_tokens,
         "quantization": quantization, "kv_cache_dtype": kv_dtype,
         "draft": _draft_options(speculative, hf_config, dev, parallel, load_format),
+        "deterministic": deterministic,
     }  # fmt: skip
     runner = _make_runner(runner_options, dev, parallel, threads)
     sched, num_blocks = _allocate_kv_cache(
         runner, cache, hf_config, dev, max_model_len, max_num_seqs, max_num_batched_tokens
     )
     overlap = dev.type == "cuda" if async_scheduling is None else async_scheduling
-    packed = quantization not in (None, "fp8")  # fp8 is emulated in float off the GPU
-    mode = compute_mode(dev, torch_dtype, kv_dtype, packed, get_head_dim(hf_config))
     eos, speculator = _eos_token_ids(tok, hf_config), _speculator(speculative, dev)
     return Engine(runner, tok, cache, sched, num_blocks, eos, overlap, mode, speculator)
+
+
+def _compute_mode(dev, dtype, kv_dtype, packed: bool, hf_config, deterministic: bool):
+    """(the products' dtype, whether a token's result is independent of the batch);
+    ValueError for deterministic=True where the CPU path cannot promise it."""
+    mode = compute_mode(dev, dtype, kv_dtype, packed, get_head_dim(hf_config))
+    if not deterministic or dev.type == "cuda":
+        return (mode[0], True) if deterministic else mode
+    if not mode[1]:
+        raise ValueError(
+            "deterministic=True on the CPU needs float32 products and a float32 KV cache "
+            "through octavo's C kernels (dtype='float32', no fp8 KV cache, a C compiler)"
+        )
+    return mode
 
 
 def _speculator(speculative: SpeculativeConfig | None, dev: torch.device) -> Speculator | None:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 
 from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.cli_args import (
+    add_deterministic_arg,
     add_parallel_args,
     add_threads_arg,
     int_at_least,
@@ -233,6 +234,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         threads=args.threads,
+        deterministic=args.deterministic,
         **parallel_options(args),
     )
     vocab = llm.engine.vocab_size
@@ -343,6 +345,7 @@ def add_parser(sub) -> None:
     p.add_argument("--peer-timeout", type=float, default=300.0, help="seconds (GPU peer)")
     p.add_argument("--max-model-len", type=positive_int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    add_deterministic_arg(p)
     p.add_argument(
         "--cuda-graph-max-tokens",
         type=int_at_least(0),

@@ -20,6 +20,7 @@ from octavo import __version__
 from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.cli_args import (
     Parser,
+    add_deterministic_arg,
     add_parallel_args,
     add_threads_arg,
     announce_threads,
@@ -76,6 +77,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="the KV cache's dtype: auto is the model's; fp8 (= fp8_e4m3) holds twice the "
         "tokens in the same memory",
     )
+    add_deterministic_arg(p)
     add_parallel_args(p)
     add_threads_arg(p)
 
@@ -105,6 +107,7 @@ def _llm(args: argparse.Namespace):
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         threads=args.threads,
+        deterministic=args.deterministic,
         **parallel_options(args),
     )
     if llm.engine.runner.device.type == "cpu":

@@ -56,6 +56,14 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_deterministic_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--deterministic", action="store_true",
+        help="a request's tokens and log-probs never depend on what else runs (CUDA: "
+        "batch-invariant kernels, at some speed; the CPU's float32 path always is)",
+    )  # fmt: skip
+
+
 def announce_threads(threads: int | None) -> None:
     """Prints, on stderr, the one line that says how many CPU threads compute and why."""
     import sys

@@ -110,6 +110,16 @@ def attend_kv_chunk(
 
 
 @triton.jit
+def merge_split(acc, m_i, l_i, acc_s, m_s, l_s):
+    """The running (output, max, sum) of M rows merged with one more span's, in float32: a
+    span that saw nothing (max -1e30, sum 0, output 0) leaves them as they are, bit for bit."""
+    m_new = tl.maximum(m_i, m_s)
+    alpha = tl.exp2(m_i - m_new)
+    beta = tl.exp2(m_s - m_new)
+    return acc * alpha[:, None] + acc_s * beta[:, None], m_new, l_i * alpha + l_s * beta
+
+
+@triton.jit
 def soft_cap(s, cap):
     """cap * tanh(s / cap), tanh written with exp (exact enough in float32; saturates)."""
     return cap * (1.0 - 2.0 / (tl.exp(2.0 * s / cap) + 1.0))

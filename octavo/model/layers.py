@@ -144,6 +144,9 @@ class Linear(nn.Module):
     # while a CUDA graph captures (runner/gemm_tuning.py). Shared by projections of a shape.
     # fn returns None for an input it cannot take; F.linear runs then.
     tuned: dict[int, Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]] | None = None
+    # product(x, weight, bias): the dense product; deterministic mode puts
+    # kernels/fixed_gemm.py's here (use_fixed_order_products).
+    product = staticmethod(cpu_kernels.dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
@@ -154,7 +157,7 @@ class Linear(nn.Module):
             y = tuned(x, self.weight)
             if y is not None:
                 return y
-        return cpu_kernels.dense(x, self.weight, self.bias)
+        return self.product(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -310,11 +313,21 @@ class LMHead(VocabEmbedding):
         # A QuantizedWeight that computes the logits instead (the table stays for lookups).
         self.register_module("quant", None)
 
+    product = staticmethod(cpu_kernels.dense)  # see Linear.product
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             logits = self.quant(hidden)
         else:
-            logits = cpu_kernels.dense(hidden, self.weight)
+            logits = self.product(hidden, self.weight, None)
         if get_tp().size == 1:
             return logits
         return all_gather_columns(logits)[:, : self.vocab_size]
+
+
+def use_fixed_order_products(model: nn.Module, product: Callable) -> None:
+    """Every dense projection of `model`, the LM head's included, through `product(x, w, b)`
+    (deterministic mode's batch-invariant GEMM)."""
+    for module in model.modules():
+        if isinstance(module, (Linear, LMHead)):
+            module.product = product

@@ -30,6 +30,8 @@ _tp = TPGroup()
 # (a bf16 buffer in torch symmetric memory, its group's name): see use_symmetric_memory.
 _symm: tuple[torch.Tensor, str] | None = None
 SYMM_MAX_BYTES = 8 << 20
+# Deterministic mode (runner/deterministic.py): all-reduces over > 2 ranks sum in rank order.
+_fixed_order = False
 # all_gather_into_tensor's newer name (torch >= 2.13), else the older one.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -92,10 +94,32 @@ def use_symmetric_memory(device: torch.device) -> bool:
     return _symm is not None
 
 
+def use_fixed_order_sums() -> None:
+    """From now on this process's all-reduces give each element the same sum whatever the
+    message size: NCCL's and gloo's chunk each message by its size, and with more than two
+    ranks a chunk's order of additions follows its place. Two ranks add one pair, which
+    gives the same bits in either order, so they keep the fast paths."""
+    global _fixed_order
+    _fixed_order = True
+
+
+def _sum_in_rank_order(x: torch.Tensor) -> torch.Tensor:
+    """all_reduce's fixed-order form: every rank's x gathered, then added rank 0, 1, ...
+    in float32, rounded once."""
+    parts = torch.empty((_tp.size, *x.shape), dtype=x.dtype, device=x.device)
+    _all_gather(parts.view(-1), x.contiguous().view(-1), group=_tp.group)
+    total = parts[0].float()
+    for part in parts[1:]:
+        total += part
+    return x.copy_(total)
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sums x over the ranks, in place (a no-op at world size 1)."""
     if _tp.size == 1:
         return x
+    if _fixed_order and _tp.size > 2:
+        return _sum_in_rank_order(x)
     if _symm is not None and x.dtype == torch.bfloat16 and x.numel() * 2 <= SYMM_MAX_BYTES:
         buffer, group_name = _symm
         staged = buffer[: x.numel()]

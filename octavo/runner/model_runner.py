@@ -25,6 +25,7 @@ from octavo.runner.cuda_graph import (
     capture_sizes,
     mixed_capture_sizes,
 )
+from octavo.runner.deterministic import fixed_split, make_deterministic
 from octavo.runner.draft import DraftModel, DraftOptions
 from octavo.runner.gemm_tuning import tune_linears
 from octavo.runner.host_copy import to_device
@@ -73,6 +74,7 @@ class ModelRunner:
         quantization: str | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         draft: DraftOptions | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.hf_config = hf_config
         self.dtype = dtype
@@ -88,10 +90,12 @@ class ModelRunner:
         self._num_launched = 0  # steps launched: a draft guesses only after the newest
         backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
         self.attn_backend = get_attention_backend(backend)
+        self.deterministic = deterministic and device.type == "cuda"  # the CPU's always is
+        if deterministic:
+            make_deterministic(self.model, backend, quantization, device)
         self.sampler = Sampler(seed=seed)
         self.kv_caches: list[torch.Tensor] = []
-        # NOTE: the torch backend plans its work on the host from each step's lengths, which
-        # a graph replay would not see: graphs only with the Triton backend.
+        # NOTE: graphs only with the Triton backend: the torch one plans on the host.
         self.use_cuda_graphs = (
             device.type == "cuda"
             and not enforce_eager
@@ -142,11 +146,10 @@ class ModelRunner:
         max_num_batched_tokens: int = 8192,
     ) -> None:
         """Allocates one [2, num_blocks, block_size, kv_heads, head_dim] tensor of
-        `kv_cache_dtype` per layer, once, binds them to the model's attention layers, sets up
-        the persistent input buffers and captures CUDA graphs. On CUDA it then runs every
-        projection at a ladder of row counts up to `max_num_batched_tokens`
-        (warm_up_linears) and the eager end of a decode step at every batch size
-        (warm_up_eager_decode).
+        `kv_cache_dtype` per layer, once, binds them to the attention layers, sets up the
+        input buffers and captures CUDA graphs; on CUDA it then runs every projection at
+        row counts up to `max_num_batched_tokens` and the eager end of a decode step at
+        every batch size (kv_setup's warm-ups).
 
         NOTE: one extra block (id `num_blocks`) is scratch space for the padding rows of a
         CUDA graph; the KV cache manager never hands it out.
@@ -172,11 +175,13 @@ class ModelRunner:
             num_blocks,
             self.device,
         )
+        if self.deterministic:
+            self.attn_backend.split = fixed_split(max_model_len)
         if self.use_cuda_graphs:
             max_mixed_tokens = min(self.cuda_graph_max_tokens, max_num_batched_tokens)
-            tune_linears(
-                self.model, capture_sizes(max_num_seqs) + mixed_capture_sizes(max_mixed_tokens)
-            )
+            if not self.deterministic:  # cuBLASLt's algorithms; fixed_gemm has its own tiles
+                tune_linears(self.model, capture_sizes(max_num_seqs)
+                             + mixed_capture_sizes(max_mixed_tokens))  # fmt: skip
             self.graph_runner = CudaGraphRunner(
                 self.model, self.inputs, max_num_seqs, max_mixed_tokens
             )
@@ -341,14 +346,11 @@ class ModelRunner:
     ) -> SamplingMetadata:
         """The rows' sampling metadata, with the grammars' bans where a bitmask is given.
 
-        NOTE: the metadata of rows whose params all sample from their settings alone is
-        reused for as long as the same params objects sample in the same rows (a steady
-        decode batch). Their settings alone decide it, and the engine never changes a params
-        object once it has taken the request, so the same objects give the same metadata;
-        only the seeded rows' noise seeds follow their number of outputs, and are renewed,
-        and the grammars' masks follow their tokens, and are made each step. A min_tokens
-        row qualifies once it has reached min_tokens: a row's count of outputs never goes
-        down while its params object is the same.
+        NOTE: while the same params objects sample in the same rows (a steady decode
+        batch) and each samples from its settings alone, the metadata is reused: the engine
+        never changes a params object it has taken. Seeded rows' noise seeds (they follow
+        the output count) and the grammars' masks are made anew each step; a min_tokens row
+        qualifies once past min_tokens, as its output count never goes down.
         """
         params = [r[1] for r in rows]
         reusable = self._reusable_md

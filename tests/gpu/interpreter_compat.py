@@ -3,7 +3,9 @@
 1. Scalars are 1-element arrays there, and `range(0, n)` over a loaded scalar calls `int()` on
    them, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted").
 2. `tl.dot` on bfloat16 runs np.matmul over the raw 16-bit integers (NumPy has no bfloat16),
-   which returns garbage; widen bfloat16 operands to float32 first (exact).
+   which returns garbage; widen bfloat16 operands first (exact), and sum in float64 rounded
+   once to float32: BLAS's float32 kernels round a row differently by its place in the
+   tile, which a tensor core does not (tests/gpu/test_fixed_order.py compares bits).
 3. Rounding float32 to float8e4nv drops the carry out of the mantissa (31.5 becomes 16, not
    32) and rounds ties away from even; round through torch's float8_e4m3fn instead (to
    nearest even, as the GPU's conversion). Widening fp8 is exact there already.
@@ -44,7 +46,8 @@ def apply() -> None:
         if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
             a_data = _bf16_to_f32(a.data) if a.dtype == tl.bfloat16 else a.data
             b_data = _bf16_to_f32(b.data) if b.dtype == tl.bfloat16 else b.data
-            out = np.matmul(a_data, b_data, dtype=d.data.dtype) + d.data
+            out = np.matmul(a_data.astype(np.float64), b_data.astype(np.float64)) + d.data
+            out = out.astype(d.data.dtype)
             return interpreter.TensorHandle(out, d.dtype.scalar)
         return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 

@@ -12,6 +12,7 @@ import os
 from octavo.config import KV_CACHE_DTYPES
 from octavo.engine.spawn import start_engine_process
 from octavo.entrypoints.cli_args import (
+    add_deterministic_arg,
     add_parallel_args,
     add_threads_arg,
     announce_threads,
@@ -93,6 +94,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    add_deterministic_arg(p)
     _add_chat_args(p)
     add_parallel_args(p, nodes=True)
     add_threads_arg(p)
@@ -178,6 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "model", "revision", "dtype", "device", "load_format", "quantization", "kv_cache_dtype",
         "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
         "enable_prefix_caching", "enforce_eager", "cuda_graph_max_tokens", "seed", "threads",
+        "deterministic",
     )  # fmt: skip
     options = {name: getattr(args, name) for name in names} | parallel_options(args)
     if args.node_rank > 0:  # a worker node: no engine, no API
