@@ -74,20 +74,32 @@ def _fixed_gemm_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok & (offs_n[None, :] < N))
 
 
+def _tile(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict[str, int]:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
+            "num_stages": stages}  # fmt: skip
+
+
 def tile_config(m: int, n: int, k: int) -> dict[str, int]:
-    """The tile for an [m, k] x [k, n] product, from a sweep on an H100
-    (benchmarks/fixed_gemm.py --sweep): up to 64 rows stream the weight in narrow column
-    tiles with long K steps; from 512 rows on, 128-row tiles with 8 warps."""
+    """The tile for an [m, k] x [k, n] product: the fastest of a sweep on an H100 at
+    Qwen3-8B's shapes (benchmarks/fixed_gemm.py --sweep). Up to 64 rows stream the weight in
+    narrow column tiles with long K steps; from 512 rows on, 128-row tiles with 8 warps."""
     if m <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 32 if n <= 8192 else 64,
-                "BLOCK_K": 256 if k > 8192 else 128, "num_warps": 4, "num_stages": 4}  # fmt: skip
+        return _tile(64, 32 if n <= 8192 else 64, 256 if k > 8192 else 128, 4, 4)
     if m <= 128:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 5}
-    if m <= 256 and n <= 16384:
-        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
-    if m <= 2048:
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+        if n <= 4096:
+            return _tile(64, 64, 128, 4, 5)
+        if n <= 8192:
+            return _tile(64, 128, 128, 4, 4)
+        return _tile(64, 128, 64, 4, 3) if n <= 65536 else _tile(128, 128, 64, 8, 4)
+    if m <= 256:
+        if n <= 4096:
+            return _tile(64, 128, 128, 4, 4)
+        return _tile(64, 64, 64, 4, 4) if n <= 8192 else _tile(128, 128, 64, 8, 4)
+    if m <= 512:
+        return _tile(128, 128, 64, 8, 4)
+    if m <= 2048 and k <= 8192:
+        return _tile(128, 128, 64, 8, 3)
+    return _tile(128, 256, 64, 8, 4)
 
 
 def fixed_gemm(

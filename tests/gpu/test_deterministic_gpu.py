@@ -97,3 +97,17 @@ def test_chunks_and_preemption_give_the_same_bits(llm, target):
     assert _run(small, target, _others(12, 12, longest=300), params, at=6) == reference
     assert small.get_stats()["num_preemptions"] > 0
     small.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_ranks_give_a_request_the_same_bits_in_any_batch(target):
+    from octavo import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True, logprobs=3)
+    llm = _llm(tensor_parallel_size=2, enable_prefix_caching=False)
+    try:
+        alone = _run(llm, target, [], params)
+        for size in [1, 31, 255]:
+            assert _run(llm, target, _others(size, size), params, at=size // 3) == alone, size
+    finally:
+        llm.shutdown()

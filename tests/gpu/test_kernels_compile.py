@@ -37,18 +37,49 @@ def _compile(kernel, types: dict[str, str], constexprs: dict[str, object], **opt
 @pytest.mark.parametrize("head_dim", [128, 256])  # 256: Gemma's
 @pytest.mark.parametrize("sliding", [False, True])
 @pytest.mark.parametrize("softcap", [False, True])
-def test_prefill_attention_compiles(sliding, softcap, head_dim):
+@pytest.mark.parametrize("split,partial", [(0, False), (256, False), (256, True)])
+def test_prefill_attention_compiles(sliding, softcap, head_dim, split, partial):
     from octavo.kernels.prefill_attention import _prefill_kernel, default_prefill_config
 
     types = dict.fromkeys(["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"], "*bf16")
     types |= dict.fromkeys(["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"], "*i32")
     types |= dict.fromkeys(["qk_scale", "v_scale", "softcap"], "fp32")
+    types |= dict.fromkeys(["part_out_ptr", "part_ml_ptr"], "*fp32")
     cfg = default_prefill_config(head_dim, 4)
     asm = _compile(_prefill_kernel, types, {
         "NUM_KV_HEADS": 8, "GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
         "BLOCK_Q": cfg["block_m"] // 4, "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"],
-        "SLIDING": sliding, "SOFTCAP": softcap, "USE_PDL": True,
-    }, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])  # fmt: skip
+        "SLIDING": sliding, "SOFTCAP": softcap, "SPLIT": split, "PARTIAL": partial,
+        "USE_PDL": True,
+    }, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+       **({"enable_fp_fusion": False} if split else {}))  # fmt: skip
+    assert asm["cubin"]
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_combine_splits_compiles(sliding):
+    from octavo.kernels.prefill_attention import _combine_splits_kernel
+
+    types = dict.fromkeys(["part_out_ptr", "part_ml_ptr"], "*fp32")
+    types |= {"out_ptr": "*bf16", "seq_lens_ptr": "*i32", "v_scale": "fp32"}
+    asm = _compile(_combine_splits_kernel, types, {
+        "NUM_KV_HEADS": 8, "GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": 128, "SPLIT": 256,
+        "SLIDING": sliding, "USE_PDL": True,
+    }, enable_fp_fusion=False)  # fmt: skip
+    assert asm["cubin"]
+
+
+@pytest.mark.parametrize("m", [1, 100, 200, 400, 2048, 8192])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288),
+                                 (151936, 4096)])  # fmt: skip
+def test_fixed_gemm_tiles_compile(m, n, k):
+    from octavo.kernels.fixed_gemm import _fixed_gemm_kernel, tile_config
+
+    cfg = dict(tile_config(m, n, k))
+    options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+    types = dict.fromkeys(["x_ptr", "w_ptr", "b_ptr", "y_ptr"], "*bf16")
+    asm = _compile(_fixed_gemm_kernel, types, cfg | {"HAS_BIAS": False, "GROUP_M": 8,
+                                                     "USE_PDL": True}, **options)  # fmt: skip
     assert asm["cubin"]
 
 
