@@ -1,7 +1,7 @@
 """fixed_gemm (deterministic mode's products) against cuBLAS (F.linear) at Qwen3-8B's
 projection shapes, with each shape's floor: max(weight + activation bytes / bandwidth,
-flops / peak), and where the rule copies tiles with the TMA, the same tile on the plain
-kernel ("plain"). With --sweep, every candidate tile too, and the fastest per row count (all
+flops / peak), and where the rule copies tiles with the TMA (OCTAVO_FIXED_GEMM_TMA=1),
+the same tile on the plain kernel ("plain"). With --sweep, every candidate tile too, and the fastest per row count (all
 give the same bits: tests/gpu/test_fixed_order.py).
 
     python benchmarks/fixed_gemm.py [--sweep] [--json out.json]

@@ -25,8 +25,9 @@
 #   quantlat       one Qwen3-8B request at each of QUANTS (none fp8 int4 int8) (latency.py)
 #   quantthru      the nano-vllm workload on Qwen3-8B: bf16, fp8 weights, fp8 KV cache, both
 #   det            deterministic mode: its tests, fixed_gemm against cuBLAS (fixed_gemm.py),
-#                  then one Qwen3-8B request and the nano-vllm workload, default and
-#                  deterministic in turn (det_e2e: those two alone)
+#                  then one Qwen3-8B request and the nano-vllm workload, default,
+#                  deterministic, and deterministic with TMA copies (OCTAVO_FIXED_GEMM_TMA=1)
+#                  in turn (det_e2e: those alone)
 #   host           short-context decode steps, plain and streamed; STRUCTURED=integer|string
 #                  adds a JSON schema to every request (step_timeline.py --host; HOST_ARGS are passed on)
 set -u
@@ -143,15 +144,17 @@ for stage in $stages; do
     det|det_e2e) if [ $stage = det ]; then
            timeout 300 python3 -m pytest tests/gpu/test_fixed_order.py tests/gpu/test_deterministic_gpu.py \
              -q -p no:cacheprovider 2>&1 | tee "$OUT/det_tests.log" | tail -4
-           timeout 120 python3 benchmarks/fixed_gemm.py --json "$OUT/fixed_gemm.json" 2>&1 | tail -12
+           OCTAVO_FIXED_GEMM_TMA=1 timeout 120 python3 benchmarks/fixed_gemm.py \
+             --json "$OUT/fixed_gemm.json" 2>&1 | tail -12
          fi
-         for mode in default deterministic; do flag=; [ $mode = deterministic ] && flag=--deterministic
+         for mode in default deterministic tma; do flag=; [ $mode = default ] || flag=--deterministic
+           [ $mode = tma ] && export OCTAVO_FIXED_GEMM_TMA=1
            timeout 300 python3 benchmarks/latency.py --model qwen3-8b $flag \
              --json "$OUT/latency_qwen3_8b_$mode.json" 2>&1 | tail -1
            timeout 400 "${OCTAVO[@]}" bench throughput --model qwen3-8b --max-model-len 4096 \
              --load-format dummy --workload nanovllm $flag \
              --json "$OUT/throughput_qwen3_8b_$mode.json" 2>&1 | tail -2
-         done ;;
+         done; unset OCTAVO_FIXED_GEMM_TMA ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"

@@ -72,9 +72,12 @@ def test_combine_splits_compiles(sliding):
 @pytest.mark.parametrize("m", [1, 100, 200, 400, 2048, 8192])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288),
                                  (151936, 4096)])  # fmt: skip
-def test_fixed_gemm_tiles_compile(m, n, k):
+@pytest.mark.parametrize("tma", [False, True])
+def test_fixed_gemm_tiles_compile(m, n, k, tma, monkeypatch):
+    from octavo.kernels import fixed_gemm
     from octavo.kernels.fixed_gemm import _fixed_gemm_kernel, _fixed_gemm_tma_kernel, tile_config
 
+    monkeypatch.setattr(fixed_gemm, "TMA", tma)
     cfg = dict(tile_config(m, n, k))
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
