@@ -14,6 +14,11 @@ e4m3 scratch, never into float weights (Fp8BlockWeight):
 
 A fused part or a rank's slice that starts or ends inside a block is a ValueError. A
 projection without scales (the checkpoint's `modules_to_not_convert`) stays float.
+
+A mixture of experts' experts (Qwen3-30B-A3B-FP8 stores each expert's projections in blocks)
+are dequantized as they load into the layer's float experts, then rounded to e4m3 with a
+scale per row (quant/rtn.py's `quantize_experts`), the form the fused MoE kernels read: one
+more rounding than the checkpoint's, the one quantization="fp8" makes of bf16 experts.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from octavo.kernels.capability import check_fp8_device
 from octavo.model.layers import Linear
 from octavo.quant.fp8 import Fp8BlockWeight
 from octavo.quant.method import QuantMethod, Source, place_one_at_a_time, weight_loaders
-from octavo.quant.rounding import FP8_BLOCK
+from octavo.quant.rounding import FP8_BLOCK, dequantize_fp8_blocks
+from octavo.quant.rtn import quantize_experts
 
 SCALE_SUFFIX = ".weight_scale_inv"
 
@@ -76,18 +82,37 @@ class Fp8BlockCheckpoint(QuantMethod):
     def check(self, device: torch.device, model_path: str | None, load_format: str) -> None:
         check_fp8_device("quantization='fp8'", device)
 
+    experts: dict[str, torch.Tensor] | None = None  # expert weight name -> its block scales
+
     def float_weights(self, source: Source) -> Iterator[tuple[str, Any]]:
-        return ((n, t) for n, t in source.tensors() if not n.endswith(SCALE_SUFFIX))
+        """The float tensors, and the experts' codes dequantized (`claim` found them)."""
+        experts = self.experts or {}
+        for name, tensor in _codes(source):
+            if name in experts:
+                if not isinstance(tensor, torch.Tensor):  # a lazy tensor
+                    tensor = tensor.narrow(0, 0, tensor.shape[0])
+                tensor = dequantize_fp8_blocks(tensor, experts[name], FP8_BLOCK, FP8_BLOCK,
+                                               torch.float32)  # fmt: skip
+            yield name, tensor
 
     def claim(self, net: nn.Module, source: Source, device: torch.device) -> dict[Linear, Any]:
-        return _Scales(source.tensors()).place(net, device)
+        scales = _Scales(source.tensors())
+        claims = scales.place(net, device)
+        self.experts = scales.experts
+        return claims
 
     def fill(self, net, source, claims, device, threads) -> None:
         def keep(m: Linear, codes: torch.Tensor) -> Fp8BlockWeight:
             return Fp8BlockWeight(codes, claims.pop(m).blocks, m.weight.dtype)
 
-        codes, fp8 = self.float_weights(source), torch.float8_e4m3fn
-        place_one_at_a_time(net, dict(claims), codes, fp8, device, keep, threads)
+        fp8 = torch.float8_e4m3fn
+        place_one_at_a_time(net, dict(claims), _codes(source), fp8, device, keep, threads)
+        if self.experts:  # loaded in float with the other weights: each row to e4m3
+            quantize_experts(net)
+
+
+def _codes(source: Source) -> Iterator[tuple[str, Any]]:
+    return ((n, t) for n, t in source.tensors() if not n.endswith(SCALE_SUFFIX))
 
 
 class BlockGrid:
@@ -153,6 +178,7 @@ class _Scales:
 
     def __init__(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.scales: dict[str, torch.Tensor] = {}  # weight name -> [N / 128, K / 128]
+        self.experts: dict[str, torch.Tensor] = {}  # those of experts' weights (`place`)
         self.shapes: dict[str, tuple[int, int]] = {}  # weight name -> [N, K]
         for name, tensor in weights:
             if name.endswith(SCALE_SUFFIX):
@@ -180,7 +206,7 @@ class _Scales:
             )
             for m in names
         }
-        with _loaders_onto(net, grids, names):
+        with _loaders_onto(net, grids, names, self.experts):
             net.load_weights((name, self._grid(name, s)) for name, s in self.scales.items())
         kept = {}
         for module, grid in grids.items():
@@ -203,26 +229,28 @@ class _Scales:
                 f"checkpoint tensor {name}_scale_inv has shape {tuple(scale.shape)}, expected "
                 f"{_blocks_of(shape)}: one scale per {FP8_BLOCK} x {FP8_BLOCK} block of {shape}"
             )
-        return BlockGrid(scale, shape)
+        grid = BlockGrid(scale, shape)
+        grid.name = name
+        return grid
 
 
 def _loaders_onto(
-    net: nn.Module, grids: dict[Linear, BlockGrid], names: dict[Linear, str]
+    net: nn.Module,
+    grids: dict[Linear, BlockGrid],
+    names: dict[Linear, str],
+    experts: dict[str, torch.Tensor],
 ) -> AbstractContextManager:
     """While open, each Linear weight's loader places a checkpoint BlockGrid into the Linear's
-    own grid through the Linear's weight_loader; every other parameter's refuses one."""
+    own grid through the Linear's weight_loader, the experts' loaders note theirs in
+    `experts`, and every other parameter's refuses one."""
     loaders = {}
     weights = {id(m.weight): m for m in grids}
     for name, param in net.named_parameters():
         module = weights.get(id(param))
         if module is None and name.endswith((".w13", ".w2")):  # a mixture of experts' experts
 
-            def load(param, grid, *shard_id, name=name):
-                raise ValueError(
-                    f"the checkpoint's experts ({name}) are fp8 in 128 x 128 blocks, which are "
-                    "not supported yet; load the model's bf16 checkpoint with "
-                    "quantization='fp8', which rounds the experts per row"
-                )
+            def load(param, grid, *shard_id):
+                experts[grid.name] = grid.blocks
 
         elif module is None:
 

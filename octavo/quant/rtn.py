@@ -54,7 +54,7 @@ class RoundToNearest(QuantMethod):
         weights = self.float_weights(source)
         place_one_at_a_time(net, claims, weights, None, device, self._quantized, threads)
         if self.name == "fp8":  # the experts loaded in float with the other weights
-            _quantize_experts(net)
+            quantize_experts(net)
 
     def _quantized(self, linear: Linear, weight: torch.Tensor) -> QuantizedWeight:
         return quantize_weight(self.name, weight)
@@ -63,10 +63,10 @@ class RoundToNearest(QuantMethod):
         for linear in linears(net):
             quantize(linear, self.name)
         if self.name == "fp8":
-            _quantize_experts(net)
+            quantize_experts(net)
 
 
-def _quantize_experts(net: nn.Module) -> None:
+def quantize_experts(net: nn.Module) -> None:
     """Rounds every expert's rows to e4m3 with a float32 scale each, an expert at a time,
     so the float weights and their codes are never all held twice."""
     from octavo.model.moe import FusedMoE

@@ -233,11 +233,28 @@ def test_quantization_configs_not_read_as_they_are(change, match):
     assert checkpoint_method(Qwen3Config()) is None
 
 
-def test_an_fp8_mixture_of_experts_checkpoint_is_a_clear_value_error(tmp_path):
-    """Block-scaled experts are not read yet: the load says so and names the way that works
-    (the bf16 checkpoint with quantization="fp8" rounds the experts per row)."""
+def test_an_fp8_mixture_of_experts_checkpoint_loads_its_experts_rounded_per_row(tmp_path):
+    """Block-scaled experts dequantize exactly to the twin's and are then rounded per row, as
+    quantization="fp8" rounds the twin's float experts: the same codes and scales. The dense
+    projections keep their blocks, and the engine runs the model."""
+    from octavo.model.moe import FusedMoE
+
     fp8_path, twin_path = write_checkpoints(tmp_path, "qwen3_moe")
-    with pytest.raises(ValueError, match=r"experts.*not supported.*quantization='fp8'"):
-        _load(fp8_path, "fp8")
-    model, _ = _load(twin_path, "fp8")  # the float twin, rounded on load, runs
-    assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
+    fp8_model, _ = _load(fp8_path, "fp8")
+    twin_model, _ = _load(twin_path, "fp8")  # the float twin, every projection per row
+    twins = dict(twin_model.named_modules())
+    moes = [(m, twins[n]) for n, m in fp8_model.named_modules() if isinstance(m, FusedMoE)]
+    assert moes
+    for ours, theirs in moes:
+        for name in ("w13", "w2"):
+            assert getattr(ours, name).dtype == torch.float8_e4m3fn
+            assert torch.equal(getattr(ours, name).float(), getattr(theirs, name).float())
+            assert torch.equal(getattr(ours, f"{name}_scale"), getattr(theirs, f"{name}_scale"))
+    assert isinstance(_linears(fp8_model)["model.layers.0.self_attn.qkv_proj"].quant,
+                      Fp8BlockWeight)  # fmt: skip
+    from octavo import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 17, 99, 3, 42]}]
+    ours = LLM(fp8_path, quantization="fp8", device="cpu", num_kv_blocks=64)
+    assert ours.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
