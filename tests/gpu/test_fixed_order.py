@@ -9,26 +9,17 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from kernel_env import DEVICE, pick, require_kernels
 
-pytest.importorskip("triton")
-INTERPRET = os.environ.get("OCTAVO_TRITON_INTERPRET") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
+require_kernels()
 
 from octavo.attention.backend import build_metadata
 from octavo.kernels.fixed_gemm import fixed_gemm, tile_config
 from octavo.kernels.prefill_attention import prefill_attention
 
 pytestmark = pytest.mark.gpu
-DEVICE = "cpu" if INTERPRET else "cuda"
-
-
-def pick(full, small):
-    return small if INTERPRET else full
 
 
 # ---------------------------------------------------------------- fixed_gemm
