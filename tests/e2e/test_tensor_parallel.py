@@ -66,6 +66,23 @@ def tiny(request, tmp_path_factory):
     two.shutdown()
 
 
+def test_two_ranks_give_a_request_the_same_bits_in_any_batch(tiny):
+    """Deterministic mode's promise at N = 2 on the CPU: the same tokens and log-probs alone
+    and among others (the float32 kernels, and all-reduces that add one pair)."""
+    two = tiny[3]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+    target = _prompt(7, 23)
+
+    def last(prompts: list[list[int]]):
+        outs = two.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        c = outs[-1].outputs[0]
+        return c.token_ids, [sorted((t, lp.logprob) for t, lp in d.items()) for d in c.logprobs]
+
+    if not two.get_stats()["batch_invariant"]:  # qwen3's head_dim 24: torch's attention
+        pytest.skip("attention in torch: the C kernel takes head_dim in multiples of 16")
+    assert last([_prompt(i, 3 + 11 * i) for i in range(5)] + [target]) == last([target])
+
+
 def test_two_ranks_give_one_ranks_greedy_tokens_and_hfs(tiny):
     _, hf, one, two = tiny
     prompts = [_prompt(i, 5 + 7 * i) for i in range(3)]
