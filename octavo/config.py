@@ -26,6 +26,9 @@ class CacheConfig:
     Exactly one budget applies, in this order: `num_kv_blocks` if given, else
     `kv_cache_memory` bytes if given, else `gpu_memory_utilization` of the GPU (CUDA) or
     a default of 1 GiB (CPU).
+
+    `sliding_window` is the model's (the builder sets it) where every layer slides: blocks
+    wholly before the window go back to the pool during a request.
     """
 
     block_size: int = 16
@@ -34,6 +37,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive("block_size", self.block_size)

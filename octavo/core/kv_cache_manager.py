@@ -8,6 +8,13 @@ tokens, in order:
 
 Only full blocks are hashed, each chained to the one before it (`hash_block_tokens`), so a
 hash names a whole prefix; a lookup walks the chain and stops at the first miss.
+
+With a sliding window on every layer (`sliding_window`), a block that no query can see any
+more goes back to the pool as the request advances: the next query sits at
+`num_computed_tokens` and sees from `num_computed_tokens - window + 1` on. Its entry in the
+table becomes None; the runner keeps the old id, which no kernel reads unmasked.
+
+    window 8, block_size 4, 13 computed:  [None, None, 9, 4]   (positions 0-7 unseen)
 """
 
 from __future__ import annotations
@@ -39,18 +46,24 @@ class KVCacheManager:
     """Gives requests blocks (reusing cached prefixes) and takes them back."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.num_out_of_window = 0  # table entries given back: blocks the window saves now
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.stats = PrefixCacheStats()
         self.sharing = SharingStats()
         # (source, destination) block ids the runner must copy before this step's writes.
         self.pending_copies: list[tuple[int, int]] = []
-        self._block_tables: dict[str, list[KVBlock]] = {}
+        self._block_tables: dict[str, list[KVBlock | None]] = {}
         # The same tables as block ids, for the runner. NOTE: a list here only grows in
         # place; when an entry changes (copy-on-write, a new table after preemption, a fork)
         # it is replaced by a new list, so a reader may cache what it saw by identity.
@@ -113,9 +126,11 @@ class KVCacheManager:
                 and the lookup is counted in `stats`.
 
         Returns:
-            True on success; False, changing nothing, if too few blocks are free.
+            True on success; False, if too few blocks are free, changing nothing but the
+            blocks before the window given back (they are free to use either way).
         """
         assert num_new_tokens >= 0, f"num_new_tokens={num_new_tokens}"
+        self._release_out_of_window(request)
         if not new_computed_blocks and self._fits_in_place(request, num_new_tokens):
             return True
         hits = new_computed_blocks or []
@@ -156,6 +171,20 @@ class KVCacheManager:
             num_full = min(num_total_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, table, num_full)
         return True
+
+    def _release_out_of_window(self, request: Request) -> None:
+        """Gives back the blocks before the window of the request's next query."""
+        table = self._block_tables.get(request.request_id)
+        if self.sliding_window is None or not table:
+            return
+        first_seen = max(request.num_computed_tokens - self.sliding_window + 1, 0)
+        unseen = min(first_seen // self.block_size, len(table))
+        gone = [block for block in table[:unseen] if block is not None]
+        if not gone:
+            return
+        table[:unseen] = [None] * unseen
+        self.num_out_of_window += len(gone)
+        self.pool.free(reversed(gone))
 
     def _fits_in_place(self, request: Request, num_new_tokens: int) -> bool:
         """The common decode case, decided cheaply: the request's table already has room
@@ -217,7 +246,8 @@ class KVCacheManager:
         self._block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if table is not None:
-            self.pool.free(reversed(table))
+            self.num_out_of_window -= table.count(None)
+            self.pool.free(block for block in reversed(table) if block is not None)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Gives `child` the parent's block table, sharing every block (n > 1, beam search).
@@ -229,7 +259,8 @@ class KVCacheManager:
         assert child.request_id not in self._block_tables, f"{child} already has blocks"
         table = self._block_tables[parent.request_id]
         num_cached = self._num_cached_blocks[parent.request_id]
-        self.pool.incref(table)
+        self.pool.incref([block for block in table if block is not None])
+        self.num_out_of_window += table.count(None)
         self._block_tables[child.request_id] = list(table)
         self._block_ids[child.request_id] = list(self._block_ids[parent.request_id])
         self._num_cached_blocks[child.request_id] = num_cached
@@ -255,7 +286,8 @@ class KVCacheManager:
             return
         self._hash_full_blocks(request, num_full)
         for i in range(start, num_full):
-            self.pool.cache_block(table[i], request.block_hashes[i])
+            if table[i] is not None:
+                self.pool.cache_block(table[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
 
     # ---- views --------------------------------------------------------------------------

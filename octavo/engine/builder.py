@@ -18,7 +18,7 @@ from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.engine.speculative import Speculator
 from octavo.kernels.capability import AUTO_THREADS, ThreadGovernor, cpu_threads
 from octavo.kernels.cpu import compute_mode
-from octavo.model.config import get_head_dim, get_num_kv_heads
+from octavo.model.config import get_head_dim, get_num_kv_heads, layer_windows
 from octavo.model.parallel import check_tp_size
 from octavo.quant import get_method, resolve_quantization
 from octavo.runner import kv_setup
@@ -138,6 +138,9 @@ def build_engine(
     )  # fmt: skip
     parallel = ParallelConfig(tensor_parallel_size, nnodes, dist_init_addr, enable_expert_parallel)
     hf_config = load_hf_config(model_path := resolve_model(model, revision))
+    windows = layer_windows(hf_config)  # every layer slides: blocks before it are freed
+    if None not in windows:
+        cache = dataclasses.replace(cache, sliding_window=max(windows))
     dev = _device_with_threads(device, threads)
     _check_parallel(parallel, hf_config, dev)
     quantization = _quantization(quantization, model_path, hf_config, dev, load_format)

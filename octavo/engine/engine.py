@@ -74,8 +74,9 @@ class Engine(DrivenSequences):
         self.scheduler_config = scheduler_config
         self.vocab_size = runner.vocab_size
         self.kv = KVCacheManager(
-            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
-        )
+            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            cache_config.sliding_window,
+        )  # fmt: skip
         lookahead = 0 if speculator is None else speculator.num_lookahead_tokens
         self.scheduler = Scheduler(
             scheduler_config, self.kv, eos_token_ids, accept_tokens, lookahead

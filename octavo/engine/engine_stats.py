@@ -32,6 +32,7 @@ def engine_stats(engine) -> dict[str, int | float | str | list]:
         "num_tokens_computed": engine.stats.num_tokens_computed,
         "num_generated_tokens": engine.stats.num_generated_tokens,
         "kv_blocks_saved_by_sharing": engine.kv.num_shared_block_refs,
+        "kv_blocks_out_of_window": engine.kv.num_out_of_window,
         "kv_blocks_peak_used": engine.kv.sharing.peak_blocks_used,
         "num_cow_copies": engine.kv.sharing.num_cow_copies,
         "kv_cache_dtype": str(engine.runner.kv_cache_dtype).removeprefix("torch."),

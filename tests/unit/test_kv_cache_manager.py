@@ -41,7 +41,7 @@ def state(kv: KVCacheManager, *requests: Request):
         [(b.ref_cnt, b.block_hash) for b in pool.blocks],
         pool.free_block_ids(),
         dict(pool.cached_blocks),
-        {rid: None if t is None else [b.block_id for b in t] for rid, t in tables.items()},
+        {rid: None if t is None else [b and b.block_id for b in t] for rid, t in tables.items()},
         [list(r.block_hashes) for r in requests],
     )
 
@@ -296,9 +296,11 @@ class KVCacheMachine(RuleBasedStateMachine):
     writes of every step, and checks after each operation that the bookkeeping is exact and
     that every block holds the tokens its tables and its hash claim."""
 
+    window: int | None = None  # every layer's sliding window (a subclass sets one)
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, BS)
+        self.kv = KVCacheManager(NUM_BLOCKS, BS, sliding_window=self.window)
         self.running: list[Request] = []
         self.waiting: list[Request] = []
         self.written: dict[int, list[int | None]] = {i: [None] * BS for i in range(NUM_BLOCKS)}
@@ -330,7 +332,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             self._compute(request)
             self.running.append(request)
         else:
-            assert state(self.kv, request, *self.running, *self.waiting) == before
+            if self.window is None:  # with one, blocks out of the window went back anyway
+                assert state(self.kv, request, *self.running, *self.waiting) == before
             self.waiting.append(request)
 
     @rule(
@@ -358,7 +361,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         if self.kv.allocate_slots(request, request.num_tokens - request.num_computed_tokens):
             self._compute(request)
         else:
-            assert state(self.kv, *self.running) == before
+            if self.window is None:
+                assert state(self.kv, *self.running) == before
             self.kv.free(request)  # preempt by recompute
             request.num_computed_tokens = 0
             self.running.remove(request)
@@ -380,7 +384,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         table = self.kv._block_tables[request.request_id]
         self.kv.free(request)
         self.running.remove(request)
-        unused = [b for b in table if b.ref_cnt == 0]
+        unused = [b for b in table if b is not None and b.ref_cnt == 0]
         if unused:
             with pytest.raises(RuntimeError, match="double free"):
                 self.kv.pool.free(unused[:1])
@@ -399,14 +403,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         pool = self.kv.pool
         tables = [self.kv._block_tables[r.request_id] for r in self.running]
         assert len(self.kv._block_tables) == len(self.running)
-        holders = Counter(b.block_id for table in tables for b in table)
+        holders = Counter(b.block_id for table in tables for b in table if b is not None)
         free_ids = set(pool.free_block_ids())
         for block in pool.blocks:
             assert block.ref_cnt == holders[block.block_id]
             assert (block.ref_cnt == 0) == (block.block_id in free_ids)
         in_use = sum(1 for b in pool.blocks if b.ref_cnt > 0)
         assert self.kv.num_free_blocks + in_use == NUM_BLOCKS
-        assert all(len({b.block_id for b in t}) == len(t) for t in tables)
+        kept = [[b for b in t if b is not None] for t in tables]
+        assert all(len({b.block_id for b in t}) == len(t) for t in kept)
+        assert self.kv.num_out_of_window == sum(t.count(None) for t in tables)
         for block_hash, block in pool.cached_blocks.items():
             assert block.block_hash == block_hash
         assert sum(b.block_hash is not None for b in pool.blocks) == len(pool.cached_blocks)
@@ -424,6 +430,10 @@ class KVCacheMachine(RuleBasedStateMachine):
             parent = None
             for i, block in enumerate(table):
                 chunk = tokens[i * BS : (i + 1) * BS]
+                if block is None:  # given back: wholly before the last query's window
+                    assert (i + 1) * BS <= request.num_computed_tokens - self.window + 1
+                    parent = hash_block_tokens(parent, chunk)
+                    continue
                 assert self.written[block.block_id][: len(chunk)] == chunk
                 if len(chunk) == BS:
                     parent = hash_block_tokens(parent, chunk)
@@ -435,3 +445,82 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 TestKVCacheMachine = KVCacheMachine.TestCase
 TestKVCacheMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+class WindowedKVCacheMachine(KVCacheMachine):
+    """The same operations with a sliding window of 6 on every layer."""
+
+    window = 6
+
+
+TestWindowedKVCacheMachine = WindowedKVCacheMachine.TestCase
+TestWindowedKVCacheMachine.settings = settings(
+    max_examples=200, stateful_step_count=40, deadline=None
+)
+
+
+# ---- a sliding window on every layer -------------------------------------------------------
+
+
+def _decode(kv: KVCacheManager, request: Request, steps: int, held: list[int]) -> None:
+    """Decodes `steps` tokens one at a time, noting the blocks the table holds each step."""
+    for _ in range(steps):
+        request.append_output_token(7)
+        assert kv.allocate_slots(request, 1)
+        request.num_computed_tokens += 1
+        held.append(sum(b is not None for b in kv._block_tables[request.request_id]))
+
+
+def test_a_request_of_eight_windows_holds_at_most_window_over_block_size_plus_two_blocks():
+    window, size = 16, 4
+    kv = KVCacheManager(64, size, sliding_window=window)
+    a = make_request("a", list(range(10)))
+    admit(kv, a)
+    held: list[int] = []
+    _decode(kv, a, 8 * window - 10, held)
+    assert max(held) <= window // size + 2
+    table = kv._block_tables["a"]
+    assert kv.num_free_blocks == 64 - held[-1]
+    assert kv.num_out_of_window == table.count(None) == len(table) - held[-1] > 0
+    assert len(kv.get_block_ids("a")) == len(table)  # the runner keeps every id it was given
+    kv.free(a)
+    assert kv.num_free_blocks == 64 and kv.num_out_of_window == 0
+
+
+def test_chunked_prefill_gives_back_blocks_each_chunk_and_keeps_its_window():
+    window, size = 8, 4
+    kv = KVCacheManager(16, size, sliding_window=window)
+    a = make_request("a", list(range(100)))  # 25 blocks: more than the pool holds
+    for start in range(0, 100, 10):
+        assert kv.allocate_slots(a, min(10, 100 - start))
+        a.num_computed_tokens += min(10, 100 - start)
+    table = kv._block_tables["a"]
+    first_seen = a.num_computed_tokens - window + 1
+    kept = [i for i, b in enumerate(table) if b is not None]
+    assert kept[0] <= first_seen // size and len(kept) <= window // size + 3
+
+
+def test_blocks_out_of_the_window_stay_cached_for_a_later_prefix_hit():
+    kv = KVCacheManager(32, 4, sliding_window=8)
+    a = make_request("a", list(range(40)))
+    admit(kv, a)
+    _decode(kv, a, 4, [])
+    assert kv._block_tables["a"][0] is None
+    b = make_request("b", list(range(40)) + [99])
+    ids, tokens = lookup(kv, b)
+    assert tokens == 40 and ids[:2] == [0, 1]  # given back, still cached
+
+
+def test_a_fork_shares_what_is_left_and_both_free_cleanly():
+    kv = KVCacheManager(32, 4, sliding_window=8)
+    a = make_request("a", list(range(30)))
+    admit(kv, a)
+    _decode(kv, a, 3, [])
+    gone = kv.num_out_of_window
+    child = make_request("a#1", list(a.all_token_ids))
+    child.num_computed_tokens = a.num_computed_tokens
+    kv.fork(a, child)
+    assert kv.num_out_of_window == 2 * gone
+    kv.free(a)
+    kv.free(child)
+    assert kv.num_free_blocks == 32 and kv.num_out_of_window == 0

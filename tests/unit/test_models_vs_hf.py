@@ -228,7 +228,8 @@ def test_unsupported_architecture_and_missing_path_raise(tmp_path):
 
 def test_an_engine_past_the_sliding_window_gives_hfs_tokens(tmp_path):
     """Mistral 7B v0.1's layout, a window of 16: prompts longer than it, prefilled in chunks
-    of 8 tokens and decoded past it, give HF's greedy tokens."""
+    of 8 tokens and decoded past it, give HF's greedy tokens, while the blocks before the
+    window go back to the pool."""
     from octavo import LLM, SamplingParams
 
     torch.manual_seed(0)
@@ -237,11 +238,16 @@ def test_an_engine_past_the_sliding_window_gives_hfs_tokens(tmp_path):
     )
     _randomize(hf, seed=3)
     hf.eval().save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), device="cpu", num_kv_blocks=64, quantization=None,
-              max_num_batched_tokens=8)  # fmt: skip
+    llm = LLM(str(tmp_path), device="cpu", num_kv_blocks=256, quantization=None,
+              max_num_batched_tokens=8, block_size=4)  # fmt: skip
     assert llm.engine.scheduler_config.max_model_len == 256
     prompts = [_prompt(11, 30), _prompt(12, 9)]
     params = SamplingParams(temperature=0, max_tokens=20, min_tokens=20)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
         assert list(out.outputs[0].token_ids) == hf_greedy(hf, prompt, 20)
+    # Blocks wholly before the window went back as the requests advanced: at most
+    # 16 / 4 + 2 each, where the whole 50 and 29 tokens would take 13 + 8.
+    stats = llm.get_stats()
+    assert stats["kv_blocks_peak_used"] <= 2 * (16 // 4 + 2)
+    assert stats["kv_blocks_out_of_window"] == 0 and stats["kv_blocks_free"] == 256
