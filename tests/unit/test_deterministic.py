@@ -16,6 +16,7 @@ from torch import nn
 from octavo.model import parallel
 from octavo.model.moe import FusedMoE
 from octavo.runner.deterministic import MAX_SPLITS, MIN_SPLIT, check_deterministic, fixed_split
+from octavo.runner.multiproc import free_port
 
 
 def test_spans_are_a_power_of_two_and_at_most_max_splits_of_the_context():
@@ -61,14 +62,15 @@ def _ranks(rank: int, size: int, init: str, out: str) -> None:
     alone = torch.cat([parallel.all_reduce(rows[i : i + 1].clone()) for i in range(5)])
     if rank == 0:
         torch.save({"whole": whole, "alone": alone}, out)
-    dist.destroy_process_group()
+    dist.barrier()  # every rank done; then out without gloo's teardown, which may abort
+    os._exit(0)
 
 
 def test_three_ranks_sum_each_row_in_rank_order_at_every_message_size():
     size = 3
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.pt")
-        init = "file://" + os.path.join(tmp, "store")
+        init = f"tcp://127.0.0.1:{free_port()}"
         mp.start_processes(_ranks, args=(size, init, out), nprocs=size, start_method="spawn")
         got = torch.load(out)
     parts = []
