@@ -122,9 +122,7 @@ class KVCacheManager:
             request: the request; `num_computed_tokens` excludes `new_computed_blocks`.
             num_new_tokens: tokens to be computed this step.
             new_computed_blocks: prefix hits from `get_computed_blocks` (admission only,
-                [] for none); they are referenced and become the front of the block table,
-                and the lookup is counted in `stats`.
-
+                [] for none), referenced as the table's front; the lookup is counted.
         Returns:
             True on success; False, if too few blocks are free, changing nothing but the
             blocks before the window given back (they are free to use either way).

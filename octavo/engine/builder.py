@@ -132,15 +132,10 @@ def build_engine(
 ) -> Engine:
     """Builds an Engine from LLM()'s options (the README's table gives their meaning)."""
     speculative = _check_options(load_format, cuda_graph_max_tokens, speculative_config)
-    cache = CacheConfig(
-        block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
-        enable_prefix_caching, kv_cache_dtype,
-    )  # fmt: skip
     parallel = ParallelConfig(tensor_parallel_size, nnodes, dist_init_addr, enable_expert_parallel)
     hf_config = load_hf_config(model_path := resolve_model(model, revision))
-    windows = layer_windows(hf_config)  # every layer slides: blocks before it are freed
-    if None not in windows:
-        cache = dataclasses.replace(cache, sliding_window=max(windows))
+    cache = _cache_config(hf_config, block_size, num_kv_blocks, kv_cache_memory,
+                          gpu_memory_utilization, enable_prefix_caching, kv_cache_dtype)  # fmt: skip
     dev = _device_with_threads(device, threads)
     _check_parallel(parallel, hf_config, dev)
     quantization = _quantization(quantization, model_path, hf_config, dev, load_format)
@@ -165,6 +160,13 @@ def build_engine(
     overlap = dev.type == "cuda" if async_scheduling is None else async_scheduling
     eos, speculator = _eos_token_ids(tok, hf_config), _speculator(speculative, dev)
     return Engine(runner, tok, cache, sched, num_blocks, eos, overlap, mode, speculator)
+
+
+def _cache_config(hf_config, *options) -> CacheConfig:
+    """The cache options, and the model's window where every layer slides (the blocks
+    before it are given back during a request)."""
+    windows = layer_windows(hf_config)
+    return CacheConfig(*options, sliding_window=None if None in windows else max(windows))
 
 
 def _compute_mode(dev, dtype, kv_dtype, packed: bool, hf_config, deterministic: bool):
