@@ -7,25 +7,25 @@ OCTAVO_TRITON_INTERPRET=1 a small subset runs on the CPU through Triton's interp
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_env import DEVICE, INTERPRET, require_kernels
 
-pytest.importorskip("triton")
-INTERPRET = os.environ.get("OCTAVO_TRITON_INTERPRET") == "1"
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
+require_kernels()
 
 from octavo.kernels import fused_moe
 
 pytestmark = pytest.mark.gpu
-DEVICE = "cpu" if INTERPRET else "cuda"
 
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    return {"rtol": tol, "atol": tol}
 
 
 def _reference(x, w13, w2, ids, weights, first=0):
@@ -133,8 +133,7 @@ def test_fused_experts_match_reference(tokens, experts, top_k, hidden, inter, dt
     out = fused_moe.fused_experts(x, w13, w2, ids, weights)
     ref = _reference(x, w13, w2, ids, weights)
     assert out.shape == x.shape and out.dtype == dtype
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(out.float().cpu(), ref, **tol)
+    torch.testing.assert_close(out.float().cpu(), ref, **_tolerance(dtype))
 
 
 def _to_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,8 +163,7 @@ def test_fp8_experts_match_their_dequantized_weights(tokens, experts, top_k, hid
     (c13, s13, d13), (c2, s2, d2) = _to_fp8(w13), _to_fp8(w2)
     out = fused_moe.fused_experts(x, c13, c2, ids, weights, scales=(s13, s2))
     ref = _reference(x, d13, d2, ids, weights)
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(out.float().cpu(), ref, **tol)
+    torch.testing.assert_close(out.float().cpu(), ref, **_tolerance(dtype))
 
 
 @pytest.mark.parametrize("first,num_local", [(0, 4), (4, 4), (2, 3)])
