@@ -177,10 +177,13 @@ class KVCacheManager:
             return
         first_seen = max(request.num_computed_tokens - self.sliding_window + 1, 0)
         unseen = min(first_seen // self.block_size, len(table))
-        gone = [block for block in table[:unseen] if block is not None]
-        if not gone:
+        if unseen == 0 or table[unseen - 1] is None:  # given back already: a None prefix
             return
-        table[:unseen] = [None] * unseen
+        start = unseen - 1
+        while start > 0 and table[start - 1] is not None:  # only the newly unseen blocks
+            start -= 1
+        gone = table[start:unseen]
+        table[start:unseen] = [None] * len(gone)
         self.num_out_of_window += len(gone)
         self.pool.free(reversed(gone))
 
