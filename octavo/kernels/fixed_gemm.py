@@ -175,7 +175,6 @@ def fixed_gemm(
     cfg = dict(config or tile_config(m, n, k))
     if cfg.pop("TMA", False) and x.is_cuda and _tma_fits(x2, w, y):
         return _fixed_gemm_tma(x2, w, bias, y, cfg).view(*lead, n)
-    cfg.pop("TMA", None)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _fixed_gemm_kernel[grid](
         x2, w, bias if bias is not None else w, y, m, n, k, x2.stride(0), w.stride(0),

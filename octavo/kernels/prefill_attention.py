@@ -131,7 +131,8 @@ def _prefill_kernel(
     last_pos = prefix + tl.minimum(first_tok + BLOCK_Q, q_len)  # exclusive: the last query
     if SPLIT == 0:
         acc, m_i, l_i = attend_span(
-            acc, m_i, l_i, q, 0, last_pos, k_cache_ptr, v_cache_ptr, block_table_ptr, full_end, masked_start, last_pos,
+            acc, m_i, l_i, q, 0, last_pos,
+            k_cache_ptr, v_cache_ptr, block_table_ptr, full_end, masked_start, last_pos,
             seq_len, q_pos, kv_head, qk_scale, window, softcap, NUM_KV_HEADS, HEAD_DIM,
             BLOCK_SIZE, BLOCK_N, SLIDING, SOFTCAP,
         )  # fmt: skip
@@ -141,7 +142,8 @@ def _prefill_kernel(
         if span >= last_pos or span < first_span:
             return
         acc, m_i, l_i = attend_span(
-            acc, m_i, l_i, q, span, span + SPLIT, k_cache_ptr, v_cache_ptr, block_table_ptr, full_end, masked_start, last_pos,
+            acc, m_i, l_i, q, span, span + SPLIT,
+            k_cache_ptr, v_cache_ptr, block_table_ptr, full_end, masked_start, last_pos,
             seq_len, q_pos, kv_head, qk_scale, window, softcap, NUM_KV_HEADS, HEAD_DIM,
             BLOCK_SIZE, BLOCK_N, SLIDING, SOFTCAP,
         )  # fmt: skip
@@ -159,7 +161,8 @@ def _prefill_kernel(
             m_s = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
             l_s = tl.zeros([BLOCK_M], dtype=tl.float32)
             a_s, m_s, l_s = attend_span(
-                a_s, m_s, l_s, q, span, span + SPLIT, k_cache_ptr, v_cache_ptr, block_table_ptr, full_end, masked_start, last_pos,
+                a_s, m_s, l_s, q, span, span + SPLIT,
+                k_cache_ptr, v_cache_ptr, block_table_ptr, full_end, masked_start, last_pos,
                 seq_len, q_pos, kv_head, qk_scale, window, softcap, NUM_KV_HEADS, HEAD_DIM,
                 BLOCK_SIZE, BLOCK_N, SLIDING, SOFTCAP,
             )  # fmt: skip
