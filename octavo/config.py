@@ -28,7 +28,10 @@ class CacheConfig:
     a default of 1 GiB (CPU).
 
     `sliding_window` is the model's (the builder sets it) where every layer slides: blocks
-    wholly before the window go back to the pool during a request.
+    wholly before the window go back to the pool during a request. `hybrid_window` is the
+    sliding layers' window where the other layers attend to everything (Gemma 2 and 3): the
+    sliding layers keep their blocks apart, and give back those before it
+    (core/hybrid_kv.py).
     """
 
     block_size: int = 16
@@ -38,6 +41,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"
     sliding_window: int | None = None
+    hybrid_window: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive("block_size", self.block_size)

@@ -41,6 +41,9 @@ class AttentionMetadata:
     # Decode steps may carry [B] int32: the sequences by context length, longest first. The
     # Triton decode kernel starts them in that order (a scheduling hint, not a semantic).
     decode_order: torch.Tensor | None = None
+    # A model whose layers attend two ways (core/hybrid_kv.py): this metadata with the
+    # sliding-window layers' own slots and block tables, which those layers read instead.
+    sliding: AttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:

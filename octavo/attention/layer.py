@@ -54,6 +54,8 @@ class Attention(nn.Module):
         """
         if self.kv_cache is None or self.backend is None:
             raise RuntimeError("Attention used before the model runner bound a KV cache")
+        if md.sliding is not None and self.spec.sliding_window is not None:
+            md = md.sliding  # this layer's blocks are the sliding layers' (core/hybrid_kv.py)
         out = self.backend.forward_qkv(
             qkv, positions, self.kv_cache, md, self.spec, self.k_scale, self.v_scale
         )

@@ -145,12 +145,11 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self) -> None:
-        self._plan_key: tuple | None = None
-        self._plan: _DecodePlan | None = None
+        self._plans: list[tuple[tuple, _DecodePlan]] = []  # the newest first
         self._workspace: torch.Tensor | None = None
         self._rotation_key: tuple | None = None
         self._rotation: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._context_key: AttentionMetadata | None = None
+        self._context_key: tuple[list[int], list[int]] | None = None
         self._context: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward_qkv(
@@ -254,7 +253,8 @@ class TorchAttentionBackend(AttentionBackend):
     def _token_context(self, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query token's sequence and how many cached positions it sees (int32 [T]
         each), built by a step's first layer (keyed on its metadata, which it holds)."""
-        if self._context_key is not md:
+        key = self._context_key
+        if key is None or key[0] is not md.query_start_loc_cpu or key[1] is not md.seq_lens_cpu:
             starts, seq, ctx = md.query_start_loc_cpu, [], []
             for i, seq_len in enumerate(md.seq_lens_cpu):
                 new = starts[i + 1] - starts[i]
@@ -264,7 +264,7 @@ class TorchAttentionBackend(AttentionBackend):
                 torch.tensor(seq, dtype=torch.int32),
                 torch.tensor(ctx, dtype=torch.int32),
             )
-            self._context_key = md
+            self._context_key = (md.query_start_loc_cpu, md.seq_lens_cpu)  # md.sliding's too
         return self._context
 
     def _cos_sin(
@@ -276,7 +276,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables of this step's positions, built by its first layer: keyed on the
         metadata and positions objects all layers of a step share (held, so never reused)."""
-        key = (md, positions, spec.rotary_emb.cos_sin_cache, dtype)
+        key = (md.seq_lens_cpu, positions, spec.rotary_emb.cos_sin_cache, dtype)
         if self._rotation_key is None or any(map(operator.is_not, key, self._rotation_key)):
             self._rotation = spec.rotary_emb.cos_sin(positions, dtype)
             self._rotation_key = key
@@ -286,13 +286,15 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode_plan(
         self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
     ) -> _DecodePlan:
+        # Two plans are kept: a model with full and sliding layers (core/hybrid_kv.py) reads
+        # two block tables a step, md and md.sliding, in turn.
         key = (md, kv_cache.shape, kv_cache.device, q.dtype)
-        cached = self._plan_key
-        if cached is None or cached[0] is not md or cached[1:] != key[1:]:
-            self._plan = _build_decode_plan(md, kv_cache.shape[1], kv_cache.shape[2], q)
-            self._plan_key = key
-        assert self._plan is not None
-        return self._plan
+        for cached, plan in self._plans:
+            if cached[0] is md and cached[1:] == key[1:]:
+                return plan
+        plan = _build_decode_plan(md, kv_cache.shape[1], kv_cache.shape[2], q)
+        self._plans = [(key, plan), *self._plans[:1]]
+        return plan
 
     def _get_workspace(self, num_rows: int, rows: torch.Tensor) -> torch.Tensor:
         ws = self._workspace

@@ -42,6 +42,9 @@ class SharingStats:
     peak_blocks_used: int = 0
 
 
+_IN_PLACE = object()  # allocate_slots has nothing to do: the table holds the new tokens
+
+
 class KVCacheManager:
     """Gives requests blocks (reusing cached prefixes) and takes them back."""
 
@@ -127,34 +130,23 @@ class KVCacheManager:
             True on success; False, if too few blocks are free, changing nothing but the
             blocks before the window given back (they are free to use either way).
         """
-        assert num_new_tokens >= 0, f"num_new_tokens={num_new_tokens}"
-        self._release_out_of_window(request)
-        if not new_computed_blocks and self._fits_in_place(request, num_new_tokens):
-            return True
+        plan = self._plan(request, num_new_tokens, new_computed_blocks)
+        if plan is None or plan is _IN_PLACE:
+            return plan is _IN_PLACE
+        num_total_tokens, num_new_blocks, cow_index = plan
         hits = new_computed_blocks or []
         table = self._block_tables.get(request.request_id, [])
-        assert not (hits and table), f"{request} got prefix hits after admission"
-        num_total_tokens = (
-            request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        )
-        num_blocks_needed = -(-num_total_tokens // self.block_size)
-        num_new_blocks = max(num_blocks_needed - len(table) - len(hits), 0)
-        cow_index = self._shared_write_block(request, table, num_new_tokens)
-        # NOTE: unused hit blocks sit in the free queue; touching them takes them out, so they
-        # cannot also serve as new blocks. Touch first, so `allocate` cannot evict them.
-        num_free_hits = sum(1 for block in hits if block.ref_cnt == 0)
-        num_cow = 0 if cow_index is None else 1
-        if num_new_blocks + num_cow > self.pool.num_free_blocks - num_free_hits:
-            return False
         request_id = request.request_id
         if request_id not in self._block_tables:
             if new_computed_blocks is not None and self._looks_up(request):
                 self.stats.prefix_cache_queries += request.num_tokens
                 self.stats.prefix_cache_hits += len(hits) * self.block_size
-            self.pool.touch(hits)
+            self.pool.touch(block for block in hits if block is not None)
             table = self._block_tables[request_id] = list(hits)
-            self._block_ids[request_id] = [block.block_id for block in hits]
+            # A hit's entries before the window are None: id 0 stands in, read only masked.
+            self._block_ids[request_id] = [0 if b is None else b.block_id for b in hits]
             self._num_cached_blocks[request_id] = len(hits)
+            self.num_out_of_window += hits.count(None)
         if cow_index is not None:
             self._copy_on_write(request_id, table, cow_index)
         new_blocks = self.pool.allocate(num_new_blocks)
@@ -169,6 +161,41 @@ class KVCacheManager:
             num_full = min(num_total_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, table, num_full)
         return True
+
+    def can_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock | None] | None = None,
+    ) -> bool:
+        """Whether `allocate_slots` with these arguments succeeds; changes nothing but the
+        blocks before the window given back (they are free to use either way)."""
+        return self._plan(request, num_new_tokens, new_computed_blocks) is not None
+
+    def _plan(
+        self, request: Request, num_new_tokens: int, hits: list[KVBlock | None] | None
+    ) -> tuple[int, int, int | None] | object | None:
+        """What allocate_slots must do: _IN_PLACE (nothing), None (too few blocks are free),
+        or (tokens the table will hold, blocks to take, index of a block to copy or None)."""
+        assert num_new_tokens >= 0, f"num_new_tokens={num_new_tokens}"
+        self._release_out_of_window(request)
+        if not hits and self._fits_in_place(request, num_new_tokens):
+            return _IN_PLACE
+        hits = hits or []
+        table = self._block_tables.get(request.request_id, [])
+        assert not (hits and table), f"{request} got prefix hits after admission"
+        num_total_tokens = (
+            request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        )
+        num_new_blocks = max(-(-num_total_tokens // self.block_size) - len(table) - len(hits), 0)
+        cow_index = self._shared_write_block(request, table, num_new_tokens)
+        # NOTE: unused hit blocks sit in the free queue; touching them takes them out, so they
+        # cannot also serve as new blocks.
+        num_free_hits = sum(1 for block in hits if block is not None and block.ref_cnt == 0)
+        num_cow = 0 if cow_index is None else 1
+        if num_new_blocks + num_cow > self.pool.num_free_blocks - num_free_hits:
+            return None
+        return num_total_tokens, num_new_blocks, cow_index
 
     def _release_out_of_window(self, request: Request) -> None:
         """Gives back the blocks before the window of the request's next query."""
@@ -300,6 +327,13 @@ class KVCacheManager:
         place as blocks are added and is replaced by a new list when an entry changes.
         """
         return self._block_ids[request_id]
+
+    def get_sliding_block_ids(self, request_id: str) -> list[int] | None:
+        """The sliding layers' table where it is not this one (core/hybrid_kv.py): None."""
+        return None
+
+    def take_pending_sliding_copies(self) -> list[tuple[int, int]]:
+        return []
 
     def reset_prefix_cache(self) -> bool:
         """Forgets all cached blocks not in use; True if the prefix cache is now empty."""

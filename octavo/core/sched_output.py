@@ -59,6 +59,9 @@ class ScheduledRequest:
     # Speculative decoding: guessed next tokens, computed after `token_ids` in this step;
     # the step samples at each of their positions too and keeps the guesses it agrees with.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A model with full and sliding-window layers (core/hybrid_kv.py): the sliding layers'
+    # table entries for the same indices as `new_block_ids`; [] for other models.
+    new_sliding_block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_new_tokens(self) -> int:
@@ -96,6 +99,8 @@ class SchedulerOutput:
     # Scheduled requests with a structured output: their sampling needs a GrammarBitmask,
     # which the engine hands the runner's sample_tokens once their grammars are current.
     structured_request_ids: list[str] = field(default_factory=list)
+    # block_copies for the sliding layers' blocks, in a model with two kinds (core/hybrid_kv.py).
+    sliding_block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @cached_property
     def num_batched_tokens(self) -> int:

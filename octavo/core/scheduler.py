@@ -123,6 +123,7 @@ class Scheduler:
             finished,
             bool(self._scoring_prompts),
             structured,
+            self.kv.take_pending_sliding_copies(),
         )
 
     def requests_of(self, so: SchedulerOutput) -> list[Request]:
@@ -271,6 +272,8 @@ class Scheduler:
         else:
             blocks_start, new_blocks = 0, list(block_ids)
         request.sent_block_ids, request.num_sent_blocks = block_ids, len(block_ids)
+        sliding_ids = self.kv.get_sliding_block_ids(request.request_id)
+        new_sliding = [] if sliding_ids is None else sliding_ids[blocks_start : len(block_ids)]
         new_outputs: list[int] = []
         if request.reads_output_tokens and request.num_sent_outputs < len(outputs):
             new_outputs = outputs[request.num_sent_outputs :]
@@ -286,6 +289,7 @@ class Scheduler:
             new_blocks,
             new_outputs,
             spec_token_ids or [],
+            new_sliding,
         )
 
     def needs_pending_tokens(self) -> bool:

@@ -18,7 +18,7 @@ from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.engine.speculative import Speculator
 from octavo.kernels.capability import AUTO_THREADS, ThreadGovernor, cpu_threads
 from octavo.kernels.cpu import compute_mode
-from octavo.model.config import get_head_dim, get_num_kv_heads, layer_windows
+from octavo.model.config import get_head_dim, get_num_kv_heads, hybrid_window, layer_windows
 from octavo.model.parallel import check_tp_size
 from octavo.quant import get_method, resolve_quantization
 from octavo.runner import kv_setup
@@ -163,10 +163,11 @@ def build_engine(
 
 
 def _cache_config(hf_config, *options) -> CacheConfig:
-    """The cache options, and the model's window where every layer slides (the blocks
-    before it are given back during a request)."""
+    """The cache options, and the model's window where every layer slides or where some do
+    (the blocks before it are given back during a request)."""
     windows = layer_windows(hf_config)
-    return CacheConfig(*options, sliding_window=None if None in windows else max(windows))
+    sliding = None if None in windows else max(windows)
+    return CacheConfig(*options, sliding_window=sliding, hybrid_window=hybrid_window(hf_config))
 
 
 def _compute_mode(dev, dtype, kv_dtype, packed: bool, hf_config, deterministic: bool):

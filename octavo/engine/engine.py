@@ -22,7 +22,7 @@ import itertools
 from collections.abc import Iterable
 
 from octavo.config import CacheConfig, SchedulerConfig
-from octavo.core.kv_cache_manager import KVCacheManager
+from octavo.core.hybrid_kv import kv_cache_manager
 from octavo.core.request import Request, RequestStatus
 from octavo.core.sched_output import SchedulerOutput
 from octavo.core.scheduler import Scheduler
@@ -73,10 +73,7 @@ class Engine(DrivenSequences):
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.vocab_size = runner.vocab_size
-        self.kv = KVCacheManager(
-            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-            cache_config.sliding_window,
-        )  # fmt: skip
+        self.kv = kv_cache_manager(num_kv_blocks, cache_config, scheduler_config)
         lookahead = 0 if speculator is None else speculator.num_lookahead_tokens
         self.scheduler = Scheduler(
             scheduler_config, self.kv, eos_token_ids, accept_tokens, lookahead

@@ -40,6 +40,19 @@ def engine_stats(engine) -> dict[str, int | float | str | list]:
         "batch_invariant": engine.batch_invariant,
         **(engine.speculator.stats.as_dict() if engine.speculator is not None else {}),
         **_expert_stats(engine.runner),
+        **_sliding_pool_stats(engine.kv),
+    }
+
+
+def _sliding_pool_stats(kv) -> dict:
+    """The sliding layers' own pool, in a model whose layers attend two ways
+    (core/hybrid_kv.py); the other kv_blocks_* figures are the full layers' pool."""
+    sliding = getattr(kv, "sliding", None)
+    if sliding is None:
+        return {}
+    return {
+        "kv_sliding_blocks_total": sliding.num_total_blocks,
+        "kv_sliding_blocks_free": sliding.num_free_blocks,
     }
 
 

@@ -63,3 +63,10 @@ def layer_windows(config: PretrainedConfig) -> list[int | None]:
     if not kinds:
         return [window] * config.num_hidden_layers
     return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def hybrid_window(config: PretrainedConfig) -> int | None:
+    """The sliding layers' window of a model that has full-attention layers too (Gemma 2 and
+    3): those layers keep KV blocks of their own (core/hybrid_kv.py). None for the others."""
+    windows = [w for w in layer_windows(config) if w is not None]
+    return max(windows) if windows and len(windows) < config.num_hidden_layers else None

@@ -20,6 +20,7 @@ a replay over other lengths runs the same grid, and surplus programs return at o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -92,7 +93,7 @@ class CudaGraphRunner:
         tokens, seqs = shape.num_tokens, shape.num_seqs
         block_tables = buffers.block_tables[:seqs]
         max_seq_len = block_tables.shape[1] * buffers.block_size
-        return AttentionMetadata(
+        md = AttentionMetadata(
             num_tokens=tokens,
             query_start_loc=buffers.query_start_loc[: seqs + 1],
             seq_lens=buffers.seq_lens[:seqs],
@@ -103,6 +104,13 @@ class CudaGraphRunner:
             seq_lens_cpu=[max_seq_len] * seqs,
             decode_order=buffers.decode_order[:seqs] if shape.decode else None,
         )
+        if buffers.sliding_scratch is not None:  # the sliding layers' own (core/hybrid_kv.py)
+            md.sliding = dataclasses.replace(
+                md,
+                slot_mapping=buffers.sliding_slot_mapping[:tokens],
+                block_tables=buffers.sliding_block_tables[:seqs],
+            )
+        return md
 
     def shapes(self) -> list[GraphShape]:
         """Every shape to capture, largest first within each ladder (mixed ones first)."""
@@ -119,6 +127,11 @@ class CudaGraphRunner:
         buffers.slot_mapping[:tokens].fill_(buffers.scratch_block * buffers.block_size)
         buffers.seq_lens[:seqs].fill_(1)
         buffers.block_tables[:seqs].fill_(buffers.scratch_block)
+        if buffers.sliding_scratch is not None:
+            buffers.sliding_slot_mapping[:tokens].fill_(
+                buffers.sliding_scratch * buffers.block_size
+            )
+            buffers.sliding_block_tables[:seqs].fill_(buffers.sliding_scratch)
         if shape.decode:
             buffers.query_start_loc[: seqs + 1].copy_(torch.arange(seqs + 1))
             buffers.decode_order[:seqs].copy_(torch.arange(seqs))

@@ -13,6 +13,7 @@ GPU. The caching host allocator keeps a pinned buffer alive until its copy has r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,16 +36,21 @@ class GraphShape:
 
 class BlockTableRows:
     """Every running request's block table as a row of one numpy array, kept up to date
-    from each step's changes (`ScheduledRequest.new_block_ids`)."""
+    from each step's changes (`ScheduledRequest.new_block_ids`); with `sliding`, the sliding
+    layers' tables too, in the same rows of a second array (core/hybrid_kv.py)."""
 
-    def __init__(self, max_blocks_per_seq: int, num_rows: int) -> None:
+    def __init__(self, max_blocks_per_seq: int, num_rows: int, sliding: bool = False) -> None:
         self.table = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int32)
+        self.sliding = np.zeros_like(self.table) if sliding else None
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self._rows: dict[str, int] = {}
         self._lengths: dict[str, int] = {}  # request id -> blocks in its table
 
-    def row(self, request_id: str, start: int, new_block_ids: list[int]) -> tuple[int, int]:
-        """The request's row and table length, after writing `new_block_ids` from `start`."""
+    def row(
+        self, request_id: str, start: int, new_block_ids: list[int], new_sliding: list[int]
+    ) -> tuple[int, int]:
+        """The request's row and table length, after writing `new_block_ids` (and the sliding
+        layers' `new_sliding`) from `start`."""
         row = self._rows.get(request_id)
         if row is None:
             row = self._rows[request_id] = self._take_row()
@@ -53,6 +59,8 @@ class BlockTableRows:
             if end > self.table.shape[1]:
                 raise ValueError(f"{end} blocks exceed the block table's width")
             self.table[row, start:end] = new_block_ids
+            if self.sliding is not None:
+                self.sliding[row, start:end] = new_sliding
             self._lengths[request_id] = end
         return row, self._lengths[request_id]
 
@@ -72,6 +80,8 @@ class BlockTableRows:
         if not self._free_rows:  # more requests hold rows than expected: grow
             old = self.table.shape[0]
             self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            if self.sliding is not None:
+                self.sliding = np.concatenate([self.sliding, np.zeros_like(self.sliding)])
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         return self._free_rows.pop()
 
@@ -93,6 +103,9 @@ class InputBuilder:
         max_num_seqs: the most sequences in a step (and the largest CUDA-graph batch).
         max_blocks_per_seq: the block-table width (max_model_len / block_size, rounded up).
         scratch_block: a KV block no request owns, for CUDA-graph padding rows.
+        sliding_scratch: the same in the sliding layers' pool, for a model whose layers
+            attend two ways (core/hybrid_kv.py): then each step's metadata carries the
+            sliding layers' slots and tables as `md.sliding`. None for other models.
     """
 
     def __init__(
@@ -103,12 +116,14 @@ class InputBuilder:
         block_size: int,
         scratch_block: int,
         device: torch.device,
+        sliding_scratch: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.scratch_block = scratch_block
+        self.sliding_scratch = sliding_scratch
         self.device = device
         self.pin = device.type == "cuda"
-        self.rows = BlockTableRows(max_blocks_per_seq, max_num_seqs)
+        self.rows = BlockTableRows(max_blocks_per_seq, max_num_seqs, sliding_scratch is not None)
         t, b = max(max_num_tokens, max_num_seqs), max_num_seqs
 
         def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -121,6 +136,9 @@ class InputBuilder:
         self.seq_lens = zeros(b, dtype=torch.int32)
         self.block_tables = zeros(b, max_blocks_per_seq, dtype=torch.int32)
         self.decode_order = zeros(b, dtype=torch.int32)
+        if sliding_scratch is not None:
+            self.sliding_slot_mapping = zeros(t, dtype=torch.int64)
+            self.sliding_block_tables = zeros(b, max_blocks_per_seq, dtype=torch.int32)
 
     def build(
         self,
@@ -140,7 +158,10 @@ class InputBuilder:
         """
         num_seqs = len(scheduled)
         row_of = self.rows.row
-        rows_lengths = [row_of(s.request_id, s.block_ids_start, s.new_block_ids) for s in scheduled]
+        rows_lengths = [
+            row_of(s.request_id, s.block_ids_start, s.new_block_ids, s.new_sliding_block_ids)
+            for s in scheduled
+        ]
         rows = [r for r, _ in rows_lengths]
         width = max(length for _, length in rows_lengths)
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, num_seqs)
@@ -150,15 +171,14 @@ class InputBuilder:
         num_tokens = int(cu[-1])
         positions, ids = _positions_and_ids(scheduled, starts, q_lens, cu)
         seq_lens = starts + q_lens
-        tables = self.rows.table[rows, :width]  # [B, W]
         token_seq = np.repeat(np.arange(num_seqs), q_lens)
-        block = tables[token_seq, positions // self.block_size].astype(np.int64)
-        slots = block * self.block_size + positions % self.block_size
+        tables, slots = self._slots(self.rows.table, rows, width, token_seq, positions)
         input_ids = np.array(ids, dtype=np.int64)
         if graph is not None and (graph.num_tokens, graph.num_seqs) != (num_tokens, num_seqs):
-            input_ids, positions, slots, seq_lens, tables, cu = self._pad(
-                graph, input_ids, positions, slots, seq_lens, tables, cu
+            input_ids, positions, seq_lens, cu = self._pad(
+                graph, input_ids, positions, seq_lens, cu
             )
+            slots, tables = self._pad_tables(graph, slots, tables, self.scratch_block)
         size = graph.num_seqs if graph is not None else num_seqs
         decode_order = None
         if num_tokens == num_seqs:  # longest first: see octavo/kernels/decode_attention.py
@@ -177,21 +197,38 @@ class InputBuilder:
             decode_order=decode_order,
         )
         assert md.block_tables.shape[0] == size
+        if self.rows.sliding is not None:
+            md.sliding = self._sliding_metadata(md, graph, rows, width, token_seq, positions)
         input_ids_dev = self._upload(self.input_ids, input_ids)
         self._fill_pending(scheduled, cu_cpu, pending_rows, last_sampled)
         return StepInputs(input_ids_dev, self._upload(self.positions, positions), md)
 
-    def _pad(self, graph, input_ids, positions, slots, seq_lens, tables, cu):
+    def _slots(self, table_rows, rows, width, token_seq, positions):
+        """The step's rows of a block-table array, and each new token's cache slot."""
+        tables = table_rows[rows, :width]  # [B, W]
+        positions = positions[: len(token_seq)]
+        block = tables[token_seq, positions // self.block_size].astype(np.int64)
+        return tables, block * self.block_size + positions % self.block_size
+
+    def _sliding_metadata(self, md, graph, rows, width, token_seq, positions):
+        """`md` with the sliding layers' slots and tables (core/hybrid_kv.py)."""
+        tables, slots = self._slots(self.rows.sliding, rows, width, token_seq, positions)
+        if graph is not None and (graph.num_tokens, graph.num_seqs) != (len(slots), len(tables)):
+            slots, tables = self._pad_tables(graph, slots, tables, self.sliding_scratch)
+        return dataclasses.replace(
+            md,
+            slot_mapping=self._upload(self.sliding_slot_mapping, slots),
+            block_tables=self._upload(self.sliding_block_tables, tables),
+        )
+
+    def _pad(self, graph, input_ids, positions, seq_lens, cu):
         """Pads a step up to a captured graph's shape. Padding tokens are id 0 at position 0,
-        written to slot 0 of the scratch block; padding sequences' tables name only that
-        block. In a decode graph each padding token is a sequence of its own (seq_len 1:
-        it reads the slot it wrote). In a mixed graph padding tokens belong to no sequence
-        (their outputs are garbage nobody reads) and padding sequences have no tokens, so
-        every attention program skips them."""
+        written to slot 0 of the scratch block (_pad_tables). In a decode graph each padding
+        token is a sequence of its own (seq_len 1: it reads the slot it wrote). In a mixed
+        graph padding tokens belong to no sequence (their outputs are garbage nobody reads)
+        and padding sequences have no tokens, so every attention program skips them."""
         extra_tokens = graph.num_tokens - len(input_ids)
         extra_seqs = graph.num_seqs - len(seq_lens)
-        pad_tables = np.zeros((extra_seqs, tables.shape[1]), dtype=np.int32)
-        pad_tables[:, 0] = self.scratch_block
         if graph.decode:
             pad_lens, cu = np.ones(extra_seqs, np.int64), np.arange(graph.num_seqs + 1)
         else:
@@ -202,10 +239,19 @@ class InputBuilder:
         return (
             np.concatenate([input_ids, np.zeros(extra_tokens, np.int64)]),
             np.concatenate([positions, np.zeros(extra_tokens, np.int64)]),
-            np.concatenate([slots, np.full(extra_tokens, self.scratch_block * self.block_size)]),
             np.concatenate([seq_lens, pad_lens]),
-            np.concatenate([tables, pad_tables]),
             cu,
+        )
+
+    def _pad_tables(self, graph, slots, tables, scratch: int):
+        """Slots and tables padded to the graph's shape: padding tokens write slot 0 of the
+        scratch block, and padding sequences' tables name only that block."""
+        pad_tables = np.zeros((graph.num_seqs - tables.shape[0], tables.shape[1]), np.int32)
+        pad_tables[:, 0] = scratch
+        pad_slots = np.full(graph.num_tokens - len(slots), scratch * self.block_size)
+        return (
+            np.concatenate([slots, pad_slots]),
+            np.concatenate([tables, pad_tables]),
         )
 
     def _fill_pending(self, scheduled, cu, pending_rows, last_sampled) -> None:

@@ -13,10 +13,12 @@ from torch import nn
 from octavo.attention.backend import AttentionBackend, build_metadata
 from octavo.attention.layer import bind_kv_caches
 from octavo.config import CacheConfig
+from octavo.core.hybrid_kv import sliding_pool_blocks
 from octavo.kernels.capability import check_fp8_device
-from octavo.model.config import get_head_dim, get_num_kv_heads
+from octavo.model.config import get_head_dim, get_num_kv_heads, hybrid_window, layer_windows
 from octavo.model.layers import Linear
 from octavo.model.parallel import get_tp, kv_head_range
+from octavo.runner.host_copy import to_device
 from octavo.runner.inputs import InputBuilder
 from octavo.runner.sampler import Sampler
 from octavo.runner.sampling_metadata import SamplingMetadata
@@ -63,22 +65,91 @@ def kv_cache_shape(hf_config, num_blocks: int, block_size: int) -> tuple[int, ..
     return (2, num_blocks, block_size, local_kv_heads(hf_config), get_head_dim(hf_config))
 
 
-def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
-    """layers x (K and V) x block_size x this rank's kv_heads x head_dim x dtype bytes."""
+def kv_bytes_per_block(
+    hf_config, block_size: int, dtype: torch.dtype, layers: int | None = None
+) -> int:
+    """layers (all by default) x (K and V) x block_size x this rank's kv_heads x head_dim x
+    dtype bytes."""
     num_kv_heads = local_kv_heads(hf_config)
     elem = torch.empty((), dtype=dtype).element_size()
-    return (
-        hf_config.num_hidden_layers * 2 * block_size * num_kv_heads * get_head_dim(hf_config) * elem
-    )
+    layers = hf_config.num_hidden_layers if layers is None else layers
+    return layers * 2 * block_size * num_kv_heads * get_head_dim(hf_config) * elem
+
+
+def sliding_layers(hf_config) -> list[bool]:
+    """Which layers keep their blocks in the sliding layers' pool (core/hybrid_kv.py): the
+    sliding ones of a model with both kinds; none in other models."""
+    if hybrid_window(hf_config) is None:
+        return [False] * hf_config.num_hidden_layers
+    return [window is not None for window in layer_windows(hf_config)]
+
+
+def sliding_pool_size(hf_config, num_blocks: int, block_size: int, seqs: int, tokens: int):
+    """The sliding layers' pool for `num_blocks` full blocks, `seqs` sequences and `tokens`
+    tokens a step (hybrid_kv.sliding_pool_blocks); None where the model has one kind."""
+    window = hybrid_window(hf_config)
+    if window is None:
+        return None
+    return sliding_pool_blocks(num_blocks, window, block_size, seqs, tokens)
+
+
+def pool_block_bytes(hf_config, block_size: int, dtype, seqs: int, tokens: int):
+    """(bytes of a block on the layers of the full pool, None or (bytes of a block on the
+    sliding layers, the most blocks their pool needs)): num_kv_blocks' arguments."""
+    sliding = sliding_layers(hf_config)
+    per_block = kv_bytes_per_block(hf_config, block_size, dtype, sliding.count(False))
+    most = sliding_pool_size(hf_config, 1 << 62, block_size, seqs, tokens)
+    if most is None:
+        return per_block, None
+    return per_block, (kv_bytes_per_block(hf_config, block_size, dtype, sliding.count(True)), most)
+
+
+def allocate_kv_caches(
+    hf_config, num_blocks: int, num_sliding: int | None, block_size: int, dtype, device
+) -> list[torch.Tensor]:
+    """One zeroed cache per layer (kv_cache_shape), each with one block past its pool as
+    scratch space for CUDA-graph padding rows: `num_sliding` + 1 blocks on the layers of the
+    sliding layers' pool, `num_blocks` + 1 on the others."""
+    return [
+        zeroed_kv_cache(
+            kv_cache_shape(hf_config, (num_sliding if sliding else num_blocks) + 1, block_size),
+            dtype,
+            device,
+        )
+        for sliding in sliding_layers(hf_config)
+    ]
+
+
+def copy_blocks(caches, hf_config, copies, sliding, device) -> tuple | None:
+    """Copies blocks (source, destination) in every layer's cache: `copies` in the full pool,
+    `sliding` in the sliding layers' pool (core/hybrid_kv.py). Returns the full pool's pairs
+    as (sources, destinations) device tensors, for a draft model's cache; None if none."""
+    kinds, full = sliding_layers(hf_config), None
+    for pairs, kind in ((copies, False), (sliding, True)):
+        if not pairs:
+            continue
+        src, dst = to_device([list(c) for c in zip(*pairs)], torch.int64, device)
+        for cache in (c for c, k in zip(caches, kinds, strict=True) if k == kind):
+            cache[:, dst] = cache[:, src]  # [2, num_blocks, block_size, KVH, D]
+        full = full if kind else (src, dst)
+    return full
 
 
 def num_kv_blocks(
-    cache: CacheConfig, per_block: int, device: torch.device, activation_bytes: Callable[[], int]
+    cache: CacheConfig,
+    per_block: int,
+    device: torch.device,
+    activation_bytes: Callable[[], int],
+    sliding: tuple[int, int] | None = None,
 ) -> int:
     """Sizes the block pool from the budget in CacheConfig, `per_block` bytes a block. On
     CUDA the budget is `gpu_memory_utilization` of the GPU minus what is in use after loading
     the model (by us and others) and the peak activations of the largest step
-    (`activation_bytes()`, a profiling pass)."""
+    (`activation_bytes()`, a profiling pass).
+
+    With `sliding` = (bytes a block of the sliding layers' pool, the most blocks that pool
+    needs), `per_block` counts the other layers only: the sliding pool takes its most first,
+    the full layers the rest (both pools as large where the budget holds no more)."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     if cache.kv_cache_memory is not None:
@@ -92,6 +163,11 @@ def num_kv_blocks(
     else:
         budget = CPU_DEFAULT_KV_BYTES
     num_blocks = budget // per_block
+    if sliding is not None:
+        per_sliding, most = sliding
+        num_blocks = (budget - per_sliding * most) // per_block
+        if num_blocks < most:
+            num_blocks = budget // (per_block + per_sliding)
     if num_blocks < 1:
         raise ValueError(
             f"the KV cache budget ({budget} bytes) is smaller than one block ({per_block} bytes)"

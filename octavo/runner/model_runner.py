@@ -31,12 +31,10 @@ from octavo.runner.gemm_tuning import tune_linears
 from octavo.runner.host_copy import to_device
 from octavo.runner.inputs import InputBuilder
 from octavo.runner.kv_setup import (
-    kv_bytes_per_block,
     kv_cache_shape,
     profile_activation_bytes,
     warm_up_eager_decode,
     warm_up_linears,
-    zeroed_kv_cache,
 )
 from octavo.runner.outputs import ModelRunnerOutput, PendingOutput
 from octavo.runner.prompt_logprobs import prompt_logprobs
@@ -124,7 +122,10 @@ class ModelRunner:
         """How many KV blocks the budget in `cache` holds (kv_setup.num_kv_blocks); on CUDA
         after profiling a step of `max_num_batched_tokens` tokens and `max_num_seqs` rows over
         temporary caches, freed before the cache is allocated."""
-        per_block = kv_bytes_per_block(self.hf_config, cache.block_size, self.kv_cache_dtype)
+        per_block, split = kv_setup.pool_block_bytes(
+            self.hf_config, cache.block_size, self.kv_cache_dtype, max_num_seqs,
+            max_num_batched_tokens,
+        )  # fmt: skip
         if self.draft is not None:  # its cache has as many blocks
             per_block += self.draft.kv_bytes_per_block(cache.block_size, self.kv_cache_dtype)
 
@@ -136,7 +137,7 @@ class ModelRunner:
                 max_num_batched_tokens, max_num_seqs,
             )  # fmt: skip
 
-        return kv_setup.num_kv_blocks(cache, per_block, self.device, activation_bytes)
+        return kv_setup.num_kv_blocks(cache, per_block, self.device, activation_bytes, split)
 
     def allocate_kv_cache(
         self,
@@ -156,11 +157,13 @@ class ModelRunner:
         """
         if self.kv_caches:
             raise RuntimeError("the KV cache is allocated once")
-        shape = kv_cache_shape(self.hf_config, num_blocks + 1, self.block_size)
-        self.kv_caches = [
-            zeroed_kv_cache(shape, self.kv_cache_dtype, self.device)
-            for _ in range(self.hf_config.num_hidden_layers)
-        ]
+        num_sliding = kv_setup.sliding_pool_size(
+            self.hf_config, num_blocks, self.block_size, max_num_seqs, max_num_batched_tokens
+        )
+        self.kv_caches = kv_setup.allocate_kv_caches(
+            self.hf_config, num_blocks, num_sliding, self.block_size, self.kv_cache_dtype,
+            self.device,
+        )  # fmt: skip
         bind_kv_caches(self.model, self.kv_caches, self.attn_backend)
         if self.draft is not None:
             self.draft.allocate_kv_cache(
@@ -174,6 +177,7 @@ class ModelRunner:
             self.block_size,
             num_blocks,
             self.device,
+            num_sliding,
         )
         if self.deterministic:
             self.attn_backend.split = fixed_split(max_model_len)
@@ -247,7 +251,7 @@ class ModelRunner:
         if self._unsampled is not None:
             raise RuntimeError("the previous step was never sampled (sample_tokens)")
         self._update_states(so)
-        self._copy_blocks(so.block_copies)
+        self._copy_blocks(so.block_copies, so.sliding_block_copies)
         graph = self._graph_shape(so)
         last_rows, last_sampled = self._last_sampled or ({}, None)
         step = self.inputs.build(so.scheduled, graph, last_rows, last_sampled)
@@ -389,12 +393,8 @@ class ModelRunner:
             num_output_tokens=[r[2] for r in rows],
         )  # fmt: skip
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def _copy_blocks(self, copies: list[tuple[int, int]], sliding: list[tuple[int, int]]) -> None:
         """Copy-on-write: gives a sequence its own copy of a shared partial block."""
-        if not copies:
-            return
-        src, dst = to_device([list(c) for c in zip(*copies)], torch.int64, self.device)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]  # [2, num_blocks, block_size, KVH, D]
-        if self.draft is not None:
-            self.draft.copy_blocks(src, dst)
+        pairs = kv_setup.copy_blocks(self.kv_caches, self.hf_config, copies, sliding, self.device)
+        if pairs is not None and self.draft is not None:
+            self.draft.copy_blocks(*pairs)
