@@ -5,6 +5,8 @@ FCFS serial estimate (this workload's schedule)."""
 
 from __future__ import annotations
 
+import collections
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -138,7 +140,7 @@ def workload_floor(
     compute floor = 2 x active params x all tokens / matmul rate; the floor is the larger.
     A step reads every weight, but of a mixture of experts' experts only those its tokens
     reach (SerialWork.step_weight_bytes). The KV cache holds `kv_dtype`."""
-    from octavo.model.config import get_head_dim
+    from octavo.model.config import get_head_dim, layer_windows
 
     params = weights_read_per_step(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -146,13 +148,12 @@ def workload_floor(
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     elem = torch.empty((), dtype=kv_dtype).element_size()
     kv_per_token = hf_config.num_hidden_layers * 2 * kv_heads * get_head_dim(hf_config) * elem
-    # sum over t < out of (prompt + t) = out * prompt + out * (out - 1) / 2
-    kv_tokens = sum(o * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True))
-    kv_read = kv_per_token * kv_tokens
     work = SerialWork(
         prompt_lens, output_lens, weight_bytes, num_params,
         lm_head_params(model), kv_per_token, *_expert_parts(model),
+        windows=tuple(layer_windows(hf_config)),
     )  # fmt: skip
+    kv_read = sum(work.kv_bytes_read(p, o) for p, o in zip(prompt_lens, output_lens, strict=True))
     steps = max(output_lens, default=0)
     weight_read = sum(work.step_weight_bytes(work.running(t)) for t in range(steps))
     memory_s = (kv_read + weight_read) / ceilings.copy_bytes_per_s
@@ -217,6 +218,9 @@ class SerialWork:
     expert_bytes: int = 0
     expert_params: int = 0
     expert_share: float = 1.0
+    # Each layer's sliding window (None: the whole context), where K counts every layer
+    # alike; () for a model without windows. A sliding layer reads at most its window.
+    windows: tuple[int | None, ...] = ()
 
     @property
     def active_params(self) -> int:
@@ -243,10 +247,29 @@ class SerialWork:
     def decode_kv_bytes(self, step: int) -> int:
         """KV read by decode step `step` (>= 1) of every request that has one: the prefill
         samples output token 1, decode step t feeds token t and attends over prompt + t."""
-        contexts = [
-            p + step for p, o in zip(self.prompt_lens, self.output_lens, strict=True) if o > step
-        ]
-        return self.kv_bytes_per_token * sum(contexts)
+        return sum(
+            self.kv_bytes_read(p + step, 1)
+            for p, o in zip(self.prompt_lens, self.output_lens, strict=True)
+            if o > step
+        )
+
+    def kv_bytes_read(self, context: int, steps: int) -> float:
+        """KV read by `steps` tokens in a row, the first over `context` positions, each next
+        one over one more: the sum of min(c, window) per layer for c = context ..."""
+        if not self.windows:
+            return self.kv_bytes_per_token * _sum_up_to(context, steps, None)
+        per_layer = self.kv_bytes_per_token / len(self.windows)
+        return per_layer * sum(n * _sum_up_to(context, steps, w) for w, n in self._window_counts)
+
+    @functools.cached_property
+    def _window_counts(self) -> list[tuple[int | None, int]]:
+        return list(collections.Counter(self.windows).items())
+
+
+def _sum_up_to(first: int, count: int, cap: int | None) -> int:
+    """sum of min(first + t, cap) for t < count (cap None: no cap)."""
+    below = count if cap is None else max(min(count, cap - first), 0)
+    return below * first + below * (below - 1) // 2 + (count - below) * (cap or 0)
 
 
 def serial_floor(work: SerialWork, ceilings: DeviceCeilings) -> float:

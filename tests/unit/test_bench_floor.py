@@ -167,3 +167,14 @@ def test_weights_read_per_step_of_kept_gguf_blocks(tmp_path):
     assert {id(p) for p in lm_head_weights(model)} == head
     assert lm_head_params(model) == cfg.vocab_size * cfg.hidden_size
     assert len(read) == len({id(p) for p in model.parameters()}) - len(lookup)
+
+
+def test_a_sliding_layer_reads_at_most_its_window():
+    """K = 4 bytes a token over two layers, one with a window of 4: contexts 3, 4, 5 and 6
+    read 3 + 4 + 4 + 4 positions there and 3 + 4 + 5 + 6 on the other, 2 bytes each."""
+    from octavo.entrypoints.bench_floor import SerialWork
+
+    work = SerialWork([3], [4], 1000, 500, 100, 4, windows=(4, None))
+    assert work.kv_bytes_read(3, 4) == 2 * (15 + 18)
+    assert work.decode_kv_bytes(1) == 2 * (4 + 4)
+    assert SerialWork([3], [4], 1000, 500, 100, 4).kv_bytes_read(3, 4) == 4 * 18
