@@ -134,3 +134,25 @@ def hf_greedy_choices(
     logits = hf_logits(hf_model, prompt + tokens)[len(prompt) - 1 : -1]  # [len(tokens), vocab]
     logits[:, list(banned)] = float("-inf")
     return logits.argmax(-1).tolist()
+
+
+def randomize(model: nn.Module, seed: int) -> nn.Module:
+    """Weights large enough that attention is sharp (HF's 0.02 init makes it nearly uniform,
+    which would hide rope and cache bugs); norm weights away from 1. Returns the model."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+    return model.eval()
+
+
+def random_hf_model(config, seed: int) -> nn.Module:
+    """A float32 HF model of `config` (eager attention), `randomize`d."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    return randomize(model, seed)

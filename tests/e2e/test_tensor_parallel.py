@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-from model_utils import TINY, hf_greedy
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from model_utils import TINY, hf_greedy, random_hf_model
+from transformers import LlamaConfig, Qwen3Config
 
 from octavo import LLM, SamplingParams, StructuredOutputsParams
 from octavo.config import ParallelConfig
@@ -37,16 +37,8 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 def _tiny_model(arch: str, path) -> torch.nn.Module:
     """An HF model of `arch` with random weights of a useful scale, saved to `path`."""
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(
-        CONFIGS[arch](), attn_implementation="eager", dtype=torch.float32
-    )
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
-    hf.eval().save_pretrained(path)
+    hf = random_hf_model(CONFIGS[arch](), seed=1)
+    hf.save_pretrained(path)
     return hf
 
 

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from model_utils import TINY, PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
+from model_utils import TINY, PagedRunner, eos_ids, hf_greedy, hf_logits, random_hf_model, rel_err
 from test_gguf_loader import _HF_TO_GGUF as HF_TO_GGUF
 from test_gguf_loader import write_gguf
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
@@ -106,14 +106,7 @@ def test_phi3_gguf_with_longrope_gives_the_logits_of_its_hf_original(tmp_path):
             "long_factor": [2.0 + 0.3 * i for i in range(8)]}  # fmt: skip
     cfg = Phi3Config(**TINY, original_max_position_embeddings=16, rope_scaling=rope,
                      pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-    gen = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
-    hf.eval()
+    hf = random_hf_model(cfg, seed=2)
     names = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
              "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_utils import TINY, hf_greedy
-from transformers import AutoModelForCausalLM, Gemma3TextConfig
+from model_utils import TINY, hf_greedy, random_hf_model
+from transformers import Gemma3TextConfig
 
 from octavo.core.hybrid_kv import HybridKVCacheManager, sliding_pool_blocks
 from octavo.core.request import Request
@@ -113,14 +113,8 @@ def gemma3(tmp_path_factory):
         sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"],
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
-    hf.eval().save_pretrained(path)
+    hf = random_hf_model(config, seed=5)
+    hf.save_pretrained(path)
     return hf, str(path)
 
 

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from model_utils import TINY, PagedRunner, eos_ids, hf_greedy, hf_logits, rel_err
+from model_utils import TINY, PagedRunner, eos_ids, hf_greedy, hf_logits, randomize, rel_err
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -80,26 +80,13 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that attention is sharp (HF's 0.02 init makes it nearly
-    uniform, which would hide rope and cache bugs); norm weights away from 1."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            else:
-                p.copy_(0.15 * noise)
-
-
 def _build(arch: str, path) -> tuple:
     """(HF model, octavo model loaded from HF's safetensors in `path`, octavo's config)."""
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(
         CONFIGS[arch](), attn_implementation="eager", dtype=torch.float32
     )
-    _randomize(hf, seed=1)
+    randomize(hf, seed=1)
     hf.eval()
     hf.save_pretrained(path)
     cfg = load_hf_config(str(path))
@@ -236,7 +223,7 @@ def test_an_engine_past_the_sliding_window_gives_hfs_tokens(tmp_path):
     hf = AutoModelForCausalLM.from_config(
         MistralConfig(**TINY, head_dim=None, sliding_window=16), attn_implementation="eager"
     )
-    _randomize(hf, seed=3)
+    randomize(hf, seed=3)
     hf.eval().save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), device="cpu", num_kv_blocks=256, quantization=None,
               max_num_batched_tokens=8, block_size=4)  # fmt: skip
