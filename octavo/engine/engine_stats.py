@@ -53,6 +53,7 @@ def _sliding_pool_stats(kv) -> dict:
     return {
         "kv_sliding_blocks_total": sliding.num_total_blocks,
         "kv_sliding_blocks_free": sliding.num_free_blocks,
+        "kv_sliding_blocks_peak_used": sliding.sharing.peak_blocks_used,
     }
 
 
