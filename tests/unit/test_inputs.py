@@ -50,6 +50,23 @@ def test_decode_step_with_graph_padding_orders_longest_first():
     assert sorted(md.decode_order.tolist()) == list(range(4))
 
 
+def test_a_model_with_sliding_layers_gets_their_slots_and_tables_padded_as_the_others():
+    """Gemma's sliding layers (core/hybrid_kv.py): md.sliding has the same rows from the
+    second table, and padding names the sliding pool's own scratch block."""
+    hybrid = InputBuilder(64, 8, 16, BLOCK, scratch_block=99, device=torch.device("cpu"),
+                          sliding_scratch=50)  # fmt: skip
+    a = scheduled("a", [7, 8, 9], 5, [3, 8])  # positions 5-7: block 1
+    a.new_sliding_block_ids = [0, 12]  # block 0 is before the window: a stand-in
+    b = scheduled("b", [1], 0, [5])
+    b.new_sliding_block_ids = [6]
+    md = hybrid.build([a, b], GraphShape(8, 4, False), {}, None).md
+    assert md.slot_mapping.tolist()[:4] == [8 * 4 + 1, 8 * 4 + 2, 8 * 4 + 3, 5 * 4]
+    assert md.sliding.slot_mapping.tolist() == [49, 50, 51, 24] + [50 * 4] * 4
+    assert md.sliding.block_tables.tolist() == [[0, 12], [6, 0], [50, 0], [50, 0]]
+    assert md.block_tables[2:, 0].tolist() == [99, 99]
+    assert md.sliding.query_start_loc is md.query_start_loc and md.sliding.sliding is None
+
+
 def test_prefill_step_has_no_decode_order():
     steps = [scheduled("a", [7], 5, [3, 8]), scheduled("b", [1, 2, 3], 0, [5])]
     step = builder().build(steps, None, {}, None)
