@@ -64,6 +64,17 @@ class BlockTableRows:
             self._lengths[request_id] = end
         return row, self._lengths[request_id]
 
+    def update(self, scheduled: list[ScheduledRequest]) -> tuple[list[int], int]:
+        """Writes a step's table changes; returns its requests' rows and longest table."""
+        row_of, rows, width = self.row, [], 0
+        for s in scheduled:
+            row, length = row_of(
+                s.request_id, s.block_ids_start, s.new_block_ids, s.new_sliding_block_ids
+            )
+            rows.append(row)
+            width = max(width, length)
+        return rows, width
+
     def capacity(self, request_id: str) -> int:
         """Blocks in the request's table."""
         return self._lengths[request_id]
@@ -157,13 +168,7 @@ class InputBuilder:
             last_sampled: the previous step's sampled token ids, on the device.
         """
         num_seqs = len(scheduled)
-        row_of = self.rows.row
-        rows_lengths = [
-            row_of(s.request_id, s.block_ids_start, s.new_block_ids, s.new_sliding_block_ids)
-            for s in scheduled
-        ]
-        rows = [r for r, _ in rows_lengths]
-        width = max(length for _, length in rows_lengths)
+        rows, width = self.rows.update(scheduled)
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, num_seqs)
         q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
         cu = np.zeros(num_seqs + 1, dtype=np.int64)
