@@ -5,6 +5,8 @@ beside it for one that does not:
 
 - dense products (every projection and the LM head): kernels/fixed_gemm.py, each output
   summed in one fixed order, instead of cuBLAS, which picks a kernel (and an order) by shape;
+  from LT_ROWS rows up, cuBLASLt algorithms that give the same bits
+  (kernels/fixed_order_product.py);
 - attention: kernels/prefill_attention.py over fixed spans of the context (`split` below)
   for every step, decode included, instead of the decode kernel, whose split count follows
   the batch; so a token gets the same bits decoded alone, beside 255 others, or recomputed
@@ -65,6 +67,6 @@ def make_deterministic(
     if device.type != "cuda":  # the CPU's float32 kernels are batch-invariant already
         return
     check_deterministic(model, backend, quantization)
-    from octavo.kernels.fixed_gemm import fixed_gemm  # Triton: imported on CUDA only
+    from octavo.kernels.fixed_order_product import FixedOrderProduct  # Triton: CUDA only
 
-    use_fixed_order_products(model, fixed_gemm)
+    use_fixed_order_products(model, FixedOrderProduct())

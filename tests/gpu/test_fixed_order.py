@@ -52,6 +52,25 @@ TILES = pick(
 )  # fmt: skip
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuBLASLt runs on CUDA only")
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 12288), (24576, 4096)])
+def test_the_product_runs_cublaslt_above_its_threshold_with_fixed_gemms_bits(n, k):
+    """FixedOrderProduct: a probed cuBLASLt algorithm from LT_ROWS rows up, fixed_gemm below;
+    either way each row's bits are the row's alone."""
+    from octavo.kernels.fixed_order_product import LT_ROWS, FixedOrderProduct
+
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k**0.5
+    x = torch.randn(3000, k, device=DEVICE, dtype=torch.bfloat16)
+    product = FixedOrderProduct()
+    alone = product(x[:2].contiguous(), w)
+    for m in (LT_ROWS, LT_ROWS + 5, 3000):
+        y = product(x[:m].contiguous(), w)
+        assert torch.equal(y, fixed_gemm(x[:m], w)), m
+        assert torch.equal(y[:2], alone), m
+    assert None not in product.algos.values()  # cuBLASLt ran
+
+
 def test_every_tile_gives_the_same_bits():
     n, k = SHAPES[0]
     torch.manual_seed(0)
