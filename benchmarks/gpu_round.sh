@@ -28,6 +28,9 @@
 #                  then one Qwen3-8B request and the nano-vllm workload, default,
 #                  deterministic, and deterministic with TMA copies (OCTAVO_FIXED_GEMM_TMA=1)
 #                  in turn (det_e2e: those alone)
+#   families       the model-family GPU tests, then Gemma 3 1B, Mistral 7B and Qwen3-0.6B on the
+#                  nano-vllm workload, and Gemma 3's long-context KV memory (sliding_kv.py)
+#   ltinv          cuBLASLt algorithms against fixed_gemm's bits and times (lt_invariance.py)
 #   host           short-context decode steps, plain and streamed; STRUCTURED=integer|string
 #                  adds a JSON schema to every request (step_timeline.py --host; HOST_ARGS are passed on)
 set -u
@@ -155,6 +158,16 @@ for stage in $stages; do
              --load-format dummy --workload nanovllm $flag \
              --json "$OUT/throughput_qwen3_8b_$mode.json" 2>&1 | tail -2
          done; unset OCTAVO_FIXED_GEMM_TMA ;;
+    families) timeout 200 python3 -m pytest tests/gpu/test_families_gpu.py -q -p no:cacheprovider 2>&1 \
+              | tee "$OUT/families_tests.log" | tail -4
+            for m in gemma-3-1b mistral-7b qwen3-0.6b; do
+              timeout 200 "${OCTAVO[@]}" bench throughput --model $m --max-model-len 4096 \
+                --load-format dummy --workload nanovllm --json "$OUT/throughput_$m.json" 2>&1 \
+                | tee "$OUT/thru_$m.log" | tail -3
+            done
+            timeout 200 python3 benchmarks/sliding_kv.py --json "$OUT/sliding_kv.json" 2>&1 | tail -1 ;;
+    ltinv) timeout 300 python3 benchmarks/lt_invariance.py --json "$OUT/lt_invariance.json" 2>&1 \
+              | tee "$OUT/lt_invariance.log" | tail -34 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"
