@@ -1,6 +1,7 @@
 """The server under load and faults: /health answers while the largest allowed request is
-being prepared; an engine that cannot come back stops the server with status 1; a shutdown
-gives streams a grace period, then ends them with an error event.
+being prepared, and full garbage collections skip the startup heap; an engine that cannot
+come back stops the server with status 1; a shutdown gives streams a grace period, then
+ends them with an error event.
 
 Real uvicorn servers (octavo's Server) on the session's embedded engine, in this process;
 the signals are played by calling the server's handler. tests/e2e/test_serve_process.py
@@ -10,6 +11,7 @@ sends real ones to `octavo serve`, and test_engine_process.py kills an engine pr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import signal
 import threading
@@ -108,6 +110,17 @@ def test_health_answers_within_100_ms_while_the_largest_request_is_prepared(serv
         if tries[-1][0] < 0.1:
             break
     assert min(t[0] for t in tries) < 0.1, tries
+
+
+def test_while_serving_full_collections_skip_the_startup_heap_and_come_rarer(llm):
+    """A full collection over the startup heap, or over a burst's requests in flight, held
+    the event loop (and /health) for 100-250 ms."""
+    before = gc.get_threshold()
+    with ServerThread(build_app(llm.engine, MODEL)) as server:
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (*before[:2], before[2] * 10)
+    assert gc.get_threshold() == before
 
 
 def _stream_events(server, max_tokens: int):

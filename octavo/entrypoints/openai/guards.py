@@ -1,13 +1,16 @@
 """ASGI middleware that refuses a request before any route sees it: a missing or wrong API
 key (401), a body over the size limit (413), and one with too many JSON arrays and objects
 to parse (400). All answer in OpenAI's error format. The body's JSON is parsed on a thread
-here, and the routes (ParsedJSONRoute) read it instead of parsing it on the event loop."""
+here, and the routes (ParsedJSONRoute) read it instead of parsing it on the event loop; a
+few requests at a time are admitted to that parsing and the routes' preparation."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.routing import APIRoute
@@ -15,7 +18,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from octavo.entrypoints.openai.limits import JSON_TOO_DEEP, check_json_depth, check_json_items
+from octavo.entrypoints.openai.limits import (
+    JSON_TOO_DEEP,
+    MAX_ADMITTING,
+    check_json_depth,
+    check_json_items,
+)
 from octavo.entrypoints.openai.metrics import ServerMetrics
 from octavo.entrypoints.openai.serving import OpenAIError
 
@@ -58,12 +66,21 @@ class BodyLimitMiddleware:
     would hold the event loop.
 
     The body is read here, up to the limit, and handed to the app as one message; later
-    receives go to the client's connection (the routes watch it for a disconnect)."""
+    receives go to the client's connection (the routes watch it for a disconnect). Once read
+    whole, a body waits for one of `max_admitting` places (AdmissionGate) before it is
+    parsed, so that a burst of requests is admitted a few at a time."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        metrics: ServerMetrics,
+        max_admitting: int = MAX_ADMITTING,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.metrics = metrics
+        self.gate = AdmissionGate(max_admitting)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -76,20 +93,36 @@ class BodyLimitMiddleware:
         if scope["method"] in ("GET", "HEAD", "OPTIONS"):  # their routes read no body
             await self.app(scope, receive, send)
             return
+        data = await self._read_body(scope, receive, send)
+        if data is None:
+            return
+        leave = await self.gate.enter()
+        try:
+            await self._admitted(scope, receive, send, data, leave)
+        finally:
+            leave()
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The whole body; None once the client left or the body was refused (413)."""
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left: nothing to answer
-                return
+                return None
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
                 await self._refuse(scope, receive, send)
-                return
+                return None
             if not message.get("more_body", False):
-                break
-        data = b"".join(chunks)
+                return b"".join(chunks)
+
+    async def _admitted(
+        self, scope: Scope, receive: Receive, send: Send, data: bytes, leave: Callable[[], None]
+    ) -> None:
+        """Parses the body on a thread, then runs the app; `leave` gives the admission place
+        back once the app waits on the client (its request is with the engine) or answers."""
         try:
             parsed = await asyncio.to_thread(_parse_json, data)
         except ValueError as e:
@@ -105,9 +138,14 @@ class BodyLimitMiddleware:
             if body is not None:
                 message, body = body, None
                 return message
+            leave()
             return await receive()
 
-        await self.app(scope, replay, send)
+        async def answer(message: Message) -> None:
+            leave()
+            await send(message)
+
+        await self.app(scope, replay, answer)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.metrics.count_error()
@@ -117,6 +155,35 @@ class BodyLimitMiddleware:
             code="request_too_large",
         )
         await error_response(error, {"Connection": "close"})(scope, receive, send)
+
+
+class AdmissionGate:
+    """At most `limit` requests admitted at once; the others wait in order of arrival. One
+    asyncio.Semaphore per event loop (an app may be served by several loops, in tests)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"the admission limit must be >= 1, got {limit}")
+        self.limit = limit
+        self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # by loop
+
+    async def enter(self) -> Callable[[], None]:
+        """Waits for a place; returns the function that gives it back (once, however often
+        it is called)."""
+        loop = asyncio.get_running_loop()
+        semaphore = self._semaphores.get(loop)
+        if semaphore is None:
+            semaphore = self._semaphores[loop] = asyncio.Semaphore(self.limit)
+        await semaphore.acquire()
+        held = True
+
+        def leave() -> None:
+            nonlocal held
+            if held:
+                held = False
+                semaphore.release()
+
+        return leave
 
 
 PARSED_JSON = "octavo.json"  # the scope's key for the body's JSON, once parsed

@@ -25,6 +25,10 @@ MAX_JSON_DEPTH = 256  # arrays and objects within one another (Python's parser r
 # over (Llama 3.1's is 131,072 tokens).
 MAX_JSON_ARRAY_VALUES = 262144
 MAX_PROMPTS = 2048  # a completion request's prompts, each an engine request
+# Requests whose bodies are parsed, validated and prepared for the engine at once. A burst of
+# hundreds would otherwise resume together after each thread hop, in one event-loop iteration
+# that /health waits behind; the work is bound by the GIL anyway, so a few at a time keep up.
+MAX_ADMITTING = 8
 
 _TOKEN_ID = re.compile(r"-?[0-9]+")  # ASCII digits only; fullmatch, so no trailing newline
 # A JSON string, or outside one an array's or object's opening or an object member's colon
