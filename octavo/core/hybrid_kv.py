@@ -31,7 +31,11 @@ def sliding_pool_blocks(
 ) -> int:
     """Blocks the sliding layers need at most: each running sequence holds at most
     window / block_size + 2 blocks between steps, and a step's new tokens take at most
-    max_num_batched_tokens / block_size more; never more than the full layers' pool."""
+    max_num_batched_tokens / block_size more; never more than the full layers' pool.
+
+    NOTE: samples of one prompt (n > 1, beam search) run past max_num_seqs, each with its
+    window; when they outgrow this pool the scheduler preempts as for any pool that runs
+    short, though the full one has room."""
     per_seq = -(-window // block_size) + 2
     return min(num_blocks, max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size))
 

@@ -208,6 +208,9 @@ def _draft_options(
     if parallel.tensor_parallel_size > 1:
         raise ValueError("a draft model runs with tensor_parallel_size=1 (n-gram speculation "
                          "runs with any)")  # fmt: skip
+    if hybrid_window(hf_config) is not None:  # its cache would follow two tables of ours
+        raise ValueError("a draft model does not draft yet for a target whose layers attend "
+                         "two ways (Gemma 2 and 3); n-gram speculation does")  # fmt: skip
     path = resolve_model(speculative.model)
     config = load_hf_config(path)
     if config.vocab_size != hf_config.vocab_size:

@@ -74,6 +74,9 @@ class Engine(DrivenSequences):
         self.scheduler_config = scheduler_config
         self.vocab_size = runner.vocab_size
         self.kv = kv_cache_manager(num_kv_blocks, cache_config, scheduler_config)
+        sliding, caches = getattr(self.kv, "sliding", None), getattr(runner, "kv_caches", None)
+        if sliding is not None and caches:  # the runner sized its sliding caches the same way
+            assert min(c.shape[1] for c in caches) == sliding.num_total_blocks + 1
         lookahead = 0 if speculator is None else speculator.num_lookahead_tokens
         self.scheduler = Scheduler(
             scheduler_config, self.kv, eos_token_ids, accept_tokens, lookahead

@@ -37,7 +37,7 @@ class FixedOrderProduct:
     def __call__(
         self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if bias is None and ENABLED and x.is_cuda and x.dim() == 2:
+        if bias is None and ENABLED and x.is_cuda and x.dim() == 2 and x.dtype == w.dtype:
             m, k = x.shape
             if m >= self.min_rows and x.is_contiguous() and w.is_contiguous():
                 y = self._lt(x, w, m, w.shape[0], k)
@@ -60,6 +60,8 @@ class FixedOrderProduct:
         return None if gemm is None else gemm(x, w, algo)
 
     def _algo(self, w: torch.Tensor):
+        # NOTE: the first product of a shape probes, so it must not be inside a CUDA graph's
+        # capture: the runner's warm-ups and each capture's eager run come first.
         key = (*w.shape, w.dtype, w.device)
         if key not in self.algos:
             self.algos[key] = self._probe(w)

@@ -10,8 +10,8 @@ what Gemma does differently, as HF transformers does it:
     logits      Gemma 2: attn_logit_softcapping on the attention scores and
                 final_logit_softcapping on the logits (tanh(z / cap) * cap)
 
-Sliding layers attend to the last `sliding_window` positions (their KV blocks are kept whole
-for now).
+Sliding layers attend to the last `sliding_window` positions and keep their KV blocks in a
+pool of their own, which gets back the blocks before the window (core/hybrid_kv.py).
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ class BlockTableRows:
                 raise ValueError(f"{end} blocks exceed the block table's width")
             self.table[row, start:end] = new_block_ids
             if self.sliding is not None:
+                assert len(new_sliding) == len(new_block_ids), "the two tables fell out of step"
                 self.sliding[row, start:end] = new_sliding
             self._lengths[request_id] = end
         return row, self._lengths[request_id]

@@ -157,3 +157,10 @@ def test_gemma3_preempted_for_blocks_gives_hfs_tokens(gemma3):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_a_draft_model_is_refused_for_a_target_with_two_kinds_of_layers(gemma3):
+    _, path = gemma3
+    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="two ways"):
+        _llm(path, speculative_config=draft)
