@@ -100,15 +100,14 @@ class HybridKVCacheManager:
     ) -> bool:
         """Both tables grow, or neither (KVCacheManager.allocate_slots)."""
         full_hits, sliding_hits = new_computed_blocks or (None, None)
-        if not (
-            self.full.can_allocate(request, num_new_tokens, full_hits)
-            and self.sliding.can_allocate(request, num_new_tokens, sliding_hits)
-        ):
+        full_plan = self.full.plan(request, num_new_tokens, full_hits)
+        sliding_plan = self.sliding.plan(request, num_new_tokens, sliding_hits)
+        if full_plan is None or sliding_plan is None:
             return False
         request_id = request.request_id
         sliding_ids = self.sliding._block_ids.get(request_id)
-        self.full.allocate_slots(request, num_new_tokens, full_hits)
-        self.sliding.allocate_slots(request, num_new_tokens, sliding_hits)
+        self.full.apply(request, full_hits, full_plan)
+        self.sliding.apply(request, sliding_hits, sliding_plan)
         if sliding_ids is not None and self.sliding._block_ids[request_id] is not sliding_ids:
             # An entry changed: the full list is replaced too, as the scheduler watches it.
             self.full._block_ids[request_id] = list(self.full._block_ids[request_id])

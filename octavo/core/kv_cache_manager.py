@@ -130,9 +130,18 @@ class KVCacheManager:
             True on success; False, if too few blocks are free, changing nothing but the
             blocks before the window given back (they are free to use either way).
         """
-        plan = self._plan(request, num_new_tokens, new_computed_blocks)
-        if plan is None or plan is _IN_PLACE:
-            return plan is _IN_PLACE
+        plan = self.plan(request, num_new_tokens, new_computed_blocks)
+        if plan is None:
+            return False
+        self.apply(request, new_computed_blocks, plan)
+        return True
+
+    def apply(
+        self, request: Request, new_computed_blocks: list[KVBlock | None] | None, plan
+    ) -> None:
+        """Carries out a `plan` made for these arguments (allocate_slots' second half)."""
+        if plan is _IN_PLACE:
+            return
         num_total_tokens, num_new_blocks, cow_index = plan
         hits = new_computed_blocks or []
         table = self._block_tables.get(request.request_id, [])
@@ -160,23 +169,13 @@ class KVCacheManager:
             # writes all of the step's KV before any token attends to it.
             num_full = min(num_total_tokens, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, table, num_full)
-        return True
 
-    def can_allocate(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        new_computed_blocks: list[KVBlock | None] | None = None,
-    ) -> bool:
-        """Whether `allocate_slots` with these arguments succeeds; changes nothing but the
-        blocks before the window given back (they are free to use either way)."""
-        return self._plan(request, num_new_tokens, new_computed_blocks) is not None
-
-    def _plan(
+    def plan(
         self, request: Request, num_new_tokens: int, hits: list[KVBlock | None] | None
     ) -> tuple[int, int, int | None] | object | None:
         """What allocate_slots must do: _IN_PLACE (nothing), None (too few blocks are free),
-        or (tokens the table will hold, blocks to take, index of a block to copy or None)."""
+        or (tokens the table will hold, blocks to take, index of a block to copy or None).
+        Changes nothing but the blocks before the window given back (free either way)."""
         assert num_new_tokens >= 0, f"num_new_tokens={num_new_tokens}"
         self._release_out_of_window(request)
         if not hits and self._fits_in_place(request, num_new_tokens):
