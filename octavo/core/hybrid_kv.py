@@ -27,17 +27,23 @@ Hits = tuple[list[KVBlock], list[KVBlock | None]]
 
 
 def sliding_pool_blocks(
-    num_blocks: int, window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+    num_blocks: int | None,
+    window: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
 ) -> int:
     """Blocks the sliding layers need at most: each running sequence holds at most
     window / block_size + 2 blocks between steps, and a step's new tokens take at most
-    max_num_batched_tokens / block_size more; never more than the full layers' pool.
+    max_num_batched_tokens / block_size more; never more than the full layers' pool
+    (`num_blocks`; None: before it is sized).
 
     NOTE: samples of one prompt (n > 1, beam search) run past max_num_seqs, each with its
     window; when they outgrow this pool the scheduler preempts as for any pool that runs
     short, though the full one has room."""
     per_seq = -(-window // block_size) + 2
-    return min(num_blocks, max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size))
+    most = max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
+    return most if num_blocks is None else min(num_blocks, most)
 
 
 def kv_cache_manager(

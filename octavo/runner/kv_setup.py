@@ -84,7 +84,9 @@ def sliding_layers(hf_config) -> list[bool]:
     return [window is not None for window in layer_windows(hf_config)]
 
 
-def sliding_pool_size(hf_config, num_blocks: int, block_size: int, seqs: int, tokens: int):
+def sliding_pool_size(
+    hf_config, num_blocks: int | None, block_size: int, seqs: int, tokens: int
+) -> int | None:
     """The sliding layers' pool for `num_blocks` full blocks, `seqs` sequences and `tokens`
     tokens a step (hybrid_kv.sliding_pool_blocks); None where the model has one kind."""
     window = hybrid_window(hf_config)
@@ -98,7 +100,7 @@ def pool_block_bytes(hf_config, block_size: int, dtype, seqs: int, tokens: int):
     sliding layers, the most blocks their pool needs)): num_kv_blocks' arguments."""
     sliding = sliding_layers(hf_config)
     per_block = kv_bytes_per_block(hf_config, block_size, dtype, sliding.count(False))
-    most = sliding_pool_size(hf_config, 1 << 62, block_size, seqs, tokens)
+    most = sliding_pool_size(hf_config, None, block_size, seqs, tokens)
     if most is None:
         return per_block, None
     return per_block, (kv_bytes_per_block(hf_config, block_size, dtype, sliding.count(True)), most)
