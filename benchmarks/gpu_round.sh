@@ -14,8 +14,8 @@
 #   serve          `octavo serve` end to end on the dummy Qwen3-0.6B: its start-up, then 64
 #                  requests at once through `octavo bench serve` (a failed one is counted)
 #   serve06, serve8b  `octavo bench serve` against `octavo serve` at two Poisson rates
-#   timeline06, timeline8b  the workload step by step against each step's floor (step_timeline.py)
-#   runprof06, runprof8b    the workload's kernels by step, and its bounds (run_profile.py)
+#   timeline06, timeline8b, timelineg3  the workload step by step against each step's floor (step_timeline.py)
+#   runprof06, runprof8b, runprofg3  the workload's kernels by step, and its bounds (run_profile.py)
 #   kernels, kernels-sweep, prefill-sweep  the attention kernels against the copy ceiling
 #                  (gpu_kernels.py)
 #   tptests        tensor parallelism's GPU tests (tests/gpu/test_tp_gpu.py)
@@ -28,9 +28,11 @@
 #                  then one Qwen3-8B request and the nano-vllm workload, default,
 #                  deterministic, and deterministic with TMA copies (OCTAVO_FIXED_GEMM_TMA=1)
 #                  in turn (det_e2e: those alone)
-#   families       the model-family GPU tests, then Gemma 3 1B, Mistral 7B and Qwen3-0.6B on the
-#                  nano-vllm workload, and Gemma 3's long-context KV memory (sliding_kv.py)
-#   ltinv          cuBLASLt algorithms against fixed_gemm's bits and times (lt_invariance.py)
+#   families       the model-family GPU tests, then Gemma 3 1B, Mistral 7B and Qwen3-0.6B (or
+#                  FAMILIES) on the nano-vllm workload, and Gemma 3's long-context KV memory
+#                  (sliding_kv.py)
+#   ltinv          cuBLASLt algorithms against fixed_gemm's bits and times (lt_invariance.py);
+#                  ltsmall: at decode-sized row counts, with cuBLASLt's picks for each
 #   host           short-context decode steps, plain and streamed; STRUCTURED=integer|string
 #                  adds a JSON schema to every request (step_timeline.py --host; HOST_ARGS are passed on)
 set -u
@@ -107,11 +109,14 @@ for stage in $stages; do
     serve8b) serve_bench qwen3-8b 128 4 16 2>&1 | tee "$OUT/serve8b.log" | grep -E "^(Request rate|Output token|Mean|P99)" ;;
     timeline06) timeout 300 python3 benchmarks/step_timeline.py --model qwen3-0.6b \
             --json "$OUT/timeline_0.6b${TAG:-}.json" 2>&1 | tee "$OUT/timeline_0.6b${TAG:-}.log" | tail -30 ;;
+    timelineg3) timeout 300 python3 benchmarks/step_timeline.py --model gemma-3-1b \
+            --json "$OUT/timeline_g3${TAG:-}.json" 2>&1 | tee "$OUT/timeline_g3${TAG:-}.log" | tail -30 ;;
     timeline8b) timeout 300 python3 benchmarks/step_timeline.py --model qwen3-8b \
             --json "$OUT/timeline_8b${TAG:-}.json" 2>&1 | tee "$OUT/timeline_8b${TAG:-}.log" | tail -30 ;;
-    runprof06|runprof8b) m=qwen3-0.6b; [ "$stage" = runprof8b ] && m=qwen3-8b
+    runprof06|runprof8b|runprofg3) m=qwen3-0.6b; [ "$stage" = runprof8b ] && m=qwen3-8b
+            [ "$stage" = runprofg3 ] && m=gemma-3-1b
             timeout 400 python3 benchmarks/run_profile.py --model $m \
-            --json "$OUT/run_profile_$m.json" 2>&1 | tee "$OUT/run_profile_$m.log" | tail -14 ;;
+            --json "$OUT/run_profile_$m.json" 2>&1 | tee "$OUT/run_profile_$m.log" | tail -27 ;;
     host) kind=${STRUCTURED:-plain}
             timeout 400 python3 benchmarks/step_timeline.py --host ${STRUCTURED:+--structured $STRUCTURED} \
             ${HOST_ARGS:-} --json "$OUT/decode_host_$kind.json" 2>&1 | grep -v '^{' \
@@ -160,7 +165,7 @@ for stage in $stages; do
          done; unset OCTAVO_FIXED_GEMM_TMA ;;
     families) timeout 200 python3 -m pytest tests/gpu/test_families_gpu.py -q -p no:cacheprovider 2>&1 \
               | tee "$OUT/families_tests.log" | tail -4
-            for m in gemma-3-1b mistral-7b qwen3-0.6b; do
+            for m in ${FAMILIES:-gemma-3-1b mistral-7b qwen3-0.6b}; do
               timeout 200 "${OCTAVO[@]}" bench throughput --model $m --max-model-len 4096 \
                 --load-format dummy --workload nanovllm --json "$OUT/throughput_$m.json" 2>&1 \
                 | tee "$OUT/thru_$m.log" | tail -3
@@ -168,6 +173,8 @@ for stage in $stages; do
             timeout 200 python3 benchmarks/sliding_kv.py --json "$OUT/sliding_kv.json" 2>&1 | tail -1 ;;
     ltinv) timeout 300 python3 benchmarks/lt_invariance.py --json "$OUT/lt_invariance.json" 2>&1 \
               | tee "$OUT/lt_invariance.log" | tail -34 ;;
+    ltsmall) timeout 300 python3 benchmarks/lt_invariance.py --small --json "$OUT/lt_small.json" \
+              2>&1 | tee "$OUT/lt_small.log" | tail -33 ;;
     *) echo "unknown stage $stage" ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"

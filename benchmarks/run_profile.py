@@ -83,8 +83,9 @@ def step_key(shape: dict) -> tuple[str, int]:
     return ("decode" if shape["tokens"] == shape["seqs"] else "prefill"), shape["seqs"]
 
 
-def attribute(events, shapes: list[dict | None]) -> tuple[dict, dict]:
-    """(device us per (step kind, batch, class), device us found in no step, per class)."""
+def attribute(events, shapes: list[dict | None]) -> tuple[dict, dict, dict]:
+    """(device us per (step kind, batch, class), device us found in no step, per class,
+    device us of decode steps per kernel name)."""
     steps = sorted((e.start_ns(), e.end_ns(), e.name()) for e in step_annotations(events))
     starts = [s[0] for s in steps]
     launch_at = {}  # correlation id -> host ns of the runtime or driver call
@@ -94,6 +95,7 @@ def attribute(events, shapes: list[dict | None]) -> tuple[dict, dict]:
             launch_at[e.correlation_id()] = e.start_ns()
     totals: dict[tuple[str, int, str], float] = defaultdict(float)
     lost: dict[str, float] = defaultdict(float)  # device us outside any step, by class
+    by_name: dict[str, float] = defaultdict(float)
     for e in events:
         if e.device_type() != CUDA or e.name().startswith("octavo_step:"):
             continue  # the annotation's copy on the device's timeline is no work
@@ -104,7 +106,9 @@ def attribute(events, shapes: list[dict | None]) -> tuple[dict, dict]:
             lost[kernel_class(e.name())] += e.duration_ns() / 1e3
             continue
         totals[(*step_key(shape), kernel_class(e.name()))] += e.duration_ns() / 1e3
-    return totals, lost
+        if step_key(shape)[0] == "decode":
+            by_name[e.name()] += e.duration_ns() / 1e3
+    return totals, lost, by_name
 
 
 def main() -> None:
@@ -156,7 +160,7 @@ def main() -> None:
             profiled_s = time.perf_counter() - start
     finally:
         undo()
-    totals, lost = attribute(prof.profiler.kineto_results.events(), shapes)
+    totals, lost, by_name = attribute(prof.profiler.kineto_results.events(), shapes)
 
     bandwidth, flops = ceil.copy_bytes_per_s, ceil.matmul_flops
     num_params = fl.weight_bytes / torch.empty((), dtype=runner.dtype).element_size()
@@ -236,6 +240,10 @@ def main() -> None:
         f"and the prefill steps at their GEMM FLOPs too ({prefill_s:.3f} s -> "
         f"{prefill_flops / flops:.3f} s): {every:.2f} s, {fl.seconds / every:.1%} of the floor"
     )
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    print("decode steps' kernels, the most device time first:")
+    for name, us in top:
+        print(f"{us / 1e6:9.3f} s  {name[:110]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -252,6 +260,7 @@ def main() -> None:
                     "bound_s": bound,
                     "bound_with_attention_s": both,
                     "bound_with_prefill_s": every,
+                    "decode_kernels_us": dict(top),
                 },
                 f,
                 indent=1,

@@ -2,6 +2,7 @@
 
     residual_out = x + residual                    (in x's dtype, as torch adds them)
     out          = weight * to_dtype(r * rsqrt(mean(r^2) + eps)),  r = float32(residual_out)
+                   (Llama's order; Gemma's, round_first=False: one rounding after the weight)
 
 Unfused, torch runs ~9 kernels for this (add, cast, pow, mean, add, rsqrt, mul, cast, mul);
 each is tiny at decode batch sizes, so their launch and tail cost dominates. The torch
@@ -29,6 +30,7 @@ def _rms_norm_kernel(
     hidden_size,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,  # round the normed row to the dtype before the weight
     BLOCK: tl.constexpr,  # next power of two >= hidden_size
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (pdl.py)
 ):
@@ -45,16 +47,23 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * hidden_size + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden_size + eps)
-    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)  # HF rounds before the weight
+    normed = xf * inv_rms
+    if ROUND_FIRST:  # HF's Llama rounds before the weight
+        normed = normed.to(x.dtype).to(tl.float32)
     weight = tl.load(weight_ptr + offs, mask=mask).to(tl.float32)
     out = normed * weight
     tl.store(out_ptr + row * hidden_size + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    round_first: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dim of x [..., H] with weight [H].
+    """RMSNorm over the last dim of x [..., H] with weight [H] (round_first: the normed row
+    rounded to x's dtype before the weight, as Llama; else one rounding at the end).
 
     Returns norm(x), or with a residual the pair (norm(x + residual), x + residual), both
     new contiguous tensors in x's dtype (the first in the weight's dtype if they differ).
@@ -83,6 +92,7 @@ def rms_norm(
             hidden_size,
             eps,
             HAS_RESIDUAL=r2 is not None,
+            ROUND_FIRST=round_first,
             BLOCK=block,
             num_warps=min(max(block // 512, 1), 16),
             **pdl_args(x.device),

@@ -35,6 +35,8 @@ class GemmaRMSNorm(RMSNorm):
     """RMSNorm times (1 + w): the parameter holds 1 + w, added on load, so the shared norm
     code and kernels run unchanged."""
 
+    rounds_before_weight = False  # the Triton kernel's order: HF's, as _norm below
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)
         self.weight.weight_loader = _load_plus_one
@@ -65,7 +67,12 @@ class GemmaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:  # one Triton kernel for the split, the gelu and the product
+            from octavo.kernels.activation import gelu_tanh_and_mul
+
+            return self.down_proj(gelu_tanh_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 

@@ -68,6 +68,8 @@ class RMSNorm(nn.Module):
     `(norm(x + residual), x + residual)`, the second being the next residual.
     """
 
+    rounds_before_weight = True  # Llama's order: the normed x rounded, then times the weight
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -89,7 +91,7 @@ class RMSNorm(nn.Module):
         if x.is_cuda:  # one Triton kernel instead of ~9 small ones
             from octavo.kernels.rms_norm import rms_norm
 
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, self.rounds_before_weight)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -55,20 +55,39 @@ TILES = pick(
 @pytest.mark.skipif(DEVICE != "cuda", reason="cuBLASLt runs on CUDA only")
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 12288), (24576, 4096)])
 def test_the_product_runs_cublaslt_above_its_threshold_with_fixed_gemms_bits(n, k):
-    """FixedOrderProduct: a probed cuBLASLt algorithm from LT_ROWS rows up, fixed_gemm below;
-    either way each row's bits are the row's alone."""
-    from octavo.kernels.fixed_order_product import LT_ROWS, FixedOrderProduct
+    """FixedOrderProduct: probed cuBLASLt algorithms from SMALL_ROWS rows up (per row count
+    below LT_ROWS, per shape above), fixed_gemm below; either way each row's bits are the
+    row's alone."""
+    from octavo.kernels.fixed_order_product import LT_ROWS, SMALL_ROWS, FixedOrderProduct
 
     torch.manual_seed(n + k)
     w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) / k**0.5
     x = torch.randn(3000, k, device=DEVICE, dtype=torch.bfloat16)
     product = FixedOrderProduct()
     alone = product(x[:2].contiguous(), w)
-    for m in (LT_ROWS, LT_ROWS + 5, 3000):
+    for m in (SMALL_ROWS, 100, 256, 511, LT_ROWS, LT_ROWS + 5, 3000):
         y = product(x[:m].contiguous(), w)
         assert torch.equal(y, fixed_gemm(x[:m], w)), m
         assert torch.equal(y[:2], alone), m
-    assert None not in product.algos.values()  # cuBLASLt ran
+    assert None not in product.algos.values()  # cuBLASLt ran from LT_ROWS up
+    assert product.small[(256, n, k, w.dtype, w.device)] is not None  # and at 256 rows
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="cuBLASLt runs on CUDA only")
+def test_a_row_count_first_seen_in_a_capture_runs_fixed_gemm():
+    from octavo.kernels.fixed_order_product import FixedOrderProduct
+
+    torch.manual_seed(1)
+    w = torch.randn(4096, 4096, device=DEVICE, dtype=torch.bfloat16) / 64
+    x = torch.randn(300, 4096, device=DEVICE, dtype=torch.bfloat16)
+    ref = fixed_gemm(x, w)  # compiled before the capture
+    product = FixedOrderProduct()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = product(x, w)
+    graph.replay()
+    assert product.small == {}  # no probe ran inside the capture
+    assert torch.equal(y, ref)
 
 
 def test_every_tile_gives_the_same_bits():

@@ -17,7 +17,7 @@ INTERPRET = os.environ.get("OCTAVO_TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA (or OCTAVO_TRITON_INTERPRET=1)", allow_module_level=True)
 
-from octavo.kernels.activation import silu_and_mul
+from octavo.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from octavo.kernels.rms_norm import rms_norm
 from octavo.kernels.rope import qk_norm_rope, qk_norm_rope_store
 from octavo.model.layers import RMSNorm, SiluAndMul
@@ -60,6 +60,23 @@ def test_rms_norm_matches_the_torch_layer(dtype, hidden, with_residual):
             got, ref = got[0], ref[0]
         assert got.shape == x.shape and got.dtype == dtype
         assert rel_err(got, ref) <= TOLERANCE[dtype], (num_rows, hidden)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_in_gemmas_order_rounds_once(dtype):
+    """round_first=False: the float32 product with the weight, rounded once (HF's Gemma)."""
+    from octavo.model.gemma import GemmaRMSNorm
+
+    torch.manual_seed(3)
+    x = torch.randn(300, 1152, dtype=dtype) * 3
+    layer = GemmaRMSNorm(1152, eps=1e-6)
+    layer.weight.data.normal_(1, 0.5)
+    weight = layer.weight.data.to(dtype)
+    layer.weight.data.copy_(weight.float())  # the weight as the kernel reads it
+    ref = layer(x.float())  # CPU, float32
+    got = rms_norm(x.to(DEVICE), weight.to(DEVICE), 1e-6, round_first=False)
+    assert got.dtype == dtype
+    assert rel_err(got, ref) <= TOLERANCE[dtype] / 4
 
 
 def test_rms_norm_reads_strided_rows():
@@ -164,6 +181,21 @@ def test_silu_and_mul_matches_the_torch_layer(dtype, inter):
         x = torch.randn(num_rows, 2 * inter, dtype=dtype) * 2
         ref = SiluAndMul()(x.float())
         got = silu_and_mul(x.to(DEVICE))
+        assert got.shape == (num_rows, inter) and got.dtype == dtype
+        assert rel_err(got, ref) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [128, 6912, 3000] if not INTERPRET else [64, 100])
+def test_gelu_tanh_and_mul_matches_hf_gemma_order(dtype, inter):
+    """GeGLU: gelu_tanh(gate) rounded to the dtype, times up, as HF's Gemma MLP computes it."""
+    for num_rows in rows(257):
+        torch.manual_seed(num_rows + inter)
+        x = torch.randn(num_rows, 2 * inter, dtype=dtype) * 3
+        gate, up = x.float().chunk(2, dim=-1)
+        act = torch.nn.functional.gelu(gate, approximate="tanh").to(dtype).float()
+        ref = act * up
+        got = gelu_tanh_and_mul(x.to(DEVICE))
         assert got.shape == (num_rows, inter) and got.dtype == dtype
         assert rel_err(got, ref) <= TOLERANCE[dtype]
 
