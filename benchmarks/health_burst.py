@@ -1,7 +1,9 @@
 """/health under a burst: `octavo serve` on the embedded model, BURST completion requests sent
 at once from one process (raw asyncio sockets, a connection each), while a second process
 polls /health every 20 ms (a new connection each poll). Reports how long the polls took:
-median, p99, max, and how many took over 100 ms; and how long each burst took to answer.
+median, p99, max, and how many took over 100 ms; how long each burst took to answer; and the
+resident memory of the server's processes (Linux) after the warm-up and a second after each
+burst.
 
     python benchmarks/health_burst.py [--burst 500] [--bursts 3] [--runs 3] [--json out.json]
 
@@ -70,6 +72,20 @@ async def _burst(url: str, n: int, max_tokens: int) -> tuple[float, dict[int, in
     return time.perf_counter() - start, counts
 
 
+def _rss_mib(pid: int | None) -> float | None:
+    """Resident memory of a process and its descendants (Linux's /proc), MiB; None elsewhere."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except (OSError, StopIteration):
+        return None
+    return round(kib / 1024 + sum(_rss_mib(c) or 0.0 for c in children), 1)
+
+
 def _wait_up(url: str, timeout_s: float) -> None:
     parts = urllib.parse.urlsplit(url)
     deadline = time.monotonic() + timeout_s
@@ -97,10 +113,11 @@ def _summary(latencies: list[float]) -> dict[str, float | int]:
     }
 
 
-def measure(url: str, args) -> dict:
-    """One run against a server that is up: a warm-up burst, then `bursts` bursts with the
-    poller running throughout (a second apart)."""
+def measure(url: str, args, pid: int | None = None) -> dict:
+    """One run against a server that is up (process `pid`, if known): a warm-up burst, then
+    `bursts` bursts with the poller running throughout (a second apart)."""
     asyncio.run(_burst(url, 8, args.max_tokens))  # warm-up
+    rss = [_rss_mib(pid)]
     stop, out = mp.Event(), mp.Queue()
     poller = mp.Process(target=poll_health, args=(url, stop, out))
     poller.start()
@@ -110,10 +127,11 @@ def measure(url: str, args) -> dict:
         took, counts = asyncio.run(_burst(url, args.burst, args.max_tokens))
         bursts.append({"seconds": round(took, 2), "statuses": counts})
         time.sleep(1.0)
+        rss.append(_rss_mib(pid))
     stop.set()
     latencies = out.get(timeout=120)
     poller.join(30)
-    return {"health": _summary(latencies), "bursts": bursts}
+    return {"health": _summary(latencies), "bursts": bursts, "rss_mib": rss}
 
 
 def run_once(args) -> dict:
@@ -129,7 +147,7 @@ def run_once(args) -> dict:
         )
         try:
             _wait_up(url, 180)
-            return measure(url, args)
+            return measure(url, args, server.pid)
         finally:
             server.terminate()
             server.wait(60)
@@ -154,7 +172,8 @@ def main() -> None:
         secs = ", ".join(f"{b['seconds']} s {b['statuses']}" for b in result["bursts"])
         print(f"run {i + 1}: /health median {h['median_ms']} ms, p99 {h['p99_ms']} ms, max "
               f"{h['max_ms']} ms, {h['over_100ms']} of {h['polls']} over 100 ms "
-              f"(worst {h['worst_ms']}); bursts {secs}", flush=True)  # fmt: skip
+              f"(worst {h['worst_ms']}); bursts {secs}; RSS MiB {result['rss_mib']}",
+              flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"burst": args.burst, "max_tokens": args.max_tokens, "runs": runs}, f)

@@ -85,7 +85,10 @@ class BlockPool:
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drops one reference to each block; blocks reaching 0 go to the back of the free
-        queue in the order given, so the first given is evicted first.
+        queue in the order given, so the first given is evicted first, except those that
+        hold no cached prefix: they go to the front, to be taken again before any cached
+        block is evicted or a block never used is touched (whose memory, on the CPU, the
+        operating system maps only then).
 
         Raises RuntimeError, changing nothing, if a block would drop below 0 (double free).
         """
@@ -99,6 +102,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free_queue[block.block_id] = block
+                if block.block_hash is None:
+                    self._free_queue.move_to_end(block.block_id, last=False)
         self._num_refs -= len(blocks)
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:

@@ -39,11 +39,25 @@ def test_ref_counts_follow_allocate_touch_incref_free():
 def test_freed_blocks_go_to_the_back_in_the_order_given():
     pool = BlockPool(6, enable_prefix_caching=True)
     blocks = pool.allocate(4)  # 0..3; free queue [4, 5]
+    for block in blocks:
+        pool.cache_block(block, 100 + block.block_id)
     pool.free([blocks[2], blocks[0]])
     assert pool.free_block_ids() == [4, 5, 2, 0]
     pool.free([blocks[3], blocks[1]])
     assert pool.free_block_ids() == [4, 5, 2, 0, 3, 1]
     assert ids(pool.allocate(5)) == [4, 5, 2, 0, 3]
+
+
+def test_freed_blocks_holding_no_cached_prefix_are_taken_first():
+    """They hold nothing worth keeping: taking them again evicts no cached block and touches
+    no block never used (on the CPU, memory the operating system has not mapped yet)."""
+    pool = BlockPool(6, enable_prefix_caching=True)
+    blocks = pool.allocate(4)  # 0..3; free queue [4, 5]
+    pool.cache_block(blocks[0], 7)
+    pool.free(blocks)
+    assert pool.free_block_ids() == [3, 2, 1, 4, 5, 0]
+    assert ids(pool.allocate(3)) == [3, 2, 1]
+    assert pool.get_cached_block(7) is blocks[0]
 
 
 def test_allocating_more_than_free_raises_and_changes_nothing():
@@ -64,7 +78,7 @@ def test_double_free_raises_and_changes_nothing():
     with pytest.raises(RuntimeError, match="double free of block 1"):
         pool.free([b, b])
     assert b.ref_cnt == 1
-    assert pool.free_block_ids() == [2, 3, 0]
+    assert pool.free_block_ids() == [0, 2, 3]  # a holds no cached prefix: first
 
 
 def test_incref_of_a_free_block_is_a_bug():
@@ -77,10 +91,10 @@ def test_cached_block_is_found_until_reallocation_evicts_it():
     pool = BlockPool(3, enable_prefix_caching=True)
     a, b = pool.allocate(2)
     pool.cache_block(a, 111)
-    pool.free([a, b])  # free queue [2, 0, 1]
+    pool.free([a, b])  # free queue [1, 2, 0]: b holds no cached prefix
     assert pool.get_cached_block(111) is a
     assert a.block_hash == 111
-    assert ids(pool.allocate(1)) == [2]
+    assert ids(pool.allocate(2)) == [1, 2]
     assert pool.get_cached_block(111) is a  # not reused yet
     assert ids(pool.allocate(1)) == [0]
     assert pool.get_cached_block(111) is None
@@ -93,13 +107,13 @@ def test_touch_revives_a_cached_block_from_the_middle_of_the_free_queue():
     blocks = pool.allocate(4)
     pool.cache_block(blocks[1], 7)
     pool.free(blocks)
-    assert pool.free_block_ids() == [0, 1, 2, 3]
+    assert pool.free_block_ids() == [3, 2, 0, 1]
     hit = pool.get_cached_block(7)
     pool.touch([hit])
     assert hit.ref_cnt == 1
-    assert pool.free_block_ids() == [0, 2, 3]
+    assert pool.free_block_ids() == [3, 2, 0]
     assert pool.num_free_blocks == 3
-    assert ids(pool.allocate(3)) == [0, 2, 3]
+    assert ids(pool.allocate(3)) == [3, 2, 0]
     assert pool.get_cached_block(7) is hit  # in use, so never evicted
 
 
