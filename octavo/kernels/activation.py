@@ -14,8 +14,6 @@ import triton.language as tl
 
 from octavo.kernels.pdl import pdl_args
 
-SILU, GELU_TANH = 0, 1
-
 
 @triton.jit
 def _act_and_mul_kernel(
@@ -23,7 +21,7 @@ def _act_and_mul_kernel(
     out_ptr,
     stride_x,
     inter_size,
-    ACT: tl.constexpr,  # SILU or GELU_TANH
+    GELU_TANH: tl.constexpr,  # GeGLU's gate, else SwiGLU's
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -35,7 +33,7 @@ def _act_and_mul_kernel(
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + inter_size + offs, mask=mask, other=0.0).to(tl.float32)
     g = gate.to(tl.float32)
-    if ACT == SILU:
+    if not GELU_TANH:
         out = g / (1.0 + tl.exp(-g)) * up
     else:  # 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), as torch's tanh gelu
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
@@ -45,7 +43,7 @@ def _act_and_mul_kernel(
     tl.store(out_ptr + row * inter_size + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _act_and_mul(x: torch.Tensor, act: int, name: str) -> torch.Tensor:
+def _act_and_mul(x: torch.Tensor, gelu_tanh: bool, name: str) -> torch.Tensor:
     num_rows, width = x.shape
     if width % 2 or x.stride(-1) != 1:
         raise ValueError(f"{name} needs [T, 2I] with a contiguous last dim, got {x.shape}")
@@ -58,7 +56,7 @@ def _act_and_mul(x: torch.Tensor, act: int, name: str) -> torch.Tensor:
             out,
             x.stride(0),
             inter,
-            ACT=act,
+            GELU_TANH=gelu_tanh,
             BLOCK=block,
             num_warps=4 if block >= 1024 else 1,
             **pdl_args(x.device),
@@ -68,9 +66,9 @@ def _act_and_mul(x: torch.Tensor, act: int, name: str) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2 * I] (last dim contiguous) -> silu(gate) * up, [T, I] in x's dtype."""
-    return _act_and_mul(x, SILU, "silu_and_mul")
+    return _act_and_mul(x, False, "silu_and_mul")
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2 * I] (last dim contiguous) -> gelu_tanh(gate) * up, [T, I] in x's dtype."""
-    return _act_and_mul(x, GELU_TANH, "gelu_tanh_and_mul")
+    return _act_and_mul(x, True, "gelu_tanh_and_mul")
