@@ -15,7 +15,8 @@
 #                  requests at once through `octavo bench serve` (a failed one is counted)
 #   serve06, serve8b  `octavo bench serve` against `octavo serve` at two Poisson rates
 #   timeline06, timeline8b, timelineg3  the workload step by step against each step's floor (step_timeline.py)
-#   runprof06, runprof8b, runprofg3  the workload's kernels by step, and its bounds (run_profile.py)
+#   runprof06, runprof8b, runprofg3, runprofdet (8B deterministic)  the workload's kernels by step, and its bounds (run_profile.py)
+#   hostprof06, hostprofg3  the workload's host time by Python function (host_profile.py)
 #   kernels, kernels-sweep, prefill-sweep  the attention kernels against the copy ceiling
 #                  (gpu_kernels.py)
 #   tptests        tensor parallelism's GPU tests (tests/gpu/test_tp_gpu.py)
@@ -111,12 +112,16 @@ for stage in $stages; do
             --json "$OUT/timeline_0.6b${TAG:-}.json" 2>&1 | tee "$OUT/timeline_0.6b${TAG:-}.log" | tail -30 ;;
     timelineg3) timeout 300 python3 benchmarks/step_timeline.py --model gemma-3-1b \
             --json "$OUT/timeline_g3${TAG:-}.json" 2>&1 | tee "$OUT/timeline_g3${TAG:-}.log" | tail -30 ;;
+    hostprof06|hostprofg3) m=qwen3-0.6b; [ "$stage" = hostprofg3 ] && m=gemma-3-1b
+            timeout 300 python3 benchmarks/host_profile.py --model $m --out "$OUT/host_$m.prof" \
+            2>&1 | tee "$OUT/host_profile_$m.txt" | head -30 ;;
     timeline8b) timeout 300 python3 benchmarks/step_timeline.py --model qwen3-8b \
             --json "$OUT/timeline_8b${TAG:-}.json" 2>&1 | tee "$OUT/timeline_8b${TAG:-}.log" | tail -30 ;;
-    runprof06|runprof8b|runprofg3) m=qwen3-0.6b; [ "$stage" = runprof8b ] && m=qwen3-8b
-            [ "$stage" = runprofg3 ] && m=gemma-3-1b
-            timeout 400 python3 benchmarks/run_profile.py --model $m \
-            --json "$OUT/run_profile_$m.json" 2>&1 | tee "$OUT/run_profile_$m.log" | tail -27 ;;
+    runprof06|runprof8b|runprofg3|runprofdet) m=qwen3-0.6b; [ "$stage" = runprofg3 ] && m=gemma-3-1b
+            flag=; [ "$stage" = runprofdet ] && flag=--deterministic
+            [ "$stage" = runprof8b ] || [ "$stage" = runprofdet ] && m=qwen3-8b
+            timeout 400 python3 benchmarks/run_profile.py --model $m $flag \
+            --json "$OUT/run_profile_$m$flag.json" 2>&1 | tee "$OUT/run_profile_$m$flag.log" | tail -27 ;;
     host) kind=${STRUCTURED:-plain}
             timeout 400 python3 benchmarks/step_timeline.py --host ${STRUCTURED:+--structured $STRUCTURED} \
             ${HOST_ARGS:-} --json "$OUT/decode_host_$kind.json" 2>&1 | grep -v '^{' \

@@ -16,7 +16,7 @@ ids. The run is timed once without the profiler, then once under it with other p
 of the same lengths (so the prefix cache holds none of them), in the same process.
 
     python benchmarks/run_profile.py [--model qwen3-0.6b] [--json out.json]
-        [--decode-config block_n=64,num_stages=3] [--unfused-decode]
+        [--decode-config block_n=64,num_stages=3] [--unfused-decode] [--deterministic]
 
 `--decode-config` overrides the decode attention kernel's tile; `--unfused-decode` makes
 decode steps store K/V with a kernel of their own instead of inside the attention kernel.
@@ -43,7 +43,7 @@ CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
 
 def kernel_class(name: str) -> str:
-    if "_decode" in name or "_prefill_kernel" in name:
+    if "_decode" in name or "_prefill_kernel" in name or "_combine_splits" in name:
         return "attention"
     return "rest"
 
@@ -125,6 +125,7 @@ def main() -> None:
         action="store_true",
         help="decode steps store K/V in a kernel of their own, not in the attention kernel",
     )
+    parser.add_argument("--deterministic", action="store_true", help="LLM(deterministic=True)")
     args = parser.parse_args()
     if args.unfused_decode:
         from octavo.attention.triton_backend import TritonAttentionBackend
@@ -139,7 +140,8 @@ def main() -> None:
             default(d) | {k: int(v) for k, v in knobs.items()}
         )
     # nano-vllm's settings for its workload, as `octavo bench throughput --workload nanovllm`.
-    llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=16384)
+    llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=16384,
+              deterministic=args.deterministic)  # fmt: skip
     runner = llm.engine.runner
     w = nanovllm_workload()
     fl, ceil = measured_floor(llm, w)
