@@ -32,6 +32,8 @@
 #   families       the model-family GPU tests, then Gemma 3 1B, Mistral 7B and Qwen3-0.6B (or
 #                  FAMILIES) on the nano-vllm workload, and Gemma 3's long-context KV memory
 #                  (sliding_kv.py)
+#   detspan        the nano-vllm workload on Qwen3-8B, default, then deterministic with each of
+#                  SPANS (256 512 1024) as the attention's shortest span (runner/deterministic.py)
 #   ltinv          cuBLASLt algorithms against fixed_gemm's bits and times (lt_invariance.py);
 #                  ltsmall: at decode-sized row counts, with cuBLASLt's picks for each
 #   host           short-context decode steps, plain and streamed; STRUCTURED=integer|string
@@ -176,6 +178,15 @@ for stage in $stages; do
                 | tee "$OUT/thru_$m.log" | tail -3
             done
             timeout 200 python3 benchmarks/sliding_kv.py --json "$OUT/sliding_kv.json" 2>&1 | tail -1 ;;
+    detspan) for span in 0 ${SPANS:-256 512 1024}; do  # 0: the default mode
+           timeout 120 python3 -c "import sys; import octavo.runner.deterministic as d
+if $span: d.MIN_SPLIT = $span
+sys.argv = ['octavo', 'bench', 'throughput', '--model', 'qwen3-8b', '--max-model-len', '4096',
+    '--load-format', 'dummy', '--workload', 'nanovllm', '--json', '$OUT/thru_span$span.json']
+sys.argv += ['--deterministic'] if $span else []
+from octavo.entrypoints.cli import main; sys.exit(main())" > "$OUT/thru_span$span.log" 2>&1
+           echo "span $span: $(grep -E '^octavo' "$OUT/thru_span$span.log")"
+         done ;;
     ltinv) timeout 300 python3 benchmarks/lt_invariance.py --json "$OUT/lt_invariance.json" 2>&1 \
               | tee "$OUT/lt_invariance.log" | tail -34 ;;
     ltsmall) timeout 300 python3 benchmarks/lt_invariance.py --small --json "$OUT/lt_small.json" \
