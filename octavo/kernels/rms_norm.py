@@ -66,14 +66,15 @@ def rms_norm(
     rounded to x's dtype before the weight, as Llama; else one rounding at the end).
 
     Returns norm(x), or with a residual the pair (norm(x + residual), x + residual), both
-    new contiguous tensors in x's dtype (the first in the weight's dtype if they differ).
+    new contiguous tensors in x's dtype (with round_first, the first in the weight's dtype if
+    that is wider, as HF's Llama promotes; Gemma's casts to x's).
     Rows may be strided (a slice of a larger tensor); the last dim must be contiguous.
     """
     hidden_size = x.shape[-1]
     x2 = x.reshape(-1, hidden_size)
     if x2.stride(-1) != 1 or weight.shape != (hidden_size,):
         raise ValueError(f"rms_norm needs [..., {hidden_size}] rows and a [{hidden_size}] weight")
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if round_first else x.dtype
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     residual_out = r2 = None
     if residual is not None:

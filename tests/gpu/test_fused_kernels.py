@@ -64,17 +64,16 @@ def test_rms_norm_matches_the_torch_layer(dtype, hidden, with_residual):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_in_gemmas_order_rounds_once(dtype):
-    """round_first=False: the float32 product with the weight, rounded once (HF's Gemma)."""
+    """round_first=False: the float32 product with the (float32) weight, rounded once to x's
+    dtype (HF's Gemma)."""
     from octavo.model.gemma import GemmaRMSNorm
 
     torch.manual_seed(3)
     x = torch.randn(300, 1152, dtype=dtype) * 3
     layer = GemmaRMSNorm(1152, eps=1e-6)
     layer.weight.data.normal_(1, 0.5)
-    weight = layer.weight.data.to(dtype)
-    layer.weight.data.copy_(weight.float())  # the weight as the kernel reads it
     ref = layer(x.float())  # CPU, float32
-    got = rms_norm(x.to(DEVICE), weight.to(DEVICE), 1e-6, round_first=False)
+    got = rms_norm(x.to(DEVICE), layer.weight.data.to(DEVICE), 1e-6, round_first=False)
     assert got.dtype == dtype
     assert rel_err(got, ref) <= TOLERANCE[dtype] / 4
 

@@ -238,3 +238,17 @@ def test_an_engine_past_the_sliding_window_gives_hfs_tokens(tmp_path):
     stats = llm.get_stats()
     assert stats["kv_blocks_peak_used"] <= 2 * (16 // 4 + 2)
     assert stats["kv_blocks_out_of_window"] == 0 and stats["kv_blocks_free"] == 256
+
+
+def test_gemma_norms_hold_one_plus_w_in_float32_in_a_bfloat16_model(tmp_path):
+    """1 + w in float32, as HF computes it: in bfloat16 1 + 0.01 would round to 1.0078."""
+    hf, _, cfg = _build("gemma3", tmp_path)
+    model = load_model(str(tmp_path), cfg, torch.bfloat16, torch.device("cpu"))
+    layer, hf_layer = model.model.layers[0], hf.model.layers[0]
+    for name in ("input_layernorm", "post_feedforward_layernorm"):
+        ours, theirs = getattr(layer, name).weight, getattr(hf_layer, name).weight
+        assert ours.dtype == torch.float32
+        assert torch.equal(ours, 1 + theirs)  # the checkpoint's w, float32 here
+    q_norm = layer.self_attn.q_norm.weight
+    assert q_norm.dtype == torch.float32
+    assert torch.equal(q_norm, 1 + hf_layer.self_attn.q_norm.weight)
