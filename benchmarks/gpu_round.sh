@@ -33,7 +33,8 @@
 #                  FAMILIES) on the nano-vllm workload, and Gemma 3's long-context KV memory
 #                  (sliding_kv.py)
 #   detspan        the nano-vllm workload on Qwen3-8B, default, then deterministic with each of
-#                  SPANS (256 512 1024) as the attention's shortest span (runner/deterministic.py)
+#                  SPANS (256 512 1024) as the attention's shortest span (runner/deterministic.py),
+#                  and the one-GPU determinism tests at each span past 256
 #   ltinv          cuBLASLt algorithms against fixed_gemm's bits and times (lt_invariance.py);
 #                  ltsmall: at decode-sized row counts, with cuBLASLt's picks for each
 #   host           short-context decode steps, plain and streamed; STRUCTURED=integer|string
@@ -186,6 +187,10 @@ sys.argv = ['octavo', 'bench', 'throughput', '--model', 'qwen3-8b', '--max-model
 sys.argv += ['--deterministic'] if $span else []
 from octavo.entrypoints.cli import main; sys.exit(main())" > "$OUT/thru_span$span.log" 2>&1
            echo "span $span: $(grep -E '^octavo' "$OUT/thru_span$span.log")"
+           [ "$span" -gt 256 ] && timeout 120 python3 -c "import sys, pytest
+import octavo.runner.deterministic as d; d.MIN_SPLIT = $span
+sys.exit(pytest.main(['tests/gpu/test_deterministic_gpu.py', '-q', '-p', 'no:cacheprovider',
+    '-k', 'not two_ranks']))" 2>&1 | tail -1
          done ;;
     ltinv) timeout 300 python3 benchmarks/lt_invariance.py --json "$OUT/lt_invariance.json" 2>&1 \
               | tee "$OUT/lt_invariance.log" | tail -34 ;;
