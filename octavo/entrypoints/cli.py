@@ -115,15 +115,19 @@ def _llm(args: argparse.Namespace):
     return llm
 
 
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+
+
 def _params(args: argparse.Namespace) -> SamplingParams:
-    """The sampling options as SamplingParams, whose validation names a bad one."""
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-    )
+    """The sampling options as SamplingParams; a bad one is a ValueError naming its flag."""
+    try:
+        return SamplingParams(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        if name not in _SAMPLING_FLAGS:
+            raise
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"argument {flag}: {str(e)[len(name) + 1 :]} (see --help)") from None
 
 
 def _check_device(device: str) -> None:

@@ -71,13 +71,13 @@ def test_ctrl_c_stops_a_chat_reply_then_quits_at_the_prompt(smollm2_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["generate", "hi", "--temperature", "-1"], "temperature"),
-        (["generate", "hi", "--top-p", "0"], "top_p"),
+        (["generate", "hi", "--temperature", "-1"], "argument --temperature: must be"),
+        (["generate", "hi", "--top-p", "0"], "argument --top-p: must be"),
         (["generate", "--file", "/no/such/prompts.txt"], "--file /no/such/prompts.txt"),
         (["generate"], "give a prompt or --file"),
         (["generate", "hi", "--max-tokens", "0"], "--max-tokens"),
         (["generate", "hi", "--device", "gpu"], "--device"),
-        (["chat", "--top-k", "-5"], "top_k"),
+        (["chat", "--top-k", "-5"], "argument --top-k: must be"),
         (["serve", "--max-num-seqs", "0"], "--max-num-seqs"),
         (["bench", "throughput", "--num-prompts", "x"], "--num-prompts"),
     ],
