@@ -253,12 +253,19 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     """Registers `octavo bench serve` on the bench subparsers."""
     p = sub.add_parser("serve", help="online serving benchmark against an OpenAI-compatible URL")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's address")
+    p.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        help="the completions route under --base-url (prompts, not chat messages)",
+    )
     p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as a bearer token (default: $OPENAI_API_KEY)",
+    )  # fmt: skip
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, or inf")
-    p.add_argument("--num-prompts", type=positive_int, default=32)
+    p.add_argument("--num-prompts", type=positive_int, default=32, help="requests to send")
     p.add_argument(
         "--input-len",
         type=positive_int,
@@ -278,16 +285,19 @@ def add_parser(sub) -> None:
         metavar="N",
         help="send prompts as random token ids below N (for a model without a tokenizer)",
     )
-    p.add_argument("--max-tokens", type=positive_int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens a request asks for")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument(
+        "--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+        help="every request generates all its --max-tokens",
+    )  # fmt: skip
     p.add_argument(
         "--extra-body",
         type=json.loads,
         default={},
         help="JSON object merged into every request body (server-specific fields)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="of the random prompts and arrivals")
     p.add_argument("--json", default=None, help="write the metrics here")
     p.add_argument(
         "--progress",

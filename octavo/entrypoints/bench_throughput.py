@@ -23,16 +23,15 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.cli_args import (
     add_deterministic_arg,
+    add_load_args,
     add_parallel_args,
     add_threads_arg,
     int_at_least,
     parallel_options,
     positive_int,
 )
-from octavo.quant import QUANTIZATION_CHOICES
 
 
 @dataclass
@@ -323,15 +322,22 @@ def measured_floor(llm, w: Workload):
 
 def add_parser(sub) -> None:
     p = sub.add_parser("throughput", help="offline generation throughput")
-    p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    p.add_argument("--workload", default="cpu", choices=["cpu", "single", "nanovllm"])
-    p.add_argument("--num-prompts", type=positive_int, default=32)
-    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument(
+        "--model", default=None,
+        help="as `octavo generate --model` (default: the embedded SmolLM2-135M-Instruct)",
+    )  # fmt: skip
+    add_load_args(p)
+    p.add_argument(
+        "--workload", default="cpu", choices=["cpu", "single", "nanovllm"],
+        help="cpu: --num-prompts random prompts of 16-256 tokens, 16-128 greedy tokens each; "
+        "single: one of 64 tokens, 128 out; nanovllm: nano-vllm's 256 of 100-1,024 tokens",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-prompts", type=positive_int, default=32, help="prompts of the cpu workload"
+    )
+    p.add_argument(
+        "--max-num-seqs", type=positive_int, default=256, help="sequences a step runs at most"
+    )
     p.add_argument(
         "--max-num-batched-tokens",
         type=positive_int,
@@ -341,10 +347,11 @@ def add_parser(sub) -> None:
     )
     add_parallel_args(p)
     add_threads_arg(p)
-    p.add_argument("--peer", default=None, choices=["hf"])
+    p.add_argument(
+        "--peer", default=None, choices=["hf"], help="also time HF transformers on the workload"
+    )
     p.add_argument("--peer-timeout", type=float, default=300.0, help="seconds (GPU peer)")
-    p.add_argument("--max-model-len", type=positive_int, default=None)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     add_deterministic_arg(p)
     p.add_argument(
         "--cuda-graph-max-tokens",

@@ -17,17 +17,16 @@ from collections.abc import Iterator
 from typing import Self
 
 from octavo import __version__
-from octavo.config import KV_CACHE_DTYPES
 from octavo.entrypoints.cli_args import (
     Parser,
     add_deterministic_arg,
+    add_load_args,
     add_parallel_args,
     add_threads_arg,
     announce_threads,
     parallel_options,
     positive_int,
 )
-from octavo.quant import QUANTIZATION_CHOICES
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 EXIT_USAGE = 2
@@ -42,41 +41,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "(default: the embedded SmolLM2-135M-Instruct)",
     )
     p.add_argument("--revision", default=None, help="the hub model's branch, tag or commit")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and activations; auto is bfloat16 on CUDA, float32 on the CPU",
-    )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument(
-        "--max-model-len",
-        type=positive_int,
-        default=None,
-        help="the longest prompt plus output in tokens (default: the model's, within the KV cache)",
-    )
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="auto reads the weights; dummy makes random ones (for tests and benchmarks)",
-    )
-    p.add_argument(
-        "--quantization",
-        default="auto",
-        choices=QUANTIZATION_CHOICES,
-        help="quantize the linear layers' weights on load: int8 (W8A16), int4 (W4A16, group "
-        "128) or fp8 (W8A8); gguf keeps a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks; awq, gptq keep "
-        "such a checkpoint's 4-bit groups; auto: the checkpoint's "
-        "quantization_config, gguf for a GGUF file on the CPU, else none",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        help="the KV cache's dtype: auto is the model's; fp8 (= fp8_e4m3) holds twice the "
-        "tokens in the same memory",
-    )
+    add_load_args(p)
     add_deterministic_arg(p)
     add_parallel_args(p)
     add_threads_arg(p)

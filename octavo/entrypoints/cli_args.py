@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from octavo.config import KV_CACHE_DTYPES
+from octavo.quant import QUANTIZATION_CHOICES
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default once: not where it is None or off, nor where the help
@@ -16,6 +19,45 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False or "default" in help_text:
             return action.help
         return super()._get_help_string(action)
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """How the model is loaded: dtype, device, context length, weights and KV cache."""
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations; auto is bfloat16 on CUDA, float32 on the CPU",
+    )
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="the longest prompt plus output in tokens (default: the model's, within the KV cache)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto reads the weights; dummy makes random ones (for tests and benchmarks)",
+    )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATION_CHOICES,
+        help="quantize the linear layers' weights on load: int8 (W8A16), int4 (W4A16, group "
+        "128) or fp8 (W8A8); gguf keeps a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 blocks; awq, gptq keep "
+        "such a checkpoint's 4-bit groups; auto: the checkpoint's "
+        "quantization_config, gguf for a GGUF file on the CPU, else none",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache's dtype: auto is the model's; fp8 (= fp8_e4m3) holds twice the "
+        "tokens in the same memory",
+    )
 
 
 class Parser(argparse.ArgumentParser):

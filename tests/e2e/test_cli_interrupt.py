@@ -119,3 +119,20 @@ def test_help_shows_each_default_once(command):
 def test_version():
     result = subprocess.run([*OCTAVO, "--version"], capture_output=True, text=True, check=False)
     assert result.returncode == 0 and result.stdout.startswith("octavo 0.")
+
+
+def test_every_option_of_every_command_has_a_help_text():
+    """So that --help explains each one and shows its default (cli_args.HelpFormatter)."""
+    import argparse
+
+    from octavo.entrypoints.cli import build_parser
+
+    def walk(parser, command):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, f"{command} {name}")
+            elif action.option_strings and action.dest != "help" and not action.help:
+                yield f"{command} {action.option_strings[0]}"
+
+    assert list(walk(build_parser(), "octavo")) == []

@@ -9,10 +9,10 @@ import argparse
 import logging
 import os
 
-from octavo.config import KV_CACHE_DTYPES
 from octavo.engine.spawn import start_engine_process
 from octavo.entrypoints.cli_args import (
     add_deterministic_arg,
+    add_load_args,
     add_parallel_args,
     add_threads_arg,
     announce_threads,
@@ -21,7 +21,6 @@ from octavo.entrypoints.cli_args import (
     positive_int,
 )
 from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
-from octavo.quant import QUANTIZATION_CHOICES
 
 API_KEY_ENV = "OCTAVO_API_KEY"
 
@@ -40,7 +39,7 @@ def add_parser(sub) -> None:
         help="the name clients pass as `model` (default: the model's name)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=positive_int, default=8000)
+    p.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
     p.add_argument(
         "--api-key", default=None,
         help="require `Authorization: Bearer <key>` on every route but /health and /metrics "
@@ -68,32 +67,43 @@ def add_parser(sub) -> None:
         "--engine-in-thread", action="store_true",
         help="step the engine on a thread of the server's process, not in a process of its own",
     )  # fmt: skip
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
+        help="the server's log level",
+    )  # fmt: skip
     p.set_defaults(func=cmd_serve)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's options, as build_engine takes them."""
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--quantization", default="auto", choices=QUANTIZATION_CHOICES)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
-    p.add_argument("--max-model-len", type=positive_int, default=None)
-    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    add_load_args(p)
+    p.add_argument(
+        "--max-num-seqs", type=positive_int, default=256, help="sequences a step runs at most"
+    )
     p.add_argument(
         "--max-num-batched-tokens", type=positive_int, default=None,
         help="tokens a step computes (default: 8192 on a GPU, 128 on the CPU)",
     )  # fmt: skip
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--num-kv-blocks", type=positive_int, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens a KV block holds")
+    p.add_argument(
+        "--num-kv-blocks", type=positive_int, default=None,
+        help="KV blocks to allocate (default: what the memory budget holds)",
+    )  # fmt: skip
+    p.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse the KV blocks of prompts' common prefixes",
+    )  # fmt: skip
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument(
         "--cuda-graph-max-tokens", type=int_at_least(0), default=512,
         help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
     )  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the sampler of requests without a seed, and dummy weights",
+    )
     add_deterministic_arg(p)
     _add_chat_args(p)
     add_parallel_args(p, nodes=True)
