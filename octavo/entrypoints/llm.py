@@ -118,6 +118,11 @@ class LLM:
         (tokens), kv_blocks_total / kv_blocks_free, and throughput counters; kv_cache_dtype."""
         return self.engine.get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix not in use, as vLLM's `LLM.reset_prefix_cache`; True if
+        the prefix cache is now empty."""
+        return self.engine.reset_prefix_cache()
+
     def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
         ids: list[str] = []
         try:

@@ -41,6 +41,16 @@ def test_prefix_caching_on_gives_same_outputs_and_hits(llm_factory, chat_prompt_
     assert queries > 0 and hits / queries > 0.5
 
 
+def test_reset_prefix_cache_forgets_the_cached_prompts(llm_factory, chat_prompt_ids, reference):
+    llm = llm_factory()
+    llm.generate(prompts_of(chat_prompt_ids[:2]), SHORT, use_tqdm=False)
+    assert llm.reset_prefix_cache()  # nothing in use: every cached block forgotten
+    before = llm.get_stats()["prefix_cache_hits"]
+    outs = llm.generate(prompts_of(chat_prompt_ids[:1]), SHORT, use_tqdm=False)
+    assert llm.get_stats()["prefix_cache_hits"] == before
+    assert token_ids(outs) == first_tokens(reference)[:1]
+
+
 @pytest.mark.slow
 def test_small_kv_budget_preempts_and_gives_same_outputs(llm_factory, chat_prompt_ids, reference):
     # 8 prompts of ~40 tokens (3 blocks each) + 12 outputs need 32 blocks at once; give 14.
