@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.block_pool import KVBlock
-from octavo.core.kv_cache_manager import IN_PLACE, KVCacheManager, PrefixCacheStats, SharingStats
+from octavo.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, SharingStats
 from octavo.core.request import Request
 
 Hits = tuple[list[KVBlock], list[KVBlock | None]]
@@ -110,8 +110,6 @@ class HybridKVCacheManager:
         sliding_plan = self.sliding.plan(request, num_new_tokens, sliding_hits)
         if full_plan is None or sliding_plan is None:
             return False
-        if full_plan is IN_PLACE and sliding_plan is IN_PLACE:  # most decode steps
-            return True
         request_id = request.request_id
         sliding_ids = self.sliding._block_ids.get(request_id)
         self.full.apply(request, full_hits, full_plan)

@@ -42,7 +42,7 @@ class SharingStats:
     peak_blocks_used: int = 0
 
 
-IN_PLACE = object()  # allocate_slots has nothing to do: the table holds the new tokens
+_IN_PLACE = object()  # allocate_slots has nothing to do: the table holds the new tokens
 
 
 class KVCacheManager:
@@ -140,7 +140,7 @@ class KVCacheManager:
         self, request: Request, new_computed_blocks: list[KVBlock | None] | None, plan
     ) -> None:
         """Carries out a `plan` made for these arguments (allocate_slots' second half)."""
-        if plan is IN_PLACE:
+        if plan is _IN_PLACE:
             return
         num_total_tokens, num_new_blocks, cow_index = plan
         hits = new_computed_blocks or []
@@ -173,13 +173,13 @@ class KVCacheManager:
     def plan(
         self, request: Request, num_new_tokens: int, hits: list[KVBlock | None] | None
     ) -> tuple[int, int, int | None] | object | None:
-        """What allocate_slots must do: IN_PLACE (nothing), None (too few blocks are free),
+        """What allocate_slots must do: _IN_PLACE (nothing), None (too few blocks are free),
         or (tokens the table will hold, blocks to take, index of a block to copy or None).
         Changes nothing but the blocks before the window given back (free either way)."""
         assert num_new_tokens >= 0, f"num_new_tokens={num_new_tokens}"
         self._release_out_of_window(request)
         if not hits and self._fits_in_place(request, num_new_tokens):
-            return IN_PLACE
+            return _IN_PLACE
         hits = hits or []
         table = self._block_tables.get(request.request_id, [])
         assert not (hits and table), f"{request} got prefix hits after admission"
