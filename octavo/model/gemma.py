@@ -37,10 +37,10 @@ class GemmaRMSNorm(RMSNorm):
     (in bfloat16, 1 + 0.01 would round to 1.0078)."""
 
     rounds_before_weight = False  # the Triton kernel's order: HF's, as _norm below
+    weight_dtype = torch.float32
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
         self.weight.weight_loader = _load_plus_one
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:

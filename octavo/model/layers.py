@@ -69,11 +69,12 @@ class RMSNorm(nn.Module):
     """
 
     rounds_before_weight = True  # Llama's order: the normed x rounded, then times the weight
+    weight_dtype: torch.dtype | None = None  # None: the model's
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=self.weight_dtype))
         self.weight.weight_loader = default_weight_loader
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
