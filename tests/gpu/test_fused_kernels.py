@@ -172,31 +172,29 @@ def test_qk_norm_rope_store_writes_k_and_v_to_their_slots(dtype, heads, qk_norm)
         assert torch.equal(flat[:, others], old[:, others])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("inter", [128, 3072, 3000] if not INTERPRET else [64, 100])
-def test_silu_and_mul_matches_the_torch_layer(dtype, inter):
-    for num_rows in rows(257):
-        torch.manual_seed(num_rows + inter)
-        x = torch.randn(num_rows, 2 * inter, dtype=dtype) * 2
-        ref = SiluAndMul()(x.float())
-        got = silu_and_mul(x.to(DEVICE))
-        assert got.shape == (num_rows, inter) and got.dtype == dtype
-        assert rel_err(got, ref) <= TOLERANCE[dtype]
+def _geglu_reference(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """HF's Gemma MLP: gelu_tanh(gate) rounded to the dtype, times up."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh").to(dtype).float() * up
 
 
+GATED = {  # kernel, reference on float32 rows of the given dtype
+    "silu": (silu_and_mul, lambda x, dtype: SiluAndMul()(x)),
+    "gelu_tanh": (gelu_tanh_and_mul, _geglu_reference),
+}
+
+
+@pytest.mark.parametrize("act", list(GATED))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("inter", [128, 6912, 3000] if not INTERPRET else [64, 100])
-def test_gelu_tanh_and_mul_matches_hf_gemma_order(dtype, inter):
-    """GeGLU: gelu_tanh(gate) rounded to the dtype, times up, as HF's Gemma MLP computes it."""
+@pytest.mark.parametrize("inter", [128, 3072, 6912, 3000] if not INTERPRET else [64, 100])
+def test_gated_activations_match_their_torch_references(act, dtype, inter):
+    kernel, reference = GATED[act]
     for num_rows in rows(257):
         torch.manual_seed(num_rows + inter)
         x = torch.randn(num_rows, 2 * inter, dtype=dtype) * 3
-        gate, up = x.float().chunk(2, dim=-1)
-        act = torch.nn.functional.gelu(gate, approximate="tanh").to(dtype).float()
-        ref = act * up
-        got = gelu_tanh_and_mul(x.to(DEVICE))
+        got = kernel(x.to(DEVICE))
         assert got.shape == (num_rows, inter) and got.dtype == dtype
-        assert rel_err(got, ref) <= TOLERANCE[dtype]
+        assert rel_err(got, reference(x.float(), dtype)) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("heads", [(16, 8), (32, 8), (8, 1)] if not INTERPRET else [(4, 2)])
