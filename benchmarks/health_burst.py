@@ -2,10 +2,10 @@
 at once from one process (raw asyncio sockets, a connection each), while a second process
 polls /health every 20 ms (a new connection each poll). Reports how long the polls took:
 median, p99, max, and how many took over 100 ms; how long each burst took to answer; and the
-resident memory of the server's processes (Linux) after the warm-up and a second after each
-burst.
+resident memory of the server's processes (Linux) after the warm-up, a second after each
+burst, and with --idle after that long idle.
 
-    python benchmarks/health_burst.py [--burst 500] [--bursts 3] [--runs 3] [--json out.json]
+    python benchmarks/health_burst.py [--burst 500] [--bursts 3] [--runs 3] [--idle 35] [--json out.json]
 
 Each run starts a fresh server (its output in --log), answers a warm-up burst of 8, then the
 bursts a second apart; `--url` measures a server already running instead.
@@ -131,7 +131,11 @@ def measure(url: str, args, pid: int | None = None) -> dict:
     stop.set()
     latencies = out.get(timeout=120)
     poller.join(30)
-    return {"health": _summary(latencies), "bursts": bursts, "rss_mib": rss}
+    result = {"health": _summary(latencies), "bursts": bursts, "rss_mib": rss}
+    if args.idle:  # the server gives free KV blocks back after --kv-idle-release (30 s)
+        time.sleep(args.idle)
+        result["rss_after_idle_mib"] = _rss_mib(pid)
+    return result
 
 
 def run_once(args) -> dict:
@@ -160,6 +164,8 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="runs, each with a fresh server")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--port", type=int, default=8021)
+    p.add_argument("--idle", type=float, default=0.0,
+                   help="then wait this many seconds and measure the memory again")  # fmt: skip
     p.add_argument("--url", help="a server already running (no server is started)")
     p.add_argument("--json", help="write the runs here")
     p.add_argument("--log", default="/tmp/octavo_health_burst.log", help="the server's output")
@@ -172,8 +178,9 @@ def main() -> None:
         secs = ", ".join(f"{b['seconds']} s {b['statuses']}" for b in result["bursts"])
         print(f"run {i + 1}: /health median {h['median_ms']} ms, p99 {h['p99_ms']} ms, max "
               f"{h['max_ms']} ms, {h['over_100ms']} of {h['polls']} over 100 ms "
-              f"(worst {h['worst_ms']}); bursts {secs}; RSS MiB {result['rss_mib']}",
-              flush=True)  # fmt: skip
+              f"(worst {h['worst_ms']}); bursts {secs}; RSS MiB {result['rss_mib']}"
+              + (f", {result['rss_after_idle_mib']} after {args.idle:g} s idle"
+                 if args.idle else ""), flush=True)  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"burst": args.burst, "max_tokens": args.max_tokens, "runs": runs}, f)

@@ -18,6 +18,11 @@ def _check_positive(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+# Seconds an engine loop (`octavo serve`, AsyncEngine) waits idle before it gives the memory
+# of free KV blocks back on the CPU (engine_loop.IdleRelease).
+DEFAULT_KV_IDLE_RELEASE_S = 30.0
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache: block size, the memory budget that sizes the pool, and the dtype

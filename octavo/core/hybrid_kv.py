@@ -143,6 +143,9 @@ class HybridKVCacheManager:
         full = self.full.reset_prefix_cache()
         return self.sliding.reset_prefix_cache() and full
 
+    def free_block_ids(self) -> dict[bool, list[int]]:
+        return {False: self.full.pool.free_block_ids(), True: self.sliding.pool.free_block_ids()}
+
     # ---- views: the full layers' pool is the one that runs out ----------------------------
 
     num_free_blocks = property(lambda self: self.full.num_free_blocks)

@@ -338,6 +338,10 @@ class KVCacheManager:
         """Forgets all cached blocks not in use; True if the prefix cache is now empty."""
         return self.pool.reset_prefix_cache()
 
+    def free_block_ids(self) -> dict[bool, list[int]]:
+        """The free blocks of each pool: this one's under False (the full layers' pool)."""
+        return {False: self.pool.free_block_ids(), True: []}
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks

@@ -23,6 +23,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+from octavo.config import DEFAULT_KV_IDLE_RELEASE_S
 from octavo.core.request import Request
 from octavo.engine.engine import Engine
 from octavo.engine.engine_loop import (
@@ -32,6 +33,7 @@ from octavo.engine.engine_loop import (
     CallCommand,
     EngineDeadError,
     EngineStepError,
+    IdleRelease,
     apply_command,
     describe,
     loop_died,
@@ -54,8 +56,11 @@ class AsyncEngine:
 
     restarts = 0  # times the engine was started again after it died (EngineProcess only)
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, kv_idle_release_s: float | None = DEFAULT_KV_IDLE_RELEASE_S
+    ) -> None:
         self.engine = engine
+        self._idle = IdleRelease(engine, kv_idle_release_s)  # the CPU's KV memory, when idle
         self._commands: queue.Queue = queue.Queue()
         self._init_streams()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -70,9 +75,9 @@ class AsyncEngine:
     # ---- lifecycle --------------------------------------------------------------------
 
     @classmethod
-    def build(cls, make_engine: Callable[[], Engine]) -> AsyncEngine:
+    def build(cls, make_engine: Callable[[], Engine], **options: Any) -> AsyncEngine:
         """Runs `make_engine()` on a new engine thread, which then steps the Engine once
-        `start()` is called; raises what `make_engine` raises.
+        `start()` is called; raises what `make_engine` raises. `options` go to __init__.
 
         Why a thread of its own from the start: on the CPU, torch's OpenMP pool of worker
         threads belongs to the thread that runs the parallel ops. An Engine built on the main
@@ -94,7 +99,7 @@ class AsyncEngine:
 
         thread = threading.Thread(target=build_then_run, name="octavo-engine", daemon=True)
         thread.start()
-        async_engine = cls(built.result())
+        async_engine = cls(built.result(), **options)
         async_engine._thread = thread
         owner.set_result(async_engine)
         return async_engine
@@ -255,6 +260,7 @@ class AsyncEngine:
                         break
                     if self.engine.has_unfinished_requests():
                         self._step()
+                        self._idle.stepped = True
                     else:
                         self._stats = self.engine.get_stats()
         except BaseException as e:  # a bug in the loop itself: fail every waiter
@@ -272,9 +278,12 @@ class AsyncEngine:
         """Applies all queued commands (waiting for one if `block`); False on stop."""
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block, timeout=self._idle.timeout())
             except queue.Empty:
-                return True
+                if not block:
+                    return True
+                self._idle.release()  # idle for that long: then wait for as long as it takes
+                continue
             block = False
             if command is STOP:
                 return False

@@ -368,6 +368,15 @@ class Engine(DrivenSequences):
         """Forgets every cached block not in use; True if the prefix cache is now empty."""
         return self.kv.reset_prefix_cache()
 
+    def release_kv_memory(self) -> int:
+        """Where the KV cache is in host memory (the CPU): forgets the prefix cache's unused
+        blocks and gives every free block's memory back to the system, for an engine that
+        went idle (engine_loop.IdleRelease). Returns the bytes given back (0 where unknown)."""
+        if self.runner.device.type != "cpu":
+            return 0
+        self.kv.reset_prefix_cache()
+        return self.runner.release_kv_blocks(self.kv.free_block_ids())
+
     @property
     def eos_token_ids(self) -> list[int]:
         """The model's EOS ids (the stop rules own them)."""

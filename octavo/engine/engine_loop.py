@@ -63,6 +63,28 @@ class CallCommand:
 STOP = object()
 
 
+class IdleRelease:
+    """When an engine loop has stepped and then waited `after_s` seconds with nothing to do,
+    it gives the KV cache's free memory back (Engine.release_kv_memory), once per idle
+    spell. `after_s` 0 or None: never."""
+
+    def __init__(self, engine: Engine, after_s: float | None) -> None:
+        self.engine, self.after_s = engine, after_s or None
+        self.stepped = False  # a step ran since the last release
+
+    def timeout(self) -> float | None:
+        """How long an idle loop waits for a command before it calls `release` (None: for
+        as long as it takes)."""
+        return self.after_s if self.stepped else None
+
+    def release(self) -> None:
+        self.stepped = False
+        released = self.engine.release_kv_memory()
+        if released:
+            logger.info("idle for %g s: the free KV cache blocks' memory (%.0f MiB, resident or"
+                        " not) went back to the system", self.after_s, released / 2**20)  # fmt: skip
+
+
 def apply_command(
     engine: Engine,
     live: dict[str, Request],

@@ -34,11 +34,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from octavo.config import DEFAULT_KV_IDLE_RELEASE_S
 from octavo.engine.async_engine import AsyncEngine
 from octavo.engine.engine_loop import (
     AddCommand,
     EngineDeadError,
     EngineStepError,
+    IdleRelease,
     apply_command,
     describe,
     loop_died,
@@ -289,9 +291,9 @@ class _Pipe:
         except OSError as e:
             raise _ServerGone from e
 
-    def poll(self) -> bool:
+    def poll(self, timeout: float | None = 0.0) -> bool:
         try:
-            return self.conn.poll()
+            return self.conn.poll(timeout)
         except (EOFError, OSError) as e:
             raise _ServerGone from e
 
@@ -308,6 +310,7 @@ def engine_process_main(conn, options: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops us
     from octavo.engine.builder import build_engine
 
+    idle_release_s = options.pop("kv_idle_release_s", DEFAULT_KV_IDLE_RELEASE_S)
     try:
         engine = build_engine(**options)
     except BaseException as e:  # noqa: BLE001 - raised again in the server process
@@ -318,6 +321,7 @@ def engine_process_main(conn, options: dict) -> None:
     conn = _Pipe(conn)
     live: dict = {}  # request id -> Request
     announced: set[str] = set()  # requests whose prompt ids the server has
+    idle = IdleRelease(engine, idle_release_s)
 
     def fail(request_ids: list[str], error: Exception) -> None:
         conn.send(("fail", request_ids, str(error)))
@@ -327,10 +331,14 @@ def engine_process_main(conn, options: dict) -> None:
             while True:
                 outputs: list[RequestOutput] = []  # from aborts first, then from the step
                 block = not engine.has_unfinished_requests()
+                if block and not conn.poll(idle.timeout()):
+                    idle.release()
+                    continue
                 if not _apply_commands(conn, engine, live, block, fail, outputs):
                     break
                 if engine.has_unfinished_requests():
                     outputs += step_engine(engine, live, fail)
+                    idle.stepped = True
                 _prompt_ids_once(outputs, announced, live)
                 conn.send(("step", outputs, engine.get_stats()))  # stats also after an abort
     except _ServerGone:

@@ -58,6 +58,11 @@ class Runner(Protocol):
         """A step with no structured requests, launched, sampled and waited for."""
         ...
 
+    def release_kv_blocks(self, ids: dict[bool, list[int]]) -> int:
+        """Gives the memory of free blocks back to the system where the cache is in host
+        memory (`ids[sliding]`: blocks of each pool); the bytes given back, where known."""
+        ...
+
     def cancel_held(self) -> None:
         """Drops a launched step that will never be sampled (the engine failed it)."""
         ...

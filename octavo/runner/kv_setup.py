@@ -3,6 +3,7 @@ launch, so that none loads in the middle of it."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 from collections.abc import Callable
@@ -56,8 +57,47 @@ def zeroed_kv_cache(
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # private, anonymous: zeros
+    private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+    pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, **private)  # anonymous: zeros
     return torch.frombuffer(pages, dtype=dtype).view(shape)  # keeps `pages` alive
+
+
+def release_kv_pages(caches: list[torch.Tensor], kinds: list[bool], ids: dict[bool, list[int]]):
+    """Gives the memory pages of free blocks back to the operating system (Linux, CPU
+    caches: `madvise(MADV_DONTNEED)` on zeroed_kv_cache's private mapping, which reads as
+    zeros again and is mapped afresh when next written). `ids[kind]` are the blocks of the
+    layers of that kind (sliding_layers). Only whole pages inside a run of consecutive
+    blocks are given back. Returns the bytes given back."""
+    if not caches or caches[0].device.type != "cpu" or not hasattr(mmap, "MADV_DONTNEED"):
+        return 0
+    madvise, page, released = _libc().madvise, mmap.PAGESIZE, 0
+    for cache, kind in zip(caches, kinds, strict=True):
+        block = cache.stride(1) * cache.element_size()  # [2, num_blocks, ...]
+        for half in (0, 1):
+            base = cache.data_ptr() + half * cache.stride(0) * cache.element_size()
+            for first, count in _runs(ids[kind]):
+                start = -(-(base + first * block) // page) * page
+                end = (base + (first + count) * block) // page * page
+                if end > start and madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
+                    released += end - start
+    return released
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive block ids as (first, count)."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(ids):
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def _libc():
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.madvise.argtypes = [ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
+    return lib
 
 
 def kv_cache_shape(hf_config, num_blocks: int, block_size: int) -> tuple[int, ...]:

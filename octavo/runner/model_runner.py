@@ -19,23 +19,12 @@ from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
 from octavo.model.moe import expert_load, reset_expert_load
 from octavo.model.parallel import broadcast_from_first
 from octavo.runner import kv_setup
-from octavo.runner.cuda_graph import (
-    CudaGraphRunner,
-    GraphShape,
-    capture_sizes,
-    mixed_capture_sizes,
-)
+from octavo.runner.cuda_graph import CudaGraphRunner, GraphShape, capture_sizes, mixed_capture_sizes
 from octavo.runner.deterministic import fixed_split, make_deterministic
 from octavo.runner.draft import DraftModel, DraftOptions
 from octavo.runner.gemm_tuning import tune_linears
 from octavo.runner.host_copy import to_device
 from octavo.runner.inputs import InputBuilder
-from octavo.runner.kv_setup import (
-    kv_cache_shape,
-    profile_activation_bytes,
-    warm_up_eager_decode,
-    warm_up_linears,
-)
 from octavo.runner.outputs import ModelRunnerOutput, PendingOutput
 from octavo.runner.prompt_logprobs import prompt_logprobs
 from octavo.runner.sampler import Sampler, SamplerOutput
@@ -131,8 +120,8 @@ class ModelRunner:
 
         def activation_bytes() -> int:
             blocks = -(-max_num_batched_tokens // self.block_size)
-            shape = kv_cache_shape(self.hf_config, blocks, self.block_size)
-            return profile_activation_bytes(
+            shape = kv_setup.kv_cache_shape(self.hf_config, blocks, self.block_size)
+            return kv_setup.profile_activation_bytes(
                 self.model, self.attn_backend, shape, self.kv_cache_dtype, self.device,
                 max_num_batched_tokens, max_num_seqs,
             )  # fmt: skip
@@ -191,13 +180,20 @@ class ModelRunner:
             )
             self.graph_runner.capture()
         if self.device.type == "cuda":
-            warm_up_linears(self.model, max_num_batched_tokens)
-            warm_up_eager_decode(self.model, self.inputs, self.dtype, max_num_seqs)
+            kv_setup.warm_up_linears(self.model, max_num_batched_tokens)
+            kv_setup.warm_up_eager_decode(self.model, self.inputs, self.dtype, max_num_seqs)
         reset_expert_load(self.model)
 
     def expert_load(self) -> tuple[list[int], float] | None:
         """A mixture of experts' routing so far (model/moe.py's expert_load), else None."""
         return expert_load(self.model)
+
+    def release_kv_blocks(self, ids: dict[bool, list[int]]) -> int:
+        """Gives free blocks' memory back to the system: `ids[sliding]` in the layers of each
+        pool (kv_setup.release_kv_pages); the bytes given back."""
+        draft = self.draft.kv_caches if self.draft is not None else []
+        kinds = kv_setup.sliding_layers(self.hf_config) + [False] * len(draft)
+        return kv_setup.release_kv_pages(self.kv_caches + draft, kinds, ids)
 
     def shutdown(self) -> None:
         """Nothing to stop: the model lives in this process (see MultiprocRunner)."""

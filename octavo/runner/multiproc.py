@@ -229,6 +229,11 @@ class MultiprocRunner:
         if self.dead is None:
             self._send("cancel", None)
 
+    def release_kv_blocks(self, ids: dict[bool, list[int]]) -> int:
+        """Each worker gives these free blocks' memory back (ModelRunner's); not waited for."""
+        self._send("release", ids)
+        return 0
+
     def profile(self, prefix: str | None = None, trace: bool = False) -> list[str]:
         """Starts cProfile (`trace`: torch.profiler's device trace) on every worker (no
         prefix), or stops it and has rank R write it to `{prefix}.rank{R}`; returns those

@@ -118,6 +118,8 @@ def serve(conn: Connection, args) -> None:
             runner.sample_tokens(arg)
         elif op == "cancel":
             runner.cancel_held()
+        elif op == "release":
+            runner.release_kv_blocks(arg)
         elif op == "size":
             count = torch.tensor([runner.num_kv_blocks(*arg)], device=device)
             dist.all_reduce(count, op=dist.ReduceOp.MIN)  # every rank keeps the same blocks

@@ -107,6 +107,55 @@ def test_outputs_and_failures_leave_the_engine_thread_after_their_steps_stats():
         assert stats["kv_blocks_free"] == free_before
 
 
+def test_an_idle_loop_gives_the_free_kv_blocks_memory_back():
+    """After `kv_idle_release_s` idle, the prefix cache is empty, the free blocks read zeros
+    (their pages went back to the system), and the next request answers as before."""
+    from octavo.engine.builder import build_engine
+
+    make_engine = functools.partial(build_engine, num_kv_blocks=64)
+    async_engine = AsyncEngine.build(make_engine, kv_idle_release_s=0.3)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4  # full blocks to cache
+
+    def kv_state(engine) -> tuple[int, float]:
+        return len(engine.kv.pool.cached_blocks), sum(
+            c.abs().sum().item() for c in engine.runner.kv_caches
+        )
+
+    async def serve() -> tuple:
+        async_engine.start()
+        try:
+            first = [o async for o in async_engine.generate(prompt, params, "a")][-1]
+            used = await async_engine.call(kv_state)
+            await asyncio.sleep(1.0)
+            idle = await async_engine.call(kv_state)
+            again = [o async for o in async_engine.generate(prompt, params, "b")][-1]
+        finally:
+            await async_engine.shutdown()
+        return first, used, idle, again
+
+    first, used, idle, again = asyncio.run(serve())
+    assert used[0] > 0 and used[1] > 0
+    assert idle == (0, 0.0)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_idle_release_waits_only_after_a_step_and_never_at_zero():
+    from octavo.engine.engine_loop import IdleRelease
+
+    released = []
+    engine = types.SimpleNamespace(release_kv_memory=lambda: released.append(1) or 0)
+    idle = IdleRelease(engine, 30.0)
+    assert idle.timeout() is None  # nothing ran yet: nothing to give back
+    idle.stepped = True
+    assert idle.timeout() == 30.0
+    idle.release()
+    assert released == [1] and idle.timeout() is None  # once per idle spell
+    never = IdleRelease(engine, 0)
+    never.stepped = True
+    assert never.timeout() is None
+
+
 def test_build_raises_the_factory_error_on_the_callers_thread():
     def make_engine():
         raise ValueError("no such model: 'nowhere'")

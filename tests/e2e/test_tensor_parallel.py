@@ -136,6 +136,16 @@ def test_two_ranks_share_prefixes_like_one_rank(tiny):
     assert two.engine.get_stats()["prefix_cache_hits"] >= hits + 48
 
 
+def test_two_ranks_answer_alike_after_giving_their_free_kv_memory_back(tiny):
+    _, _, one, two = tiny
+    prompts = [_prompt(23, 40)]
+    first = _tokens(two, prompts)
+    two.engine.release_kv_memory()  # each worker gives its free blocks' pages back
+    hits = two.engine.get_stats()["prefix_cache_hits"]
+    assert _tokens(two, prompts) == first == _tokens(one, prompts)
+    assert two.engine.get_stats()["prefix_cache_hits"] == hits  # the cache was forgotten
+
+
 def test_two_ranks_beam_search_like_one_rank(tiny):
     from octavo.engine.beam_search import BeamSearchParams
 

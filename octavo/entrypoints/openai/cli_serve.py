@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 
+from octavo.config import DEFAULT_KV_IDLE_RELEASE_S
 from octavo.engine.spawn import start_engine_process
 from octavo.entrypoints.cli_args import (
     add_deterministic_arg,
@@ -63,6 +64,11 @@ def add_parser(sub) -> None:
         "then fail (streams with an error event); a second signal exits at once",
     )  # fmt: skip
     _add_engine_args(p)
+    p.add_argument(
+        "--kv-idle-release", type=_non_negative_float, default=DEFAULT_KV_IDLE_RELEASE_S,
+        metavar="SECONDS", help="on the CPU, after this long idle, give the memory of free KV "
+        "blocks back to the system, forgetting their cached prefixes (0: never)",
+    )  # fmt: skip
     p.add_argument(
         "--engine-in-thread", action="store_true",
         help="step the engine on a thread of the server's process, not in a process of its own",
@@ -193,6 +199,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "deterministic",
     )  # fmt: skip
     options = {name: getattr(args, name) for name in names} | parallel_options(args)
+    idle = {"kv_idle_release_s": args.kv_idle_release}
     if args.node_rank > 0:  # a worker node: no engine, no API
         from octavo.config import ParallelConfig
         from octavo.runner.multiproc import launch_node
@@ -204,7 +211,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            args.dist_init_addr)  # fmt: skip
     # The engine process starts before this process imports the server and the engine's
     # modules, so that the two processes' imports overlap.
-    started = None if args.engine_in_thread else start_engine_process(options)
+    started = None if args.engine_in_thread else start_engine_process(options | idle)
     import uvicorn
 
     from octavo.engine.async_engine import AsyncEngine
@@ -217,9 +224,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if resolve_device(args.device).type == "cpu":
         announce_threads(args.threads)
     if args.engine_in_thread:  # on the thread that will step it (see AsyncEngine.build)
-        engine = AsyncEngine.build(lambda: build_engine(**options))
+        engine = AsyncEngine.build(lambda: build_engine(**options), **idle)
     else:
-        engine = EngineProcess.start_process(started, **options)
+        engine = EngineProcess.start_process(started, **options, **idle)
     name = args.served_model_name or default_model_name(args.model)
     app = build_app(
         engine,
