@@ -1,7 +1,8 @@
 """`octavo serve` as a process, as a supervisor sees it: SIGTERM with a stream in flight
 ends the stream with an error event after --shutdown-timeout and exits 0; a second signal
 exits at once with 128 + its number; with --no-restart, a killed engine process makes the
-server exit with status 1; the largest requests leave no memory behind.
+server exit with status 1; the largest requests leave no memory behind, and an idle engine
+gives its KV cache's free memory back.
 
 Each test has a server of its own on the embedded model (seconds to load, though the three
 load at once): all are slow.
@@ -31,6 +32,7 @@ SERVERS = {
     "grace": ("--shutdown-timeout", "1"),
     "patient": ("--shutdown-timeout", "60"),
     "no-restart": ("--no-restart",),
+    "idle": ("--kv-idle-release", "2"),
 }
 
 
@@ -112,6 +114,21 @@ def test_the_server_gives_back_the_memory_of_its_largest_requests(serve):
         send(_largest_bodies(8192))  # the embedded model's max_model_len
     time.sleep(1.0)  # the last response's buffers are freed after it is sent
     assert _resident_mib(proc.pid) - before < 64
+
+
+def test_an_idle_engine_gives_its_kv_blocks_memory_back(serve):
+    """32 completions, each mapping new KV blocks (~0.7 MiB each on the embedded model) that
+    stay cached: the engine process's memory grows by tens of MiB, then falls back once it
+    has been idle for --kv-idle-release (2 s)."""
+    proc, url = serve("idle")
+    engine = _engine_pid(proc.pid)
+    before = _resident_mib(engine)
+    for i in range(32):
+        body = {"prompt": f"{i} " * 24, "max_tokens": 8, "ignore_eos": True}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+    used = _resident_mib(engine)
+    assert used - before > 30
+    assert wait_for(lambda: _resident_mib(engine) < before + (used - before) / 3, timeout=30)
 
 
 def test_sigterm_ends_a_stream_after_the_grace_period_and_exits_0(serve):
