@@ -35,6 +35,10 @@
 #   detspan        the nano-vllm workload on Qwen3-8B, default, then deterministic with each of
 #                  SPANS (256 512 1024) as the attention's shortest span (runner/deterministic.py),
 #                  and the one-GPU determinism tests at each span past 256
+#   detcfg         the nano-vllm workload on Qwen3-8B, default (0), then deterministic with each of
+#                  VARIANTS span:block_m:block_n:warps:stages, the prefill kernel's tile for
+#                  every step (decode included) and the attention's shortest span; dettest:
+#                  the one-GPU determinism tests with VARIANT
 #   ltinv          cuBLASLt algorithms against fixed_gemm's bits and times (lt_invariance.py);
 #                  ltsmall: at decode-sized row counts, with cuBLASLt's picks for each
 #   host           short-context decode steps, plain and streamed; STRUCTURED=integer|string
@@ -192,6 +196,28 @@ import octavo.runner.deterministic as d; d.MIN_SPLIT = $span
 sys.exit(pytest.main(['tests/gpu/test_deterministic_gpu.py', '-q', '-p', 'no:cacheprovider',
     '-k', 'not two_ranks']))" 2>&1 | tail -1
          done ;;
+    detcfg) for v in ${VARIANTS:-0 256:64:64:4:3 256:16:64:4:3 256:16:64:4:4 256:32:64:4:4 512:16:64:4:3}; do
+           IFS=: read -r span bm bn warps stages <<< "$v"
+           timeout 150 python3 -c "import sys; import octavo.runner.deterministic as d
+import octavo.kernels.prefill_attention as pa
+if $span:
+    d.MIN_SPLIT = $span
+    pa.default_prefill_config = lambda head_dim, group_pad: {'block_m': max($bm, group_pad),
+        'block_n': $bn, 'num_warps': $warps, 'num_stages': $stages}
+sys.argv = ['octavo', 'bench', 'throughput', '--model', 'qwen3-8b', '--max-model-len', '4096',
+    '--load-format', 'dummy', '--workload', 'nanovllm', '--json', '$OUT/thru_det_${v//:/_}.json']
+sys.argv += ['--deterministic'] if $span else []
+from octavo.entrypoints.cli import main; sys.exit(main())" > "$OUT/thru_det_${v//:/_}.log" 2>&1
+           echo "variant $v: $(grep -E '^octavo' "$OUT/thru_det_${v//:/_}.log" | tail -1)"
+         done ;;
+    dettest) IFS=: read -r span bm bn warps stages <<< "${VARIANT:-256:64:64:4:3}"
+         timeout 200 python3 -c "import sys, pytest
+import octavo.runner.deterministic as d, octavo.kernels.prefill_attention as pa
+d.MIN_SPLIT = $span
+pa.default_prefill_config = lambda head_dim, group_pad: {'block_m': max($bm, group_pad),
+    'block_n': $bn, 'num_warps': $warps, 'num_stages': $stages}
+sys.exit(pytest.main(['tests/gpu/test_deterministic_gpu.py', '-q', '-p', 'no:cacheprovider',
+    '-k', 'not two_ranks']))" 2>&1 | tail -3 ;;
     ltinv) timeout 300 python3 benchmarks/lt_invariance.py --json "$OUT/lt_invariance.json" 2>&1 \
               | tee "$OUT/lt_invariance.log" | tail -34 ;;
     ltsmall) timeout 300 python3 benchmarks/lt_invariance.py --small --json "$OUT/lt_small.json" \
