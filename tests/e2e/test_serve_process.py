@@ -29,10 +29,9 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 # The servers the tests run, by name: their options.
 SERVERS = {
-    "grace": ("--shutdown-timeout", "1"),
+    "grace": ("--shutdown-timeout", "1", "--kv-idle-release", "2"),
     "patient": ("--shutdown-timeout", "60"),
     "no-restart": ("--no-restart",),
-    "idle": ("--kv-idle-release", "2"),
 }
 
 
@@ -119,8 +118,8 @@ def test_the_server_gives_back_the_memory_of_its_largest_requests(serve):
 def test_an_idle_engine_gives_its_kv_blocks_memory_back(serve):
     """32 completions, each mapping new KV blocks (~0.7 MiB each on the embedded model) that
     stay cached: the engine process's memory grows by tens of MiB, then falls back once it
-    has been idle for --kv-idle-release (2 s)."""
-    proc, url = serve("idle")
+    has been idle for --kv-idle-release (2 s). Runs before the next test stops this server."""
+    proc, url = serve("grace")
     engine = _engine_pid(proc.pid)
     before = _resident_mib(engine)
     for i in range(32):
