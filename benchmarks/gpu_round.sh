@@ -197,7 +197,7 @@ sys.exit(pytest.main(['tests/gpu/test_deterministic_gpu.py', '-q', '-p', 'no:cac
     '-k', 'not two_ranks']))" 2>&1 | tail -1
          done ;;
     detcfg) for v in ${VARIANTS:-0 256:64:64:4:3 256:16:64:4:3 256:16:64:4:4 256:32:64:4:4 512:16:64:4:3}; do
-           IFS=: read -r span bm bn warps stages <<< "$v:64:64:4:3"  # 0: the default mode
+           IFS=: read -r span bm bn warps stages _ <<< "$v:64:64:4:3:"  # 0: the default mode
            timeout 150 python3 -c "import sys; import octavo.runner.deterministic as d
 import octavo.kernels.prefill_attention as pa
 if $span:
