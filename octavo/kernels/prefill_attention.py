@@ -201,8 +201,11 @@ def attend_span(
     return acc, m_i, l_i
 
 
-def default_prefill_config(head_dim: int, group_pad: int) -> dict[str, int]:
-    """Tile shape and launch knobs: BLOCK_M rows (tokens x heads), BLOCK_N KV positions."""
+def default_prefill_config(head_dim: int, group_pad: int, split: int = 0) -> dict[str, int]:
+    """Tile shape and launch knobs: BLOCK_M rows (tokens x heads), BLOCK_N KV positions.
+    With `split` (deterministic mode, where this kernel runs every step, decode included)
+    the tile has 16 rows: a decode program fills only a token's heads of its rows, and the
+    smaller tile reads the KV faster there (docs/PERFORMANCE.md)."""
     if head_dim <= 64:
         cfg = {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
     elif head_dim <= 128:
@@ -210,6 +213,8 @@ def default_prefill_config(head_dim: int, group_pad: int) -> dict[str, int]:
         cfg = {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
     else:
         cfg = {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
+    if split and head_dim <= 128:
+        cfg["block_m"] = 16
     cfg["block_m"] = max(cfg["block_m"], group_pad)
     return cfg
 
@@ -261,7 +266,7 @@ def prefill_attention(
     check_attention_inputs(q, kv_cache, block_tables, num_heads, num_kv_heads)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    cfg = config or default_prefill_config(head_dim, group_pad)
+    cfg = config or default_prefill_config(head_dim, group_pad, split)
     if split % cfg["block_n"]:
         raise ValueError(f"split={split} is not a multiple of the {cfg['block_n']}-position chunk")
     block_q = cfg["block_m"] // group_pad

@@ -27,7 +27,7 @@ from octavo.model.layers import use_fixed_order_products
 from octavo.model.moe import FusedMoE
 from octavo.model.parallel import use_fixed_order_sums
 
-MIN_SPLIT = 256  # context positions a span at least: a decode step's programs each read one
+MIN_SPLIT = 512  # context positions a span at least: a decode step's programs each read one
 MAX_SPLITS = 16  # spans of the longest context at most: the decode workspace's size
 
 

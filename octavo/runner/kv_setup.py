@@ -242,7 +242,9 @@ def profile_activation_bytes(
             [num_tokens], [num_tokens], [list(range(num_blocks))], block_size, device
         )
         ids = torch.randint(0, model.config.vocab_size, (num_tokens,), device=device)
-        pos = torch.arange(num_tokens, device=device)
+        # NOTE: a step's tokens may outnumber the rotary table's positions (8,192 against a
+        # model's 2,048): past it a rotary kernel would read outside the table.
+        pos = torch.arange(num_tokens, device=device) % model.config.max_position_embeddings
         hidden = model(ids, pos, md)
         model.compute_logits(hidden[:num_rows].repeat(-(-num_rows // num_tokens), 1))
         torch.cuda.synchronize()

@@ -50,7 +50,8 @@ def _run(llm, target, batch: list[dict], params, at: int = 0):
 @pytest.fixture(scope="module")
 def target():
     rng = random.Random(1)
-    return {"prompt_token_ids": [rng.randrange(1, 150000) for _ in range(333)]}
+    # Past the shortest span (runner/deterministic.MIN_SPLIT): its decode steps merge spans.
+    return {"prompt_token_ids": [rng.randrange(1, 150000) for _ in range(600)]}
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +93,8 @@ def test_chunks_and_preemption_give_the_same_bits(llm, target):
     chunked = _llm(max_num_batched_tokens=64, enable_prefix_caching=False, num_kv_blocks=1024)
     assert _run(chunked, target, _others(5, 5), params, at=2) == reference
     chunked.shutdown()
-    # 60 blocks of 16: the batch cannot all fit, so the newest are preempted and recomputed.
-    small = _llm(num_kv_blocks=60, enable_prefix_caching=False, max_model_len=512)
+    # 80 blocks of 16: the batch cannot all fit, so the newest are preempted and recomputed.
+    small = _llm(num_kv_blocks=80, enable_prefix_caching=False, max_model_len=1024)
     assert _run(small, target, _others(12, 12, longest=300), params, at=6) == reference
     assert small.get_stats()["num_preemptions"] > 0
     small.shutdown()

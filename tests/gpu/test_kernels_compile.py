@@ -37,7 +37,7 @@ def _compile(kernel, types: dict[str, str], constexprs: dict[str, object], **opt
 @pytest.mark.parametrize("head_dim", [128, 256])  # 256: Gemma's
 @pytest.mark.parametrize("sliding", [False, True])
 @pytest.mark.parametrize("softcap", [False, True])
-@pytest.mark.parametrize("split,partial", [(0, False), (256, False), (256, True)])
+@pytest.mark.parametrize("split,partial", [(0, False), (512, False), (512, True)])
 def test_prefill_attention_compiles(sliding, softcap, head_dim, split, partial):
     from octavo.kernels.prefill_attention import _prefill_kernel, default_prefill_config
 
@@ -45,7 +45,7 @@ def test_prefill_attention_compiles(sliding, softcap, head_dim, split, partial):
     types |= dict.fromkeys(["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"], "*i32")
     types |= dict.fromkeys(["qk_scale", "v_scale", "softcap"], "fp32")
     types |= dict.fromkeys(["part_out_ptr", "part_ml_ptr"], "*fp32")
-    cfg = default_prefill_config(head_dim, 4)
+    cfg = default_prefill_config(head_dim, 4, split)
     asm = _compile(_prefill_kernel, types, {
         "NUM_KV_HEADS": 8, "GROUP": 4, "GROUP_PAD": 4, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
         "BLOCK_Q": cfg["block_m"] // 4, "BLOCK_M": cfg["block_m"], "BLOCK_N": cfg["block_n"],
