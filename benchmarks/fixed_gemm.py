@@ -1,7 +1,6 @@
 """fixed_gemm (deterministic mode's products) against cuBLAS (F.linear) at Qwen3-8B's
 projection shapes, with each shape's floor: max(weight + activation bytes / bandwidth,
-flops / peak), and where the rule copies tiles with the TMA (OCTAVO_FIXED_GEMM_TMA=1),
-the same tile on the plain kernel ("plain"). With --sweep, every candidate tile too, and the fastest per row count (all
+flops / peak). With --sweep, every candidate tile too, and the fastest per row count (all
 give the same bits: tests/gpu/test_fixed_order.py).
 
     python benchmarks/fixed_gemm.py [--sweep] [--json out.json]
@@ -39,7 +38,7 @@ def main() -> None:
     dev = torch.device("cuda")
     rows_out = []
     print(
-        f"{'shape':8} {'rows':>5} {'floor':>8} {'cuBLAS':>8} {'fixed':>8} {'plain':>8} "
+        f"{'shape':8} {'rows':>5} {'floor':>8} {'cuBLAS':>8} {'fixed':>8} "
         f"{'fixed/cuBLAS':>12}"
     )
     for name, (n, k) in SHAPES.items():
@@ -49,14 +48,8 @@ def main() -> None:
             floor = max(2 * (n * k + m * k + m * n) / BANDWIDTH, 2 * m * n * k / PEAK) * 1e6
             ref = _us(lambda x=x, w=w: F.linear(x, w))
             ours = _us(lambda x=x, w=w: fixed_gemm(x, w))
-            plain = tile_config(m, n, k)
-            if plain["TMA"]:  # the same tile on the plain kernel, to see what the copies buy
-                plain = plain | {"TMA": False}
-                row_plain = _us(lambda x=x, w=w, cfg=plain: fixed_gemm(x, w, config=cfg))
-            else:
-                row_plain = ours
             row = {"shape": name, "n": n, "k": k, "rows": m, "floor_us": floor,
-                   "cublas_us": ref, "fixed_us": ours, "plain_us": row_plain,
+                   "cublas_us": ref, "fixed_us": ours,
                    "tile": tile_config(m, n, k)}  # fmt: skip
             if args.sweep:
                 best = None
@@ -74,7 +67,7 @@ def main() -> None:
             rows_out.append(row)
             extra = f"  best {row['best_us']:.1f} {row['best_tile']}" if args.sweep else ""
             print(
-                f"{name:8} {m:>5} {floor:8.1f} {ref:8.1f} {ours:8.1f} {row_plain:8.1f} "
+                f"{name:8} {m:>5} {floor:8.1f} {ref:8.1f} {ours:8.1f} "
                 f"{ours / ref:12.2f}{extra}"
             )
     if args.json:

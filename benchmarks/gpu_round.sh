@@ -27,8 +27,7 @@
 #   quantthru      the nano-vllm workload on Qwen3-8B: bf16, fp8 weights, fp8 KV cache, both
 #   det            deterministic mode: its tests, fixed_gemm against cuBLAS (fixed_gemm.py),
 #                  then one Qwen3-8B request and the nano-vllm workload, default,
-#                  deterministic, and deterministic with TMA copies (OCTAVO_FIXED_GEMM_TMA=1)
-#                  in turn (det_e2e: those alone)
+#                  and deterministic in turn (det_e2e: those alone)
 #   families       the model-family GPU tests, then Gemma 3 1B, Mistral 7B and Qwen3-0.6B (or
 #                  FAMILIES) on the nano-vllm workload, and Gemma 3's long-context KV memory
 #                  (sliding_kv.py)
@@ -164,17 +163,16 @@ for stage in $stages; do
     det|det_e2e) if [ $stage = det ]; then
            timeout 300 python3 -m pytest tests/gpu/test_fixed_order.py tests/gpu/test_deterministic_gpu.py \
              -q -p no:cacheprovider 2>&1 | tee "$OUT/det_tests.log" | tail -4
-           OCTAVO_FIXED_GEMM_TMA=1 timeout 120 python3 benchmarks/fixed_gemm.py \
+           timeout 120 python3 benchmarks/fixed_gemm.py \
              --json "$OUT/fixed_gemm.json" 2>&1 | tail -12
          fi
-         for mode in default deterministic tma; do flag=; [ $mode = default ] || flag=--deterministic
-           [ $mode = tma ] && export OCTAVO_FIXED_GEMM_TMA=1
+         for mode in default deterministic; do flag=; [ $mode = default ] || flag=--deterministic
            timeout 300 python3 benchmarks/latency.py --model qwen3-8b $flag \
              --json "$OUT/latency_qwen3_8b_$mode.json" 2>&1 | tail -1
            timeout 400 "${OCTAVO[@]}" bench throughput --model qwen3-8b --max-model-len 4096 \
              --load-format dummy --workload nanovllm $flag \
              --json "$OUT/throughput_qwen3_8b_$mode.json" 2>&1 | tail -2
-         done; unset OCTAVO_FIXED_GEMM_TMA ;;
+         done ;;
     families) timeout 200 python3 -m pytest tests/gpu/test_families_gpu.py -q -p no:cacheprovider 2>&1 \
               | tee "$OUT/families_tests.log" | tail -4
             for m in ${FAMILIES:-gemma-3-1b mistral-7b qwen3-0.6b}; do

@@ -16,20 +16,13 @@ same tensor-core instruction (wgmma on Hopper, whose smallest M is 64).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from octavo.kernels.decode_attention import num_sms
 from octavo.kernels.pdl import pdl_args
 
 DTYPES = (torch.bfloat16, torch.float16)
-# OCTAVO_FIXED_GEMM_TMA=1: products of more than 256 rows copy their tiles with the tensor
-# memory accelerator (Hopper on). Off by default until timed on a GPU: it compiles for sm90
-# and matches the plain kernel's bits under the interpreter (tests/gpu/test_fixed_order.py).
-TMA = os.environ.get("OCTAVO_FIXED_GEMM_TMA", "0") == "1"
 
 
 @triton.jit
@@ -81,50 +74,8 @@ def _fixed_gemm_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok & (offs_n[None, :] < N))
 
 
-@triton.jit
-def _fixed_gemm_tma_kernel(
-    x_desc,  # TensorDescriptor of x [M, K], blocks [BLOCK_M, BLOCK_K]
-    w_desc,  # of w [N, K], blocks [BLOCK_N, BLOCK_K]
-    y_desc,  # of y [M, N], blocks [BLOCK_M, BLOCK_N]
-    b_ptr,
-    M,
-    N,
-    K,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """The same products as `_fixed_gemm_kernel` (one accumulator, K in order), with the
-    tiles copied in by the tensor memory accelerator, and one program per SM walking the
-    tiles (many rows: the copies leave the warps free for the tensor cores)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    for tile in range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS):
-        first_m = tile // per_group * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % per_group) % group_m) * BLOCK_M
-        off_n = (tile % per_group) // group_m * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            a = x_desc.load([off_m, k])  # rows and columns past the end read as zeros
-            b = w_desc.load([off_n, k])
-            acc = tl.dot(a, b.T, acc)
-        if HAS_BIAS:
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            acc = acc + tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
-
-
-def _tile(bm: int, bn: int, bk: int, warps: int, stages: int, tma: bool = False) -> dict:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
-            "num_stages": stages, "TMA": tma}  # fmt: skip
+def _tile(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
 def tile_config(m: int, n: int, k: int) -> dict[str, int]:
@@ -143,8 +94,6 @@ def tile_config(m: int, n: int, k: int) -> dict[str, int]:
         if n <= 4096:
             return _tile(64, 128, 128, 4, 4)
         return _tile(64, 64, 64, 4, 4) if n <= 8192 else _tile(128, 128, 64, 8, 4)
-    if TMA:
-        return _tile(128, 128, 64, 8, 4, True) if m <= 512 else _tile(128, 256, 64, 8, 3, True)
     if m <= 512:
         return _tile(128, 128, 64, 8, 4)
     if m <= 2048 and k <= 8192:
@@ -172,36 +121,10 @@ def fixed_gemm(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.view(*lead, n)
-    cfg = dict(config or tile_config(m, n, k))
-    if cfg.pop("TMA", False) and x.is_cuda and _tma_fits(x2, w, y):
-        return _fixed_gemm_tma(x2, w, bias, y, cfg).view(*lead, n)
+    cfg = config or tile_config(m, n, k)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _fixed_gemm_kernel[grid](
         x2, w, bias if bias is not None else w, y, m, n, k, x2.stride(0), w.stride(0),
         y.stride(0), HAS_BIAS=bias is not None, GROUP_M=8, **cfg, **pdl_args(x.device),
     )  # fmt: skip
     return y.view(*lead, n)
-
-
-def _tma_fits(*tensors: torch.Tensor) -> bool:
-    """The copy engine's rule: 16-byte aligned starts and row strides."""
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-               for t in tensors)  # fmt: skip
-
-
-def _fixed_gemm_tma(x, w, bias, y, cfg: dict) -> torch.Tensor:
-    """fixed_gemm through `_fixed_gemm_tma_kernel` (rows of 16-byte multiples)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
-    w_desc = TensorDescriptor.from_tensor(w, [bn, bk])
-    y_desc = TensorDescriptor.from_tensor(y, [bm, bn])
-    m, n, k = x.shape[0], w.shape[0], x.shape[1]
-    programs = min(num_sms(x.device), triton.cdiv(m, bm) * triton.cdiv(n, bn))
-    _fixed_gemm_tma_kernel[(programs,)](
-        x_desc, w_desc, y_desc, bias if bias is not None else w, m, n, k,
-        HAS_BIAS=bias is not None, GROUP_M=8, NUM_PROGRAMS=programs, **cfg,
-        **pdl_args(x.device),
-    )  # fmt: skip
-    return y

@@ -46,8 +46,7 @@ def test_fixed_gemm_rows_are_the_same_bits_at_every_row_count(n, k, bias):
 
 TILES = pick(
     [(64, 16, 128, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3),
-     (128, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4, True),
-     (128, 256, 64, 8, 3, True)],
+     (128, 128, 128, 8, 3), (64, 256, 64, 8, 3)],
     [(64, 16, 32, 4, 1), (64, 32, 32, 4, 1), (128, 64, 32, 4, 1)],  # numpy sums each dot
 )  # fmt: skip
 
@@ -96,25 +95,12 @@ def test_every_tile_gives_the_same_bits():
     w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
     x = torch.randn(70, k, device=DEVICE, dtype=torch.bfloat16)
     outs = []
-    for bm, bn, bk, warps, stages, *tma in TILES:
+    for bm, bn, bk, warps, stages in TILES:
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps,
-               "num_stages": stages, "TMA": bool(tma)}  # fmt: skip
+               "num_stages": stages}  # fmt: skip
         outs.append(fixed_gemm(x, w, config=cfg))
     for tile, y in zip(TILES, outs, strict=True):
         assert torch.equal(y, outs[0]), tile
-
-
-@pytest.mark.parametrize("m,n,k", [(300, 200, 96), (17, 40, 200), (130, 64, 64)])
-def test_the_copy_engine_kernel_gives_the_plain_kernels_bits(m, n, k):
-    from octavo.kernels.fixed_gemm import _fixed_gemm_tma
-
-    torch.manual_seed(m)
-    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
-    b = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
-    cfg = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
-    y = torch.empty(m, n, device=DEVICE, dtype=torch.bfloat16)
-    assert torch.equal(_fixed_gemm_tma(x, w, b, y, dict(cfg)), fixed_gemm(x, w, b, config=cfg))
 
 
 def test_tile_rule_keeps_at_least_64_rows_a_tile():

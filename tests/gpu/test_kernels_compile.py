@@ -72,23 +72,13 @@ def test_combine_splits_compiles(sliding):
 @pytest.mark.parametrize("m", [1, 100, 200, 400, 2048, 8192])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288),
                                  (151936, 4096)])  # fmt: skip
-@pytest.mark.parametrize("tma", [False, True])
-def test_fixed_gemm_tiles_compile(m, n, k, tma, monkeypatch):
-    from octavo.kernels import fixed_gemm
-    from octavo.kernels.fixed_gemm import _fixed_gemm_kernel, _fixed_gemm_tma_kernel, tile_config
+def test_fixed_gemm_tiles_compile(m, n, k):
+    from octavo.kernels.fixed_gemm import _fixed_gemm_kernel, tile_config
 
-    monkeypatch.setattr(fixed_gemm, "TMA", tma)
     cfg = dict(tile_config(m, n, k))
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if cfg.pop("TMA"):  # the copy engine's descriptors, one per operand
-        kernel, constexprs = _fixed_gemm_tma_kernel, {"NUM_PROGRAMS": 132}
-        types = {"x_desc": f"tensordesc<bf16[{bm}, {bk}]>", "b_ptr": "*bf16",
-                 "w_desc": f"tensordesc<bf16[{bn}, {bk}]>",
-                 "y_desc": f"tensordesc<bf16[{bm}, {bn}]>"}  # fmt: skip
-    else:
-        kernel, constexprs = _fixed_gemm_kernel, {}
-        types = dict.fromkeys(["x_ptr", "w_ptr", "b_ptr", "y_ptr"], "*bf16")
+    kernel, constexprs = _fixed_gemm_kernel, {}
+    types = dict.fromkeys(["x_ptr", "w_ptr", "b_ptr", "y_ptr"], "*bf16")
     constexprs |= cfg | {"HAS_BIAS": True, "GROUP_M": 8, "USE_PDL": True}
     asm = _compile(kernel, types, constexprs, **options)
     assert "wgmma" in asm["ptx"]  # every tile on the same tensor-core instruction
