@@ -12,6 +12,7 @@ import torch
 from octavo.checkpoint.embedded import embedded_model_path
 from octavo.checkpoint.hf_config import load_hf_config
 from octavo.checkpoint.hub import download, looks_like_hub_id
+from octavo.checkpoint.loader import LOAD_FORMATS
 from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from octavo.engine.engine import Engine
 from octavo.engine.gc_heap import frozen_gc_heap
@@ -31,7 +32,6 @@ from octavo.tokenizer.tokenizer import eos_token_ids, load_tokenizer
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_LOAD_FORMATS = ("auto", "dummy")
 
 
 def bundled_config_names() -> list[str]:
@@ -158,7 +158,8 @@ def build_engine(
         runner, cache, hf_config, dev, max_model_len, max_num_seqs, max_num_batched_tokens
     )
     overlap = dev.type == "cuda" if async_scheduling is None else async_scheduling
-    eos, speculator = _eos_token_ids(tok, hf_config), _speculator(speculative, dev)
+    eos = eos_token_ids(tok, getattr(hf_config, "eos_token_id", None))
+    speculator = _speculator(speculative, dev)
     return Engine(runner, tok, cache, sched, num_blocks, eos, overlap, mode, speculator)
 
 
@@ -218,8 +219,7 @@ def _draft_options(
             f"the draft model's vocabulary ({config.vocab_size} tokens) is not the target's "
             f"({hf_config.vocab_size}): a draft must share the target's tokenizer"
         )
-    quantization = resolve_quantization("auto", path, config, dev, load_format)
-    get_method(quantization, dev, config, path, load_format)
+    quantization = _quantization("auto", path, config, dev, load_format)
     return DraftOptions(path, config, quantization, speculative.num_speculative_tokens)
 
 
@@ -264,8 +264,8 @@ def _check_options(
     load_format: str, cuda_graph_max_tokens: int, speculative_config
 ) -> SpeculativeConfig | None:
     """ValueError for a bad option; the speculative config parsed."""
-    if load_format not in _LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {load_format!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if isinstance(cuda_graph_max_tokens, bool) or not isinstance(cuda_graph_max_tokens, int):
         raise ValueError(f"cuda_graph_max_tokens must be an int, got {cuda_graph_max_tokens!r}")
     if cuda_graph_max_tokens < 0:
@@ -287,14 +287,6 @@ def _make_runner(
         runner_options, device.type, parallel.tensor_parallel_size, parallel.nnodes,
         parallel.dist_init_addr, parallel.enable_expert_parallel,
     )  # fmt: skip
-
-
-def _eos_token_ids(tokenizer, hf_config) -> list[int]:
-    """The tokenizer's EOS ids and the config's, or the config's alone without a tokenizer."""
-    config_eos = getattr(hf_config, "eos_token_id", None)
-    if tokenizer is not None:
-        return eos_token_ids(tokenizer, config_eos)
-    return _as_list(config_eos)
 
 
 def _check_parallel(parallel: ParallelConfig, hf_config, device: torch.device) -> None:
@@ -337,9 +329,3 @@ def _max_model_len(hf_config, requested: int | None, kv_capacity: int) -> int:
     if kv_capacity < model_limit:
         logger.info("max_model_len limited to the KV cache's %d tokens", kv_capacity)
     return min(model_limit, kv_capacity)
-
-
-def _as_list(value) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
