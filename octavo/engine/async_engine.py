@@ -313,11 +313,10 @@ class AsyncEngine:
         if outputs:
             self._post(self._dispatch, outputs)
 
-    def _abort_all(self) -> list[str]:
+    def _abort_all(self) -> None:
         ids, self._live = list(self._live), {}
         if ids:
             self.engine.abort_request(ids)
-        return ids
 
     def _cancel_pending_calls(self) -> None:
         while True:
@@ -356,8 +355,5 @@ class AsyncEngine:
         """No request is taken from now on (the thread may not have exited yet, but nothing
         reads its commands any more), and every waiting one fails."""
         self._closed = True
-        self._fail_all(error)
-
-    def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():
             stream.put_nowait(error)
