@@ -234,12 +234,8 @@ def print_summary(s: dict) -> None:
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
-    if args.num_prompts < 1 or args.max_tokens < 1 or args.input_len < 1:
-        raise ValueError("--num-prompts, --max-tokens and --input-len must be >= 1")
     if not 0 <= args.random_range_ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
-    if args.token_ids is not None and args.token_ids < 1:
-        raise ValueError(f"--token-ids must be >= 1, got {args.token_ids}")
     if not isinstance(args.extra_body, dict):
         raise ValueError("--extra-body must be a JSON object")
     summary = asyncio.run(run_benchmark(args))

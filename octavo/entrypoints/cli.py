@@ -160,11 +160,8 @@ def stream_generation(
             while index and not ctrl_c.requested:
                 for out in engine.step():
                     if out.request_id in index:
-                        if out.finished:
-                            i = index.pop(out.request_id)
-                        else:
-                            i = index[out.request_id]
-                        yield i, out.outputs[0].text, out.finished
+                        take = index.pop if out.finished else index.__getitem__
+                        yield take(out.request_id), out.outputs[0].text, out.finished
     finally:
         if index:
             engine.abort_request(list(index))
