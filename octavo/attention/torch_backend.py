@@ -65,20 +65,17 @@ def gather_kv(
 
 
 def split_qkv(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    spec: AttentionSpec,
-    rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qkv: torch.Tensor, spec: AttentionSpec, rotation: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v heads of a qkv projection, q and k normalized (if the layer has norms) and
     rotated: what the Triton backend's fused kernels do before attention, through the spec's
     own modules (which pick their kernel by device).
 
-    qkv: [T, (H + 2 * KVH) * D], positions: [T]; rotation: the rotary embedding's
-    `cos_sin(positions, qkv.dtype)` if the caller has it -> q [T, H, D], k and v [T, KVH, D].
+    qkv: [T, (H + 2 * KVH) * D]; rotation: the rotary embedding's `cos_sin(positions,
+    qkv.dtype)` for the tokens' positions -> q [T, H, D], k and v [T, KVH, D].
     """
     num_tokens, rope = qkv.shape[0], spec.rotary_emb
-    cos, sin = rope.cos_sin(positions, qkv.dtype) if rotation is None else rotation
+    cos, sin = rotation
     q_size, kv_size, _ = spec.qkv_sizes
     if spec.q_norm is None or spec.k_norm is None:  # q and k side by side: rotated at once
         qk = rope.rotate(qkv[:, : q_size + kv_size], cos, sin)
@@ -163,7 +160,7 @@ class TorchAttentionBackend(AttentionBackend):
         v_scale: float = 1.0,
     ) -> torch.Tensor:
         """See AttentionBackend.forward_qkv: `split_qkv`, then `forward`."""
-        q, k, v = split_qkv(qkv, positions, spec, self._cos_sin(positions, qkv.dtype, md, spec))
+        q, k, v = split_qkv(qkv, spec, self._cos_sin(positions, qkv.dtype, md, spec))
         return self.forward(
             q, k, v, kv_cache, md, spec.scale, k_scale, v_scale, spec.sliding_window,
             spec.logit_softcap,
