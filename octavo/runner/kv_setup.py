@@ -111,9 +111,8 @@ def kv_bytes_per_block(
     """layers (all by default) x (K and V) x block_size x this rank's kv_heads x head_dim x
     dtype bytes."""
     num_kv_heads = local_kv_heads(hf_config)
-    elem = torch.empty((), dtype=dtype).element_size()
     layers = hf_config.num_hidden_layers if layers is None else layers
-    return layers * 2 * block_size * num_kv_heads * get_head_dim(hf_config) * elem
+    return layers * 2 * block_size * num_kv_heads * get_head_dim(hf_config) * dtype.itemsize
 
 
 def sliding_layers(hf_config) -> list[bool]:
