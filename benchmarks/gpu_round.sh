@@ -200,7 +200,7 @@ sys.exit(pytest.main(['tests/gpu/test_deterministic_gpu.py', '-q', '-p', 'no:cac
 import octavo.kernels.prefill_attention as pa
 if $span:
     d.MIN_SPLIT = $span
-    pa.default_prefill_config = lambda head_dim, group_pad: {'block_m': max($bm, group_pad),
+    pa.default_prefill_config = lambda head_dim, group_pad, split=0: {'block_m': max($bm, group_pad),
         'block_n': $bn, 'num_warps': $warps, 'num_stages': $stages}
 sys.argv = ['octavo', 'bench', 'throughput', '--model', 'qwen3-8b', '--max-model-len', '4096',
     '--load-format', 'dummy', '--workload', 'nanovllm', '--json', '$OUT/thru_det_${v//:/_}.json']
@@ -212,7 +212,7 @@ from octavo.entrypoints.cli import main; sys.exit(main())" > "$OUT/thru_det_${v/
          timeout 200 python3 -c "import sys, pytest
 import octavo.runner.deterministic as d, octavo.kernels.prefill_attention as pa
 d.MIN_SPLIT = $span
-pa.default_prefill_config = lambda head_dim, group_pad: {'block_m': max($bm, group_pad),
+pa.default_prefill_config = lambda head_dim, group_pad, split=0: {'block_m': max($bm, group_pad),
     'block_n': $bn, 'num_warps': $warps, 'num_stages': $stages}
 sys.exit(pytest.main(['tests/gpu/test_deterministic_gpu.py', '-q', '-p', 'no:cacheprovider',
     '-k', 'not two_ranks']))" 2>&1 | tail -3 ;;

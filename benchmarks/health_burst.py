@@ -5,7 +5,8 @@ median, p99, max, and how many took over 100 ms; how long each burst took to ans
 resident memory of the server's processes (Linux) after the warm-up, a second after each
 burst, and with --idle after that long idle.
 
-    python benchmarks/health_burst.py [--burst 500] [--bursts 3] [--runs 3] [--idle 35] [--json out.json]
+    python benchmarks/health_burst.py [--burst 500] [--bursts 3] [--runs 3] [--idle 35]
+        [--json out.json]
 
 Each run starts a fresh server (its output in --log), answers a warm-up burst of 8, then the
 bursts a second apart; `--url` measures a server already running instead.

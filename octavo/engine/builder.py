@@ -159,8 +159,8 @@ def build_engine(
     )
     overlap = dev.type == "cuda" if async_scheduling is None else async_scheduling
     eos = eos_token_ids(tok, getattr(hf_config, "eos_token_id", None))
-    speculator = _speculator(speculative, dev)
-    return Engine(runner, tok, cache, sched, num_blocks, eos, overlap, mode, speculator)
+    return Engine(runner, tok, cache, sched, num_blocks, eos, overlap, mode,
+                  _speculator(speculative, dev))  # fmt: skip
 
 
 def _cache_config(hf_config, *options) -> CacheConfig:

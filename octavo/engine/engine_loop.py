@@ -69,6 +69,8 @@ class IdleRelease:
     spell. `after_s` 0 or None: never."""
 
     def __init__(self, engine: Engine, after_s: float | None) -> None:
+        if after_s is not None and not after_s >= 0:
+            raise ValueError(f"kv_idle_release_s must be >= 0 seconds, got {after_s}")
         self.engine, self.after_s = engine, after_s or None
         self.stepped = False  # a step ran since the last release
 
@@ -78,11 +80,19 @@ class IdleRelease:
         return self.after_s if self.stepped else None
 
     def release(self) -> None:
+        """Best effort: a failure is logged and the loop goes on, but a dead worker is raised
+        (the engine cannot go on without it)."""
         self.stepped = False
-        released = self.engine.release_kv_memory()
+        try:
+            released = self.engine.release_kv_memory()
+        except WorkerDied:
+            raise
+        except Exception:  # the memory stays where it is; no request is affected
+            logger.exception("giving the free KV blocks' memory back failed")
+            return
         if released:
-            logger.info("idle for %g s: the free KV cache blocks' memory (%.0f MiB, resident or"
-                        " not) went back to the system", self.after_s, released / 2**20)  # fmt: skip
+            logger.info("idle for %g s: the free KV blocks' memory (%.0f MiB, resident or not)"
+                        " went back to the system", self.after_s, released / 2**20)  # fmt: skip
 
 
 def apply_command(

@@ -60,7 +60,7 @@ class Runner(Protocol):
 
     def release_kv_blocks(self, ids: dict[bool, list[int]]) -> int:
         """Gives the memory of free blocks back to the system where the cache is in host
-        memory (`ids[sliding]`: blocks of each pool); the bytes given back, where known."""
+        memory (`ids[sliding]`: blocks of each pool); the bytes given back."""
         ...
 
     def cancel_held(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import sys
 from collections.abc import Callable
 
 import torch
@@ -62,13 +63,16 @@ def zeroed_kv_cache(
     return torch.frombuffer(pages, dtype=dtype).view(shape)  # keeps `pages` alive
 
 
-def release_kv_pages(caches: list[torch.Tensor], kinds: list[bool], ids: dict[bool, list[int]]):
+def release_kv_pages(
+    caches: list[torch.Tensor], kinds: list[bool], ids: dict[bool, list[int]]
+) -> int:
     """Gives the memory pages of free blocks back to the operating system (Linux, CPU
     caches: `madvise(MADV_DONTNEED)` on zeroed_kv_cache's private mapping, which reads as
     zeros again and is mapped afresh when next written). `ids[kind]` are the blocks of the
     layers of that kind (sliding_layers). Only whole pages inside a run of consecutive
     blocks are given back. Returns the bytes given back."""
-    if not caches or caches[0].device.type != "cpu" or not hasattr(mmap, "MADV_DONTNEED"):
+    # NOTE: Linux only: elsewhere MADV_DONTNEED need not zero nor free private pages.
+    if not caches or caches[0].device.type != "cpu" or not sys.platform.startswith("linux"):
         return 0
     madvise, page, released = _libc().madvise, mmap.PAGESIZE, 0
     for cache, kind in zip(caches, kinds, strict=True):

@@ -230,9 +230,9 @@ class MultiprocRunner:
             self._send("cancel", None)
 
     def release_kv_blocks(self, ids: dict[bool, list[int]]) -> int:
-        """Each worker gives these free blocks' memory back (ModelRunner's); not waited for."""
+        """Each worker gives these free blocks' memory back (ModelRunner's): the bytes, summed."""
         self._send("release", ids)
-        return 0
+        return sum(self._receive(rank) for rank in range(self.size))
 
     def profile(self, prefix: str | None = None, trace: bool = False) -> list[str]:
         """Starts cProfile (`trace`: torch.profiler's device trace) on every worker (no

@@ -119,7 +119,7 @@ def serve(conn: Connection, args) -> None:
         elif op == "cancel":
             runner.cancel_held()
         elif op == "release":
-            runner.release_kv_blocks(arg)
+            conn.send(("ok", runner.release_kv_blocks(arg)))
         elif op == "size":
             count = torch.tensor([runner.num_kv_blocks(*arg)], device=device)
             dist.all_reduce(count, op=dist.ReduceOp.MIN)  # every rank keeps the same blocks

@@ -140,7 +140,8 @@ def test_two_ranks_answer_alike_after_giving_their_free_kv_memory_back(tiny):
     _, _, one, two = tiny
     prompts = [_prompt(23, 40)]
     first = _tokens(two, prompts)
-    two.engine.release_kv_memory()  # each worker gives its free blocks' pages back
+    released = two.engine.release_kv_memory()  # each worker gives its free blocks' pages back
+    assert released > 0 or not sys.platform.startswith("linux")
     hits = two.engine.get_stats()["prefix_cache_hits"]
     assert _tokens(two, prompts) == first == _tokens(one, prompts)
     assert two.engine.get_stats()["prefix_cache_hits"] == hits  # the cache was forgotten
