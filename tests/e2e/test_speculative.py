@@ -141,6 +141,7 @@ def test_stops_and_max_tokens_land_where_they_do_without_speculation(pair):
         _compare(pair, prompts, per_prompt)
 
 
+@pytest.mark.slow  # an engine of its own (14 KV blocks), 8 prompts of 40 tokens each
 def test_preemption_and_prefix_hits_give_the_same_tokens(llm_factory):
     plain = llm_factory()
     tight = llm_factory(speculative_config=NGRAM, num_kv_blocks=14)
