@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 # vLLM's names: "auto" is the model's dtype, "fp8" the same as "fp8_e4m3".
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+LOAD_FORMATS = ("auto", "dummy")  # read the weights; random ones
 
 
 def _check_positive(name: str, value: object) -> None:

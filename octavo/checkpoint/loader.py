@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from octavo.config import LOAD_FORMATS
 from octavo.model.layers import (
     LINEAR_WEIGHT_DEVICE,
     Linear,
@@ -26,7 +27,6 @@ from octavo.quant.method import cpu_threads, weight_loaders
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-LOAD_FORMATS = ("auto", "dummy")
 DUMMY_STD = 0.02
 
 

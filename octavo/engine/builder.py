@@ -12,8 +12,13 @@ import torch
 from octavo.checkpoint.embedded import embedded_model_path
 from octavo.checkpoint.hf_config import load_hf_config
 from octavo.checkpoint.hub import download, looks_like_hub_id
-from octavo.checkpoint.loader import LOAD_FORMATS
-from octavo.config import CacheConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from octavo.config import (
+    LOAD_FORMATS,
+    CacheConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from octavo.engine.engine import Engine
 from octavo.engine.gc_heap import frozen_gc_heap
 from octavo.engine.speculative import Speculator

@@ -160,8 +160,9 @@ def stream_generation(
             while index and not ctrl_c.requested:
                 for out in engine.step():
                     if out.request_id in index:
-                        take = index.pop if out.finished else index.__getitem__
-                        yield take(out.request_id), out.outputs[0].text, out.finished
+                        rid = out.request_id
+                        i = index.pop(rid) if out.finished else index[rid]
+                        yield i, out.outputs[0].text, out.finished
     finally:
         if index:
             engine.abort_request(list(index))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from octavo.config import KV_CACHE_DTYPES
+from octavo.config import KV_CACHE_DTYPES, LOAD_FORMATS
 from octavo.quant import QUANTIZATION_CHOICES
 
 
@@ -39,7 +39,7 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--load-format",
         default="auto",
-        choices=["auto", "dummy"],
+        choices=LOAD_FORMATS,
         help="auto reads the weights; dummy makes random ones (for tests and benchmarks)",
     )
     p.add_argument(
