@@ -9,13 +9,14 @@
 #                  peer / Qwen3-8B without it (tp06-nopeer, tp8b-peer: the other way round)
 #   latency        one Qwen3-8B request (latency.py; latency06: Qwen3-0.6B)
 #   moe            Qwen3-30B-A3B: one request against the routed experts' floor, then the
-#                  nano-vllm workload; moefp8 the same with quantization="fp8"
+#                  nano-vllm workload; moefp8 the same with quantization="fp8"; moethru the
+#                  workload alone, bf16 then fp8
 #   moekernels     one MoE layer at 1-4,096 rows against its floor (moe_kernels.py), bf16 and fp8
 #   serve          `octavo serve` end to end on the dummy Qwen3-0.6B: its start-up, then 64
 #                  requests at once through `octavo bench serve` (a failed one is counted)
 #   serve06, serve8b  `octavo bench serve` against `octavo serve` at two Poisson rates
 #   timeline06, timeline8b, timelineg3  the workload step by step against each step's floor (step_timeline.py)
-#   runprof06, runprof8b, runprofg3, runprofdet (8B deterministic)  the workload's kernels by step, and its bounds (run_profile.py)
+#   runprof06, runprof8b, runprofg3, runprofmoe, runprofdet (8B deterministic)  the workload's kernels by step, and its bounds (run_profile.py)
 #   hostprof06, hostprofg3  the workload's host time by Python function (host_profile.py)
 #   kernels, kernels-sweep, prefill-sweep  the attention kernels against the copy ceiling
 #                  (gpu_kernels.py)
@@ -104,6 +105,11 @@ for stage in $stages; do
          timeout 400 "${OCTAVO[@]}" bench throughput --model qwen3-30b-a3b --max-model-len 4096 \
             --load-format dummy --workload nanovllm --progress \
             --json "$OUT/throughput_qwen3_30b_a3b.json" 2>&1 | tee "$OUT/moe_thru.log" | tail -4 ;;
+    moethru) for q in none fp8; do  # the nano-vllm workload, bf16 then fp8 experts
+           timeout 250 "${OCTAVO[@]}" bench throughput --model qwen3-30b-a3b --max-model-len 4096 \
+             --load-format dummy --workload nanovllm --quantization $q \
+             --json "$OUT/throughput_qwen3_30b_a3b_$q.json" 2>&1 | tee "$OUT/moe_thru_$q.log" | tail -3
+         done ;;
     moefp8) timeout 300 python3 benchmarks/latency.py --model qwen3-30b-a3b --quantization fp8 \
             --json "$OUT/latency_qwen3_30b_a3b_fp8.json" 2>&1 | tee "$OUT/moe_latency_fp8.log" | tail -4
          timeout 400 "${OCTAVO[@]}" bench throughput --model qwen3-30b-a3b --max-model-len 4096 \
@@ -123,7 +129,8 @@ for stage in $stages; do
             2>&1 | tee "$OUT/host_profile_$m.txt" | head -30 ;;
     timeline8b) timeout 300 python3 benchmarks/step_timeline.py --model qwen3-8b \
             --json "$OUT/timeline_8b${TAG:-}.json" 2>&1 | tee "$OUT/timeline_8b${TAG:-}.log" | tail -30 ;;
-    runprof06|runprof8b|runprofg3|runprofdet) m=qwen3-0.6b; [ "$stage" = runprofg3 ] && m=gemma-3-1b
+    runprof06|runprof8b|runprofg3|runprofdet|runprofmoe) m=qwen3-0.6b; [ "$stage" = runprofg3 ] && m=gemma-3-1b
+            [ "$stage" = runprofmoe ] && m=qwen3-30b-a3b
             flag=; [ "$stage" = runprofdet ] && flag=--deterministic
             [ "$stage" = runprof8b ] || [ "$stage" = runprofdet ] && m=qwen3-8b
             timeout 400 python3 benchmarks/run_profile.py --model $m $flag \
