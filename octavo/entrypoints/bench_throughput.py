@@ -24,12 +24,10 @@ import time
 from dataclasses import asdict, dataclass
 
 from octavo.entrypoints.cli_args import (
-    add_deterministic_arg,
     add_load_args,
     add_parallel_args,
-    add_threads_arg,
-    int_at_least,
-    parallel_options,
+    add_step_args,
+    engine_options,
     positive_int,
 )
 
@@ -220,22 +218,11 @@ def _report_floor(fl, ceil, seconds: float) -> dict:
 def cmd_throughput(args: argparse.Namespace) -> int:
     from octavo.entrypoints.llm import LLM
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        load_format=args.load_format,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or _default_batched_tokens(args),
-        max_model_len=args.max_model_len,
-        enforce_eager=args.enforce_eager,
-        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
-        threads=args.threads,
-        deterministic=args.deterministic,
-        **parallel_options(args),
-    )
+    options = engine_options(args)
+    if args.workload == "nanovllm" and args.max_num_batched_tokens is None:
+        # nano-vllm's own setting (vLLM's offline default on an 80 GB GPU is the same)
+        options["max_num_batched_tokens"] = 16384
+    llm = LLM(args.model, **options)
     vocab = llm.engine.vocab_size
     if args.workload == "nanovllm":
         w = nanovllm_workload()
@@ -288,12 +275,6 @@ def _report_speculation(stats: dict) -> dict:
     return spec
 
 
-def _default_batched_tokens(args: argparse.Namespace) -> int | None:
-    """nano-vllm's own setting for its workload (vLLM's offline default on an 80 GB GPU is
-    the same 16384); the engine's default otherwise."""
-    return 16384 if args.workload == "nanovllm" else None
-
-
 def _report(r: Result) -> Result:
     print(f"{r.engine:<22}{r.output_tokens:>12}{r.seconds:>10.2f}{r.tok_per_s:>10.1f}", flush=True)
     return r
@@ -335,30 +316,16 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--num-prompts", type=positive_int, default=32, help="prompts of the cpu workload"
     )
-    p.add_argument(
-        "--max-num-seqs", type=positive_int, default=256, help="sequences a step runs at most"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=None,
-        help="tokens per step (default: 16384 for --workload nanovllm, as nano-vllm; else the "
-        "engine's: 8192 on a GPU, 128 on the CPU)",
+    add_step_args(
+        p,
+        "16384 for --workload nanovllm, as nano-vllm; else the engine's: 8192 on a GPU, 128 "
+        "on the CPU",
     )
     add_parallel_args(p)
-    add_threads_arg(p)
     p.add_argument(
         "--peer", default=None, choices=["hf"], help="also time HF transformers on the workload"
     )
     p.add_argument("--peer-timeout", type=float, default=300.0, help="seconds (GPU peer)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    add_deterministic_arg(p)
-    p.add_argument(
-        "--cuda-graph-max-tokens",
-        type=int_at_least(0),
-        default=512,
-        help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
-    )
     p.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None,
         help="a progress bar on the timed run (default: when stderr is a terminal)",

@@ -19,12 +19,10 @@ from typing import Self
 from octavo import __version__
 from octavo.entrypoints.cli_args import (
     Parser,
-    add_deterministic_arg,
     add_load_args,
     add_parallel_args,
-    add_threads_arg,
     announce_threads,
-    parallel_options,
+    engine_options,
     positive_int,
 )
 from octavo.sampling_params import RequestOutputKind, SamplingParams
@@ -42,9 +40,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--revision", default=None, help="the hub model's branch, tag or commit")
     add_load_args(p)
-    add_deterministic_arg(p)
     add_parallel_args(p)
-    add_threads_arg(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -60,21 +56,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _llm(args: argparse.Namespace):
+    _check_device(args.device)
     from octavo.entrypoints.llm import LLM
 
-    llm = LLM(
-        args.model,
-        revision=args.revision,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        load_format=args.load_format,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        threads=args.threads,
-        deterministic=args.deterministic,
-        **parallel_options(args),
-    )
+    llm = LLM(args.model, revision=args.revision, **engine_options(args))
     if llm.engine.runner.device.type == "cpu":
         announce_threads(args.threads)
     return llm
@@ -182,7 +167,6 @@ def stream_chat_reply(llm, conversation: list[dict], params: SamplingParams) -> 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     params = _params(args)
-    _check_device(args.device)
     llm = _llm(args)
     inputs: list[str | list[int]] = list(prompts)
     if args.chat:
@@ -223,7 +207,6 @@ def _print_result(prompt: str, text: str) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _params(args)
-    _check_device(args.device)
     llm = _llm(args)
     conversation: list[dict] = []
     if args.system:

@@ -22,7 +22,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
-    """How the model is loaded: dtype, device, context length, weights and KV cache."""
+    """How the model is loaded and computes: dtype, device, context length, weights, KV cache,
+    determinism and CPU threads."""
     p.add_argument(
         "--dtype",
         default="auto",
@@ -58,6 +59,32 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         help="the KV cache's dtype: auto is the model's; fp8 (= fp8_e4m3) holds twice the "
         "tokens in the same memory",
     )
+    p.add_argument(
+        "--deterministic", action="store_true",
+        help="a request's tokens and log-probs never depend on what else runs (CUDA: "
+        "batch-invariant kernels, at some speed; the CPU's float32 path always is)",
+    )  # fmt: skip
+    p.add_argument(
+        "--threads", type=positive_int, default=None,
+        help="CPU threads to compute with (default: OCTAVO_NUM_THREADS, else OMP_NUM_THREADS, "
+        "else the cores this process may use, affinity and cgroup quota counted)",
+    )  # fmt: skip
+
+
+def add_step_args(p: argparse.ArgumentParser, batched_tokens_default: str) -> None:
+    """What a step may run, and which steps replay as CUDA graphs."""
+    p.add_argument(
+        "--max-num-seqs", type=positive_int, default=256, help="sequences a step runs at most"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens", type=positive_int, default=None,
+        help=f"tokens a step computes (default: {batched_tokens_default})",
+    )  # fmt: skip
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--cuda-graph-max-tokens", type=int_at_least(0), default=512,
+        help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
+    )  # fmt: skip
 
 
 class Parser(argparse.ArgumentParser):
@@ -88,22 +115,6 @@ def int_at_least(minimum: int):
 
 
 positive_int = int_at_least(1)
-
-
-def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--threads", type=positive_int, default=None,
-        help="CPU threads to compute with (default: OCTAVO_NUM_THREADS, else OMP_NUM_THREADS, "
-        "else the cores this process may use, affinity and cgroup quota counted)",
-    )  # fmt: skip
-
-
-def add_deterministic_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--deterministic", action="store_true",
-        help="a request's tokens and log-probs never depend on what else runs (CUDA: "
-        "batch-invariant kernels, at some speed; the CPU's float32 path always is)",
-    )  # fmt: skip
 
 
 def announce_threads(threads: int | None) -> None:
@@ -161,14 +172,15 @@ def _speculative_config(text: str) -> dict:
     return json.loads(text)
 
 
-def parallel_options(args: argparse.Namespace) -> dict:
-    """The parsed options (parallelism and speculation) as build_engine's keyword
+_ENGINE_OPTIONS = (
+    "dtype", "device", "max_model_len", "load_format", "quantization", "kv_cache_dtype",
+    "deterministic", "threads", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
+    "cuda_graph_max_tokens", "tensor_parallel_size", "enable_expert_parallel",
+    "speculative_config", "nnodes", "dist_init_addr",
+)  # fmt: skip
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The options the add_*_args functions above gave the command, as build_engine's keyword
     arguments."""
-    options = {
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "enable_expert_parallel": args.enable_expert_parallel,
-        "speculative_config": args.speculative_config,
-    }
-    if hasattr(args, "nnodes"):
-        options.update(nnodes=args.nnodes, dist_init_addr=args.dist_init_addr)
-    return options
+    return {name: getattr(args, name) for name in _ENGINE_OPTIONS if hasattr(args, name)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.engine = build_engine(model, **options)
-        self._request_counter = 0
+        self._request_ids = itertools.count()
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers, if any (they also stop when this process
@@ -108,8 +109,7 @@ class LLM:
         its sequences best first. Raises ValueError for bad prompts or params.
         """
         prompt_inputs = [_prompt_input(p) for p in _normalize_prompts(prompts)]
-        prefix = f"llm-{self._request_counter}"
-        self._request_counter += 1
+        prefix = f"llm-{next(self._request_ids)}"
         with frozen_gc_heap():
             return beam_search(self.engine, prompt_inputs, params, use_tqdm, id_prefix=prefix)
 
@@ -127,8 +127,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                request_id = f"llm-{self._request_counter}"
-                self._request_counter += 1
+                request_id = f"llm-{next(self._request_ids)}"
                 self.engine.add_request(_prompt_input(prompt), p, request_id)
                 ids.append(request_id)
         except ValueError:

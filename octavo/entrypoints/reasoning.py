@@ -27,17 +27,14 @@ class ReasoningFormat:
 
 QWEN3 = ReasoningFormat("qwen3", starts_inside=False)
 DEEPSEEK_R1 = ReasoningFormat("deepseek_r1", starts_inside=True)
+_FORMATS = {f.name: f for f in (QWEN3, DEEPSEEK_R1)}
 
 
 def pick_reasoning(parser: str | None, chat_template: str | None) -> ReasoningFormat | None:
     """The --reasoning-parser's format; "auto" reads the chat template: none without <think>,
     deepseek_r1 where the generation prompt itself opens it, else qwen3."""
-    if parser is None:
-        return None
-    if parser == "qwen3":
-        return QWEN3
-    if parser == "deepseek_r1":
-        return DEEPSEEK_R1
+    if parser is None or parser in _FORMATS:
+        return _FORMATS.get(parser)
     template = chat_template or ""
     if START not in template:
         return None
@@ -46,18 +43,10 @@ def pick_reasoning(parser: str | None, chat_template: str | None) -> ReasoningFo
 
 def split_reasoning(fmt: ReasoningFormat, text: str) -> tuple[str | None, str | None]:
     """(reasoning, answer) of a whole reply; None for a part it does not have."""
-    end = text.find(END)
-    if end >= 0:
-        reasoning = (
-            text[:end].removeprefix(START) if fmt.starts_inside or text.startswith(START) else None
-        )
-        if reasoning is None:  # qwen3 text that closes a block it never opened: all answer
-            return None, text
-        answer = text[end + len(END) :].lstrip()
-        return reasoning.lstrip("\n") or None, answer or None
-    if fmt.starts_inside or text.startswith(START):  # cut short while thinking
-        return text.removeprefix(START).lstrip("\n") or None, None
-    return None, text or None
+    if not (fmt.starts_inside or text.startswith(START)):  # all answer, even after a </think>
+        return None, text or None
+    reasoning, _, answer = text.removeprefix(START).partition(END)  # no END: cut short
+    return reasoning.lstrip("\n") or None, answer.lstrip() or None
 
 
 class ReasoningStream:
@@ -75,10 +64,9 @@ class ReasoningStream:
         self.text += delta
         reasoning = answer = ""
         if self.state == "undecided":
-            stripped = self.text
-            if stripped.startswith(START):
+            if self.text.startswith(START):
                 self.state, self.sent = "thinking", len(START)
-            elif START.startswith(stripped) and not finished:
+            elif START.startswith(self.text) and not finished:
                 return "", ""
             else:
                 self.state = "answering"

@@ -64,10 +64,7 @@ class ToolCallStream:
 
     def _find_start(self) -> int | None:
         trigger = trigger_of(self.fmt)
-        if trigger:
-            i = self.text.find(trigger)
-            return i if i >= 0 else None
-        i = bare_start(self.text)
+        i = self.text.find(trigger) if trigger else bare_start(self.text)
         return i if i >= 0 else None
 
     def _safe_end(self, finished: bool) -> int:

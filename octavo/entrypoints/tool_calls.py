@@ -108,8 +108,8 @@ def resolve_tool_choice(
 class ToolFormat:
     """How a model writes its calls: `opening` starts the calls (the lazy trigger of "auto";
     "" where a reply that is calls starts with the first call), then each call
-    `call_prefix(name)` + arguments + `call_suffix`, `separator` between two, and `closing`
-    after the last."""
+    `call_open` + `body_prefix(name)` + arguments + "}" + `call_close`, `separator` between
+    two, and `closing` after the last."""
 
     name: str
     opening: str
@@ -122,12 +122,9 @@ class ToolFormat:
     def body_prefix(self, name: str) -> str:
         return f'{{"name": {json.dumps(name)}, "{self.args_key}": '
 
-    def call_prefix(self, name: str) -> str:
-        return self.call_open + self.body_prefix(name)
-
     def write(self, calls: list[tuple[str, str]]) -> str:
         """The text of these (name, arguments JSON) calls, as the grammar has them written."""
-        parts = [self.call_prefix(name) + args + "}" + self.call_close for name, args in calls]
+        parts = [self.call_open + self.body_prefix(n) + a + "}" + self.call_close for n, a in calls]
         return self.opening + self.separator.join(parts) + self.closing
 
 

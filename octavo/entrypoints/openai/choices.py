@@ -83,7 +83,7 @@ def completion_logprobs(
     logprobs: list[dict[int, Logprob] | None],
     k: int,
     text_offset: int,
-    token_text=None,
+    token_text,
 ) -> CompletionLogprobs:
     """The legacy shape: tokens, token_logprobs, top_logprobs, text_offset. A token's
     top_logprobs hold the sampled token first, then the k most likely others (k + 1 when it
@@ -93,20 +93,17 @@ def completion_logprobs(
     result = CompletionLogprobs()
     for token_id, entries in zip(token_ids, logprobs, strict=False):
         if entries is None:
-            text = token_text(token_id)
-            result.tokens.append(text)
-            result.token_logprobs.append(None)
-            result.top_logprobs.append(None)
-            result.text_offset.append(text_offset)
-            text_offset += len(text)
-            continue
-        chosen = entries.get(token_id)
-        text = _token_text(token_id, chosen)
+            text, logprob, top = token_text(token_id), None, None
+        else:
+            chosen = entries.get(token_id)
+            text = _token_text(token_id, chosen)
+            logprob = None if chosen is None else chosen.logprob
+            ranked = [] if chosen is None else [(token_id, chosen)]
+            ranked += [(t, lp) for t, lp in _top(entries, k) if t != token_id]
+            top = {_token_text(t, lp): lp.logprob for t, lp in ranked[: k + 1]}
         result.tokens.append(text)
-        result.token_logprobs.append(None if chosen is None else chosen.logprob)
-        top = [] if chosen is None else [(token_id, chosen)]
-        top += [(t, lp) for t, lp in _top(entries, k) if t != token_id]
-        result.top_logprobs.append({_token_text(t, lp): lp.logprob for t, lp in top[: k + 1]})
+        result.token_logprobs.append(logprob)
+        result.top_logprobs.append(top)
         result.text_offset.append(text_offset)
         text_offset += len(text)
     return result
@@ -122,23 +119,14 @@ def prompt_logprobs_field(found: list[dict[int, Logprob] | None] | None) -> list
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], k: int) -> ChatLogprobs:
     """The chat shape: one entry per token with its bytes and its k most likely tokens."""
+
+    def entry(cls, token_id: int, lp: Logprob | None, **more):
+        text = _token_text(token_id, lp)
+        logprob = -9999.0 if lp is None else lp.logprob
+        return cls(token=text, logprob=logprob, bytes=list(text.encode("utf-8")), **more)
+
     content = []
     for token_id, entries in zip(token_ids, logprobs, strict=False):
-        chosen = entries.get(token_id)
-        text = _token_text(token_id, chosen)
-        content.append(
-            ChatTokenLogprob(
-                token=text,
-                logprob=-9999.0 if chosen is None else chosen.logprob,
-                bytes=list(text.encode("utf-8")),
-                top_logprobs=[
-                    TopLogprob(
-                        token=_token_text(t, lp),
-                        logprob=lp.logprob,
-                        bytes=list(_token_text(t, lp).encode("utf-8")),
-                    )
-                    for t, lp in _top(entries, k)
-                ],
-            )
-        )
+        top = [entry(TopLogprob, t, lp) for t, lp in _top(entries, k)]
+        content.append(entry(ChatTokenLogprob, token_id, entries.get(token_id), top_logprobs=top))
     return ChatLogprobs(content=content)

@@ -9,16 +9,15 @@ import argparse
 import logging
 import os
 
+from octavo.checkpoint.embedded import EMBEDDED_MODEL_NAME
 from octavo.config import DEFAULT_KV_IDLE_RELEASE_S
 from octavo.engine.spawn import start_engine_process
 from octavo.entrypoints.cli_args import (
-    add_deterministic_arg,
     add_load_args,
     add_parallel_args,
-    add_threads_arg,
+    add_step_args,
     announce_threads,
-    int_at_least,
-    parallel_options,
+    engine_options,
     positive_int,
 )
 from octavo.entrypoints.openai.limits import DEFAULT_MAX_REQUEST_BYTES
@@ -83,13 +82,7 @@ def add_parser(sub) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's options, as build_engine takes them."""
     add_load_args(p)
-    p.add_argument(
-        "--max-num-seqs", type=positive_int, default=256, help="sequences a step runs at most"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens", type=positive_int, default=None,
-        help="tokens a step computes (default: 8192 on a GPU, 128 on the CPU)",
-    )  # fmt: skip
+    add_step_args(p, "8192 on a GPU, 128 on the CPU")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens a KV block holds")
     p.add_argument(
         "--num-kv-blocks", type=positive_int, default=None,
@@ -99,21 +92,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
         help="reuse the KV blocks of prompts' common prefixes",
     )  # fmt: skip
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument(
-        "--cuda-graph-max-tokens", type=int_at_least(0), default=512,
-        help="largest prefill or mixed step replayed as a CUDA graph (0: decode steps only)",
-    )  # fmt: skip
     p.add_argument(
         "--seed",
         type=int,
         default=0,
         help="seeds the sampler of requests without a seed, and dummy weights",
     )
-    add_deterministic_arg(p)
     _add_chat_args(p)
     add_parallel_args(p, nodes=True)
-    add_threads_arg(p)
 
 
 def _add_chat_args(p: argparse.ArgumentParser) -> None:
@@ -162,11 +148,7 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 def default_model_name(model: str | None) -> str:
     """The embedded model's name, else the --model argument as given (as vLLM does)."""
-    if model is None:
-        from octavo.checkpoint.embedded import EMBEDDED_MODEL_NAME
-
-        return EMBEDDED_MODEL_NAME
-    return model
+    return EMBEDDED_MODEL_NAME if model is None else model
 
 
 def _give_large_blocks_back() -> None:
@@ -192,13 +174,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _give_large_blocks_back()
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     template = _chat_template(args.chat_template)  # before anything starts
-    names = (
-        "model", "revision", "dtype", "device", "load_format", "quantization", "kv_cache_dtype",
-        "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-        "enable_prefix_caching", "enforce_eager", "cuda_graph_max_tokens", "seed", "threads",
-        "deterministic",
-    )  # fmt: skip
-    options = {name: getattr(args, name) for name in names} | parallel_options(args)
+    names = ("model", "revision", "block_size", "num_kv_blocks", "enable_prefix_caching", "seed")
+    options = {name: getattr(args, name) for name in names} | engine_options(args)
     idle = {"kv_idle_release_s": args.kv_idle_release}
     if args.node_rank > 0:  # a worker node: no engine, no API
         from octavo.config import ParallelConfig

@@ -60,18 +60,16 @@ JSON_TOO_DEEP = (
     f"the request body nests JSON arrays and objects more than {MAX_JSON_DEPTH} deep, this "
     "server's limit"
 )
+_SCHEMA_TOO_DEEP = (
+    f"the JSON schema nests deeper than this server's limit of {MAX_SCHEMA_DEPTH} levels"
+)
 
 
 def check_json_depth(value: object) -> None:
     """ValueError for a JSON value that nests arrays and objects more than MAX_JSON_DEPTH
-    deep (walked without recursion; the items are bounded by check_json_items)."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node
-        if depth > MAX_JSON_DEPTH:
-            raise ValueError(JSON_TOO_DEEP)
-        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    deep (the items are bounded by check_json_items)."""
+    if json_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise ValueError(JSON_TOO_DEEP)
 
 
 def check_num_prompts(num_prompts: int) -> None:
@@ -111,12 +109,12 @@ def check_constraint(spec: dict[str, Any]) -> None:
         try:
             schema = json.loads(schema)
         except RecursionError:
-            raise ValueError(_too_deep()) from None
+            raise ValueError(_SCHEMA_TOO_DEEP) from None
         except ValueError:
             return
     if isinstance(schema, (dict, list)):
         if json_depth(schema) > MAX_SCHEMA_DEPTH:
-            raise ValueError(_too_deep())
+            raise ValueError(_SCHEMA_TOO_DEEP)
         _check_size("json", len(json.dumps(schema)))
     for name in ("regex", "grammar"):
         if isinstance(spec.get(name), str):
@@ -126,16 +124,14 @@ def check_constraint(spec: dict[str, Any]) -> None:
         _check_size("choice", sum(len(c) for c in choice if isinstance(c, str)))
 
 
-def json_depth(value: Any) -> int:
+def json_depth(value: Any, limit: int = MAX_SCHEMA_DEPTH) -> int:
     """How deep dicts and lists nest in `value` ({} is 1), level by level without recursion;
-    stops counting past MAX_SCHEMA_DEPTH."""
-    depth, level = 0, [value]
-    while depth <= MAX_SCHEMA_DEPTH:
-        level = [v for v in level if isinstance(v, (dict, list))]
-        if not level:
-            break
+    stops counting past `limit`."""
+    depth, level = 0, [value] if isinstance(value, (dict, list)) else []
+    while level and depth <= limit:
         depth += 1
-        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)]
+        children = (c for v in level for c in (v.values() if isinstance(v, dict) else v))
+        level = [c for c in children if isinstance(c, (dict, list))]
     return depth
 
 
@@ -154,7 +150,3 @@ def _check_size(name: str, num_chars: int) -> None:
             f"the {name} constraint has {num_chars} characters, more than this server's "
             f"limit of {MAX_CONSTRAINT_CHARS}"
         )
-
-
-def _too_deep() -> str:
-    return f"the JSON schema nests deeper than this server's limit of {MAX_SCHEMA_DEPTH} levels"

@@ -145,40 +145,28 @@ class _EngineStatsCollector:
             return
         total, free = s.get("kv_blocks_total", 0), s.get("kv_blocks_free", 0)
         queries, hits = s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0)
-        gauges = {
-            "octavo_num_requests_running": ("Requests in the running batch", "running"),
-            "octavo_num_requests_waiting": ("Requests waiting to be scheduled", "waiting"),
-            "octavo_kv_blocks_total": ("KV cache blocks in the pool", "kv_total"),
-            "octavo_kv_blocks_used": ("KV cache blocks in use", "kv_used"),
-            "octavo_kv_cache_usage": ("Fraction of KV cache blocks in use", "kv_usage"),
-            "octavo_prefix_cache_hit_rate": (
-                "Prompt tokens found in the prefix cache / prompt tokens looked up",
-                "hit_rate",
-            ),
-        }
-        values = {
-            "running": s.get("num_requests_running", 0),
-            "waiting": s.get("num_requests_waiting", 0),
-            "kv_total": total,
-            "kv_used": total - free,
-            "kv_usage": (total - free) / total if total else 0.0,
-            "hit_rate": hits / queries if queries else 0.0,
-        }
-        for name, (doc, key) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=values[key])
-        counters = {
-            "octavo_num_preemptions": ("Requests preempted (by recompute)", "num_preemptions"),
-            "octavo_prefix_cache_queries": (
-                "Prompt tokens looked up in the prefix cache",
-                "prefix_cache_queries",
-            ),
-            "octavo_prefix_cache_hits": (
-                "Prompt tokens found in the prefix cache",
-                "prefix_cache_hits",
-            ),
-            "octavo_engine_steps": ("Engine steps run", "num_steps"),
-        }
-        for name, (doc, key) in counters.items():
+        for name, doc, value in (
+            ("octavo_num_requests_running", "Requests in the running batch",
+             s.get("num_requests_running", 0)),
+            ("octavo_num_requests_waiting", "Requests waiting to be scheduled",
+             s.get("num_requests_waiting", 0)),
+            ("octavo_kv_blocks_total", "KV cache blocks in the pool", total),
+            ("octavo_kv_blocks_used", "KV cache blocks in use", total - free),
+            ("octavo_kv_cache_usage", "Fraction of KV cache blocks in use",
+             (total - free) / total if total else 0.0),
+            ("octavo_prefix_cache_hit_rate",
+             "Prompt tokens found in the prefix cache / prompt tokens looked up",
+             hits / queries if queries else 0.0),
+        ):  # fmt: skip
+            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, key in (
+            ("octavo_num_preemptions", "Requests preempted (by recompute)", "num_preemptions"),
+            ("octavo_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             "prefix_cache_queries"),
+            ("octavo_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+             "prefix_cache_hits"),
+            ("octavo_engine_steps", "Engine steps run", "num_steps"),
+        ):  # fmt: skip
             yield CounterMetricFamily(name, doc, value=s.get(key, 0))
         if "spec_num_drafts" in s:
             yield from _speculation_metrics(s)

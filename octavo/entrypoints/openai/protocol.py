@@ -86,12 +86,17 @@ class StreamOptions(NullMeansDefault):
     include_usage: bool = False
 
 
-class SamplingRequest(NullMeansDefault):
-    """The sampling fields that completions and chat completions share."""
+class StrictRequest(BaseModel):
+    """What every request body has: strict types, unknown fields ignored, a `model`."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
+
+
+class SamplingRequest(NullMeansDefault, StrictRequest):
+    """The sampling fields that completions and chat completions share."""
+
     n: int = limits(1, minimum=1, maximum=MAX_N)
     temperature: float | None = limits(minimum=0, maximum=MAX_TEMPERATURE)
     top_p: float | None = limits(exclusiveMinimum=0, maximum=1)
@@ -175,23 +180,17 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # vLLM's
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeCompletionRequest(StrictRequest):
     """POST /tokenize with a prompt (vLLM's): the ids a completion would run on."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(StrictRequest):
     """POST /tokenize with a conversation (vLLM's): the ids a chat completion would run on."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    model: str | None = None
     messages: list[ChatMessage] = limits(..., minItems=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -199,12 +198,9 @@ class TokenizeChatRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(StrictRequest):
     """POST /detokenize (vLLM's): token ids to text."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    model: str | None = None
     tokens: list[int]
 
 

@@ -7,10 +7,7 @@ import math
 import re
 from typing import Any
 
-from octavo.entrypoints.openai.limits import (
-    check_constraint,
-    parse_token_id,
-)
+from octavo.entrypoints.openai.limits import check_constraint, parse_token_id
 from octavo.entrypoints.openai.protocol import SamplingRequest
 from octavo.entrypoints.openai.serving import OpenAIError
 from octavo.sampling_params import (

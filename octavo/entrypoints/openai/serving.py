@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -21,16 +20,11 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import StreamingResponse
 
 from octavo.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError
-from octavo.entrypoints.openai.limits import (
-    check_prompt_chars,
-    short_detail,
-)
+from octavo.entrypoints.openai.limits import check_prompt_chars, short_detail
 from octavo.entrypoints.openai.metrics import ServerMetrics
 from octavo.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest
 from octavo.outputs import RequestOutput
-from octavo.sampling_params import (
-    SamplingParams,
-)
+from octavo.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
@@ -109,8 +103,7 @@ class ServingContext:
     @property
     def chat_template(self) -> str | None:
         """The template chats are rendered with: --chat-template's, else the model's."""
-        tokenizer = self.engine.tokenizer
-        return self.chat_template_override or getattr(tokenizer, "chat_template", None)
+        return self.chat_template_override or getattr(self.tokenizer, "chat_template", None)
 
     @property
     def tokenizer(self):
@@ -133,7 +126,7 @@ class ServingContext:
         except ValueError as e:
             raise OpenAIError(str(e), param=param) from None
 
-    def check_token_ids(self, prompt_ids: list[int], param: str = "prompt") -> None:
+    def check_token_ids(self, prompt_ids: list[int]) -> None:
         """A 400 unless every id is in the model's vocabulary. Checked before any prompt of
         a request reaches the engine, which would refuse that prompt alone: the others
         could already have streamed under a 200."""
@@ -141,7 +134,7 @@ class ServingContext:
         if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):  # C, not Python
             bad = next(t for t in prompt_ids if not 0 <= t < vocab)
             message = f"prompt token id {bad} is outside the vocabulary [0, {vocab})"
-            raise OpenAIError(message, param=param)
+            raise OpenAIError(message, param="prompt")
 
     def prompt_tokens_kept(self, req: SamplingRequest) -> int | None:
         """How many prompt tokens vLLM's truncate_prompt_tokens keeps (None: all), so that
@@ -252,16 +245,11 @@ async def _merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def sse(payload: BaseModel | dict) -> str:
-    """One server-sent event; OpenAI streams end with `data: [DONE]`. A chunk leaves out
-    `usage` unless it was set: OpenAI sends it only with include_usage."""
-    if isinstance(payload, BaseModel):
-        unset = "usage" in type(payload).model_fields and "usage" not in payload.model_fields_set
-        return f"data: {payload.model_dump_json(exclude={'usage'} if unset else None)}\n\n"
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
+def sse(payload: BaseModel) -> str:
+    """One server-sent event. A chunk leaves out `usage` unless it was set: OpenAI sends it
+    only with include_usage."""
+    unset = "usage" in type(payload).model_fields and "usage" not in payload.model_fields_set
+    return f"data: {payload.model_dump_json(exclude={'usage'} if unset else None)}\n\n"
 
 
 async def start_stream(
@@ -285,7 +273,7 @@ async def start_stream(
         except Exception as e:  # noqa: BLE001 - the headers are out: report in the stream
             ctx.metrics.count_error()
             yield sse(error_from_exception(e).body)
-        yield SSE_DONE
+        yield "data: [DONE]\n\n"  # how OpenAI's streams end
 
     return StreamingResponse(body(), media_type="text/event-stream")
 

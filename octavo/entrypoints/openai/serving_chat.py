@@ -4,6 +4,7 @@ the assistant's reply out, whole or streamed."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 
@@ -113,24 +114,15 @@ def _prepare(
     keep = ctx.prompt_tokens_kept(req)
     if keep is not None:  # the rendering adds no special tokens
         prompt = prompt[-keep:]
-    max_tokens = (
-        req.max_completion_tokens if req.max_completion_tokens is not None else (req.max_tokens)
-    )
     num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     aliases = {"logprobs": "top_logprobs"}  # errors name the request's fields
+    max_tokens, param = req.max_tokens, "max_tokens"
     if req.max_completion_tokens is not None:
-        aliases["max_tokens"] = "max_completion_tokens"
-    max_tokens = ctx.check_context(
-        prompt, max_tokens, aliases.get("max_tokens", "max_tokens"), prompt_param="messages"
-    )
-    params = sampling_params(
-        req,
-        max_tokens,
-        num_logprobs,
-        ctx.engine.vocab_size,
-        aliases,
-        prompt_logprobs=req.prompt_logprobs,
-    )
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+        aliases["max_tokens"] = param
+    max_tokens = ctx.check_context(prompt, max_tokens, param, prompt_param="messages")
+    vocab = ctx.engine.vocab_size
+    params = sampling_params(req, max_tokens, num_logprobs, vocab, aliases, req.prompt_logprobs)
     params.structured_outputs = constraint(plan, req, params.structured_outputs)
     return prompt, params, plan
 
@@ -225,8 +217,7 @@ class _Formatter:
     def __init__(
         self, model: str, request_id: str, num_logprobs: int | None, plan: ReplyPlan
     ) -> None:
-        self.model = model
-        self.request_id = request_id
+        self.chunk = functools.partial(ChatCompletionChunk, id=request_id, model=model)
         self.num_logprobs = num_logprobs
         self.plan = plan
         self.plain = plan.tool_format is None and plan.reasoning is None
@@ -275,18 +266,8 @@ class _Formatter:
                 opened = True
                 for index in range(tracker.n):
                     role = DeltaMessage(role="assistant", content="")
-                    choice = ChatChunkChoice(index=index, delta=role)
-                    yield ChatCompletionChunk(
-                        id=self.request_id, model=self.model, choices=[choice], **usage
-                    )
+                    yield self.chunk(choices=[ChatChunkChoice(index=index, delta=role)], **usage)
             for delta in tracker.update(prompt_index, out):
-                yield ChatCompletionChunk(
-                    id=self.request_id,
-                    model=self.model,
-                    choices=[self.chunk_choice(delta)],
-                    **usage,
-                )
+                yield self.chunk(choices=[self.chunk_choice(delta)], **usage)
         if include_usage:
-            yield ChatCompletionChunk(
-                id=self.request_id, model=self.model, choices=[], usage=tracker.usage()
-            )
+            yield self.chunk(choices=[], usage=tracker.usage())

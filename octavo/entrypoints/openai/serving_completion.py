@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -168,9 +169,8 @@ class _Formatter:
     def __init__(
         self, ctx: ServingContext, request_id: str, req: CompletionRequest, echo: list[_Echo] | None
     ) -> None:
-        self.model = ctx.model_name
+        self.chunk = functools.partial(CompletionResponse, id=request_id, model=ctx.model_name)
         self.tokenizer = ctx.tokenizer
-        self.request_id = request_id
         self.req = req
         self.echo = echo
         self.echo_only = req.echo and req.max_tokens == 0
@@ -229,10 +229,6 @@ class _Formatter:
         async for prompt_index, out in outputs:
             self.note(prompt_index, out)
             for delta in tracker.update(prompt_index, out):
-                yield CompletionResponse(
-                    id=self.request_id, model=self.model, choices=[self.choice(delta)], **usage
-                )
+                yield self.chunk(choices=[self.choice(delta)], **usage)
         if self.req.include_usage:
-            yield CompletionResponse(
-                id=self.request_id, model=self.model, choices=[], usage=tracker.usage()
-            )
+            yield self.chunk(choices=[], usage=tracker.usage())
