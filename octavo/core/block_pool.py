@@ -126,7 +126,6 @@ class BlockPool:
     # ---- prefix cache -------------------------------------------------------------------
 
     def get_cached_block(self, block_hash: int) -> KVBlock | None:
-        """Returns the block holding the full block with this hash, or None."""
         return self._cached.get(block_hash)
 
     def cache_block(self, block: KVBlock, block_hash: int) -> None:
@@ -158,14 +157,9 @@ class BlockPool:
 
     # ---- views --------------------------------------------------------------------------
 
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks with ref_cnt 0, cached-but-unused ones included (they are evictable)."""
-        return len(self._free_queue)
-
-    @property
-    def num_total_blocks(self) -> int:
-        return len(self.blocks)
+    # Blocks with ref_cnt 0, cached-but-unused ones included (they are evictable).
+    num_free_blocks = property(lambda self: len(self._free_queue))
+    num_total_blocks = property(lambda self: len(self.blocks))
 
     @property
     def num_shared_refs(self) -> int:
@@ -173,10 +167,8 @@ class BlockPool:
         reference, less one per block in use."""
         return self._num_refs - (self.num_total_blocks - self.num_free_blocks)
 
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks in use, 0.0 to 1.0."""
-        return 1.0 - self.num_free_blocks / self.num_total_blocks
+    # Fraction of blocks in use, 0.0 to 1.0.
+    usage = property(lambda self: 1.0 - self.num_free_blocks / self.num_total_blocks)
 
     @property
     def cached_blocks(self) -> Mapping[int, KVBlock]:

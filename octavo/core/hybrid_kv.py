@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.block_pool import KVBlock
-from octavo.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, SharingStats
+from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.core.request import Request
 
 Hits = tuple[list[KVBlock], list[KVBlock | None]]
@@ -81,6 +81,11 @@ class HybridKVCacheManager:
         self.sliding = KVCacheManager(
             num_sliding_blocks, block_size, enable_prefix_caching, sliding_window=window
         )
+        # The scheduler's calls that one kind answers alone.
+        self.get_block_ids = self.full.get_block_ids
+        self.get_sliding_block_ids = self.sliding.get_block_ids
+        self.take_pending_copies = self.full.take_pending_copies
+        self.take_pending_sliding_copies = self.sliding.take_pending_copies
 
     def get_computed_blocks(self, request: Request) -> tuple[Hits, int]:
         """The longest cached prefix both kinds hold (see the module docstring)."""
@@ -127,18 +132,6 @@ class HybridKVCacheManager:
         self.full.fork(parent, child)
         self.sliding.fork(parent, child)
 
-    def take_pending_copies(self) -> list[tuple[int, int]]:
-        return self.full.take_pending_copies()
-
-    def take_pending_sliding_copies(self) -> list[tuple[int, int]]:
-        return self.sliding.take_pending_copies()
-
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return self.full.get_block_ids(request_id)
-
-    def get_sliding_block_ids(self, request_id: str) -> list[int] | None:
-        return self.sliding.get_block_ids(request_id)
-
     def reset_prefix_cache(self) -> bool:
         full = self.full.reset_prefix_cache()
         return self.sliding.reset_prefix_cache() and full
@@ -150,16 +143,8 @@ class HybridKVCacheManager:
 
     num_free_blocks = property(lambda self: self.full.num_free_blocks)
     num_total_blocks = property(lambda self: self.full.num_total_blocks)
-    usage = property(lambda self: self.full.usage)
     num_shared_block_refs = property(lambda self: self.full.num_shared_block_refs)
     prefix_cache_queries = property(lambda self: self.full.prefix_cache_queries)
     prefix_cache_hits = property(lambda self: self.full.prefix_cache_hits)
+    sharing = property(lambda self: self.full.sharing)
     num_out_of_window = property(lambda self: self.sliding.num_out_of_window)
-
-    @property
-    def stats(self) -> PrefixCacheStats:
-        return self.full.stats
-
-    @property
-    def sharing(self) -> SharingStats:
-        return self.full.sharing

@@ -108,9 +108,9 @@ class KVCacheManager:
 
     def _looks_up(self, request: Request) -> bool:
         """Whether admission reads the prefix cache for this request."""
-        if not self.enable_prefix_caching:
-            return False
-        return request.sampling_params.prompt_logprobs is None or bool(request.output_token_ids)
+        return self.enable_prefix_caching and (
+            request.sampling_params.prompt_logprobs is None or bool(request.output_token_ids)
+        )
 
     def allocate_slots(
         self,
@@ -143,10 +143,10 @@ class KVCacheManager:
         if plan is _IN_PLACE:
             return
         num_total_tokens, num_new_blocks, cow_index = plan
-        hits = new_computed_blocks or []
-        table = self._block_tables.get(request.request_id, [])
         request_id = request.request_id
-        if request_id not in self._block_tables:
+        table = self._block_tables.get(request_id)
+        if table is None:
+            hits = new_computed_blocks or []
             if new_computed_blocks is not None and self._looks_up(request):
                 self.stats.prefix_cache_queries += request.num_tokens
                 self.stats.prefix_cache_hits += len(hits) * self.block_size
@@ -234,12 +234,9 @@ class KVCacheManager:
         self, request: Request, table: list[KVBlock], num_new_tokens: int
     ) -> int | None:
         """Index of the block this step writes first, if another sequence shares it."""
-        if num_new_tokens == 0:
-            return None
         index = request.num_computed_tokens // self.block_size
-        if index < len(table) and table[index].ref_cnt > 1:
-            return index
-        return None
+        shared = num_new_tokens and index < len(table) and table[index].ref_cnt > 1
+        return index if shared else None
 
     def _copy_on_write(self, request_id: str, table: list[KVBlock], index: int) -> None:
         """Gives this table a private copy of a shared partial block.
@@ -342,27 +339,9 @@ class KVCacheManager:
         """The free blocks of each pool: this one's under False (the full layers' pool)."""
         return {False: self.pool.free_block_ids(), True: []}
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
-    def num_total_blocks(self) -> int:
-        return self.pool.num_total_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
-
-    @property
-    def num_shared_block_refs(self) -> int:
-        """Blocks saved by sharing right now: every reference beyond a block's first."""
-        return self.pool.num_shared_refs
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        return self.stats.prefix_cache_queries
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return self.stats.prefix_cache_hits
+    num_free_blocks = property(lambda self: self.pool.num_free_blocks)
+    num_total_blocks = property(lambda self: self.pool.num_total_blocks)
+    # Blocks saved by sharing right now: every reference beyond a block's first.
+    num_shared_block_refs = property(lambda self: self.pool.num_shared_refs)
+    prefix_cache_queries = property(lambda self: self.stats.prefix_cache_queries)
+    prefix_cache_hits = property(lambda self: self.stats.prefix_cache_hits)

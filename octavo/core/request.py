@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -61,13 +60,11 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         prompt: str | None = None,
-        arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
@@ -101,21 +98,10 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.held_token_ids: list[int] = []
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status in _FINISHED
+    num_prompt_tokens = property(lambda self: len(self.prompt_token_ids))
+    num_output_tokens = property(lambda self: len(self.output_token_ids))
+    num_tokens = property(lambda self: len(self.all_token_ids))
+    is_finished = property(lambda self: self.status in _FINISHED)
 
     @property
     def awaits_fork(self) -> bool:

@@ -106,6 +106,4 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+    is_empty = property(lambda self: not self.scheduled)

@@ -265,12 +265,8 @@ class Scheduler:
                 NewRequestData(request.request_id, request.prompt_token_ids, list(outputs), params)
             )
             request.num_sent_outputs = len(outputs)
-            blocks_start, new_blocks = 0, list(block_ids)
-        elif request.sent_block_ids is block_ids:
-            blocks_start = request.num_sent_blocks
-            new_blocks = block_ids[blocks_start:] if len(block_ids) > blocks_start else []
-        else:
-            blocks_start, new_blocks = 0, list(block_ids)
+        blocks_start = request.num_sent_blocks if request.sent_block_ids is block_ids else 0
+        new_blocks = block_ids[blocks_start:]
         request.sent_block_ids, request.num_sent_blocks = block_ids, len(block_ids)
         sliding_ids = self.kv.get_sliding_block_ids(request.request_id)
         new_sliding = [] if sliding_ids is None else sliding_ids[blocks_start : len(block_ids)]
@@ -368,13 +364,8 @@ class Scheduler:
         first write). Used for n > 1 and beam search; the child joins the parent's group."""
         if child_id in self.requests:
             raise ValueError(f"request_id {child_id!r} is already in use")
-        child = Request(
-            child_id,
-            parent.prompt_token_ids,
-            params or parent.sampling_params,
-            prompt=parent.prompt,
-            arrival_time=parent.arrival_time,
-        )
+        params = params or parent.sampling_params
+        child = Request(child_id, parent.prompt_token_ids, params, prompt=parent.prompt)
         for token in parent.output_token_ids:
             child.append_output_token(token)
         if parent.grammar is not None:  # it has taken those tokens already

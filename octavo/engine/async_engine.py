@@ -62,15 +62,10 @@ class AsyncEngine:
         self.engine = engine
         self._idle = IdleRelease(engine, kv_idle_release_s)  # the CPU's KV memory, when idle
         self._commands: queue.Queue = queue.Queue()
-        self._init_streams()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._init_event_loop_side(engine.get_stats())
         self._started = threading.Event()  # lets a thread from `build` begin its loop
-        self._stats: dict[str, int | float | str] = engine.get_stats()
         # The requests in the engine, by id; touched only on the engine thread.
         self._live: dict[str, Request] = {}
-        self._closed = False  # set on the event loop once the engine loop has ended
-        self.error: BaseException | None = None  # why the loop died, if it did
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -134,27 +129,16 @@ class AsyncEngine:
             and self._thread.is_alive()
         )
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    tokenizer = property(lambda self: self.engine.tokenizer)
+    max_model_len = property(lambda self: self.engine.scheduler_config.max_model_len)
+    vocab_size = property(lambda self: self.engine.vocab_size)  # token ids: [0, vocab_size)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.scheduler_config.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        """Token ids the model knows: [0, vocab_size)."""
-        return self.engine.vocab_size
-
-    @property
-    def stats(self) -> dict[str, int | float | str]:
-        """`Engine.get_stats()` as of the last step (a snapshot: reading it is thread-safe)."""
-        return self._stats
+    # `Engine.get_stats()` as of the last step (a snapshot: reading it is thread-safe).
+    stats = property(lambda self: self._stats)
 
     # ---- requests ---------------------------------------------------------------------
 
-    def _init_streams(self) -> None:
+    def _init_event_loop_side(self, stats: dict[str, int | float | str]) -> None:
         """The event loop's side: a stream per generate call, and the id its request has in
         the engine, `n#request_id` for the n-th call. So a late output of an aborted request
         never reaches a later request that uses its id again. (The counter goes first: the
@@ -162,6 +146,11 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}  # touched only on the event loop
         self._engine_ids: dict[str, str] = {}  # request id -> its id in the engine
         self._calls = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None  # runs the loop, or reads its pipe
+        self._stats = stats
+        self._closed = False  # set on the event loop once the engine loop has ended
+        self.error: BaseException | None = None  # why the loop died, if it did
 
     def _stream_for(self, engine_id: str) -> tuple[str, asyncio.Queue] | None:
         """(request id, stream) of the generate call that added `engine_id`; None if that
@@ -254,13 +243,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             with frozen_gc_heap(collect_first=True):  # for the loop's whole life
-                while True:
-                    block = not self.engine.has_unfinished_requests()
-                    if not self._drain_commands(block):
-                        break
+                while self._drain_commands(block=not self.engine.has_unfinished_requests()):
                     if self.engine.has_unfinished_requests():
                         self._step()
-                        self._idle.stepped = True
                     else:
                         self._stats = self.engine.get_stats()
         except BaseException as e:  # a bug in the loop itself: fail every waiter
@@ -305,6 +290,7 @@ class AsyncEngine:
     def _step(self) -> None:
         failed: list[tuple[list[str], EngineStepError]] = []
         outputs = step_engine(self.engine, self._live, lambda *failure: failed.append(failure))
+        self._idle.stepped = True
         # The snapshot goes first: whoever holds a step's outputs or failures sees that step's
         # stats (a finished request's blocks already free), as with the engine process.
         self._stats = self.engine.get_stats()

@@ -205,10 +205,8 @@ class BeamSearchInstance:
     def _best_possible(self, best_running: _Candidate, step: int) -> float:
         """HF's guess at the best score the running beams can still reach."""
         penalty = self.params.length_penalty
-        length = step
-        if self.params.early_stopping == "never" and penalty > 0:
-            length = self.params.max_tokens
-        return _score(best_running.cum_logprob, length, penalty)
+        never = self.params.early_stopping == "never" and penalty > 0
+        return _score(best_running.cum_logprob, self.params.max_tokens if never else step, penalty)
 
     def output(self, tokenizer) -> BeamSearchOutput:
         """The finished hypotheses, best first, with their text (None without a tokenizer)."""

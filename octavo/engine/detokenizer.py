@@ -112,9 +112,8 @@ class IncrementalDetokenizer:
         # The Rust fast path, while it lasts (see the module docstring); it moves the same
         # offsets as _detokenize_step, so the Python loop can take over at any token.
         self._backend = rust_backend(tokenizer)
-        self._stream = None
-        if self._backend is not None:
-            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        skip = self.skip_special_tokens
+        self._stream = None if self._backend is None else DecodeStream(skip_special_tokens=skip)
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Appends generated tokens, extends `output_text` with the text they finalize, and
@@ -158,9 +157,7 @@ class IncrementalDetokenizer:
         if not delta:
             return self.output_text[:length]
         start = self._num_chars_returned
-        if length <= start:
-            return ""
-        self._num_chars_returned = length
+        self._num_chars_returned = max(start, length)
         return self.output_text[start:length]
 
     # ---- decoding ---------------------------------------------------------------------
@@ -168,9 +165,8 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
-        if self._backend is not None:
-            return self._backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
-        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        decoder = self.tokenizer if self._backend is None else self._backend
+        return decoder.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
     def _stream_step(self, token_id: int) -> str | None:
         """The newest token's text by the `DecodeStream` ("" while a character is

@@ -290,8 +290,7 @@ class Engine(DrivenSequences):
                 if found is not None and not request.is_finished:
                     self.outputs.process_prompt_logprobs(request, *found)
         if self.speculator is not None:
-            requests = self.scheduler.requests_of(so)
-            self.speculator.record(so, requests, result)
+            self.speculator.record(so, self.scheduler.requests_of(so), result)
         updated = self.scheduler.update(so, result.sampled_token_ids)
         statuses = self.scheduler.stops.check_tokens(updated)
         return result, updated, statuses
@@ -333,19 +332,16 @@ class Engine(DrivenSequences):
         """The text, log-probs and stop strings of each request's newest token, which is its
         `position`-th of the step; notes in `groups` whose output to make."""
         self.stats.num_generated_tokens += len(updated)
-        all_logprobs = result.logprobs
+        found = result.logprobs  # request or group id -> log-prob entries
         check_text = self.scheduler.stops.check_text
         for request, status in zip(updated, statuses, strict=True):
             if request.is_finished:
                 request.held_token_ids = []
                 continue  # aborted meanwhile
-            logprobs = None
-            if all_logprobs:
-                logprobs = all_logprobs.get(request.request_id) or all_logprobs.get(
-                    request.group_id
-                )
-                if logprobs and (position or request.held_token_ids):  # one per token
-                    logprobs = logprobs[position : position + 1]
+            rid, gid = request.request_id, request.group_id
+            logprobs = (found.get(rid) or found.get(gid)) if found else None
+            if logprobs and (position or request.held_token_ids):  # one per token
+                logprobs = logprobs[position : position + 1]
             stop = self.outputs.process_token(request, logprobs, status)
             status = check_text(request, status, stop)
             if status is not None:

@@ -37,9 +37,8 @@ def describe(error: BaseException) -> str:
 
 def loop_died(error: BaseException) -> str:
     """Why the engine loop ended, for the requests it fails (503s)."""
-    if isinstance(error, WorkerDied):
-        return describe(error)
-    return f"the engine loop died: {describe(error)}"
+    died = isinstance(error, WorkerDied)  # describe names it already
+    return describe(error) if died else f"the engine loop died: {describe(error)}"
 
 
 @dataclass
@@ -113,9 +112,8 @@ def apply_command(
             reject(command.request_id, e)
         except Exception as e:  # noqa: BLE001 - a bug, not the caller's input
             logger.error("adding a request failed:\n%s", traceback.format_exc())
-            fail(
-                [command.request_id], EngineStepError(f"the engine could not add it: {describe(e)}")
-            )
+            error = EngineStepError(f"the engine could not add it: {describe(e)}")
+            fail([command.request_id], error)
         else:
             live[command.request_id] = request
         return []

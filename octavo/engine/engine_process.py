@@ -83,13 +83,8 @@ class EngineProcess(AsyncEngine):
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
         self._tokenizer = tokenizer
-        self._init_streams()
+        self._init_event_loop_side(stats)
         self._prompt_ids: dict[str, list[int]] = {}  # by engine id, of requests with a consumer
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None  # reads the pipe
-        self._stats = stats
-        self._closed = False  # set on the event loop once the pipe's reader has ended
-        self.error: BaseException | None = None
 
     @classmethod
     def start_process(cls, started: tuple[Any, Any] | None = None, **options: Any) -> EngineProcess:
@@ -123,17 +118,9 @@ class EngineProcess(AsyncEngine):
 
     # ---- what the server reads --------------------------------------------------------
 
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
+    tokenizer = property(lambda self: self._tokenizer)
+    max_model_len = property(lambda self: self._max_model_len)
+    vocab_size = property(lambda self: self._vocab_size)
 
     @property
     def is_running(self) -> bool:
@@ -286,20 +273,18 @@ class _Pipe:
         self.conn = conn
 
     def send(self, message: Any) -> None:
-        try:
-            self.conn.send(message)
-        except OSError as e:
-            raise _ServerGone from e
+        self._call(self.conn.send, message)
 
     def poll(self, timeout: float | None = 0.0) -> bool:
-        try:
-            return self.conn.poll(timeout)
-        except (EOFError, OSError) as e:
-            raise _ServerGone from e
+        return self._call(self.conn.poll, timeout)
 
     def recv(self) -> Any:
+        return self._call(self.conn.recv)
+
+    @staticmethod
+    def _call(method, *args) -> Any:
         try:
-            return self.conn.recv()
+            return method(*args)
         except (EOFError, OSError) as e:
             raise _ServerGone from e
 

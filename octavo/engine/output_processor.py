@@ -152,10 +152,8 @@ class OutputProcessor:
             finished = all(m.is_finished for m in members)
         first = members[0]
         kind = first.sampling_params.output_kind
-        if kind is RequestOutputKind.DELTA:
-            completions = [c for c in map(self._delta, members) if c is not None]
-        else:
-            completions = [self._completion(m) for m in members]
+        delta = kind is RequestOutputKind.DELTA
+        completions = [c for m in members if (c := self._completion(m, delta)) is not None]
         prompt_logprobs = None
         if group_id in self._prompt_logprobs:
             prompt_logprobs = self._group_prompt_logprobs(group_id, kind)
@@ -172,30 +170,23 @@ class OutputProcessor:
             self._prompt_logprobs_sent.discard(group_id)
         return output
 
-    def _completion(self, request: Request) -> CompletionOutput:
-        state = self._states[request.request_id]
-        text = ""
-        if state.detokenizer is not None:
-            text = state.detokenizer.get_next_output_text(request.is_finished, delta=False)
-        return CompletionOutput(  # positional, as in make_output
-            request.index, text, list(request.output_token_ids), state.cumulative_logprob,
-            state.logprobs, request.status.finish_reason, request.stop_reason,
-        )  # fmt: skip
-
-    def _delta(self, request: Request) -> CompletionOutput | None:
-        """What is new in one sequence since its last output; None if nothing is."""
+    def _completion(self, request: Request, delta: bool) -> CompletionOutput | None:
+        """One sequence's output so far, or (`delta`) what is new in it since its last
+        output: None if nothing is."""
         state = self._states[request.request_id]
         finished = request.is_finished
         text = ""
         if state.detokenizer is not None:
-            text = state.detokenizer.get_next_output_text(finished, delta=True)
-        start, end = state.num_tokens_sent, len(request.output_token_ids)
-        if start == end and not text and (state.finish_sent or not finished):
-            return None
-        state.num_tokens_sent, state.finish_sent = end, finished
-        logprobs = None if state.logprobs is None else state.logprobs[start:end]
+            text = state.detokenizer.get_next_output_text(finished, delta)
+        token_ids, logprobs = request.output_token_ids, state.logprobs
+        start, end = state.num_tokens_sent if delta else 0, len(token_ids)
+        if delta:
+            if start == end and not text and (state.finish_sent or not finished):
+                return None
+            state.num_tokens_sent, state.finish_sent = end, finished
+            logprobs = None if logprobs is None else logprobs[start:end]
         return CompletionOutput(  # positional, as in make_output
-            request.index, text, request.output_token_ids[start:end], state.cumulative_logprob,
+            request.index, text, token_ids[start:end], state.cumulative_logprob,
             logprobs, request.status.finish_reason, request.stop_reason,
         )  # fmt: skip
 

@@ -202,10 +202,8 @@ class Speculator:
             observe(result)
         sampled = result.sampled_token_ids
         for item, request in zip(so.scheduled, requests, strict=True):
-            if not item.spec_token_ids:
-                continue
             tokens = sampled.get(item.request_id)
-            if not tokens:
+            if not item.spec_token_ids or not tokens:
                 continue
             accepted = len(tokens) - 1
             stats = self.stats

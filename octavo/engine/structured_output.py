@@ -239,11 +239,8 @@ def _grammar_text(llguidance, spec: StructuredOutputsParams) -> str:
             except json.JSONDecodeError as e:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-    if spec.regex is not None:
-        return llguidance.grammar_from("regex", spec.regex)
-    if spec.choice is not None:
-        return llguidance.grammar_from("choice", spec.choice)
-    return llguidance.grammar_from("grammar", spec.grammar)
+    kind = next((k for k in ("regex", "choice") if getattr(spec, k) is not None), "grammar")
+    return llguidance.grammar_from(kind, getattr(spec, kind))
 
 
 def _import_llguidance():
