@@ -159,12 +159,9 @@ class AttentionBackend(ABC):
         Args:
             q: [T, num_heads, head_dim] queries of the new tokens.
             k, v: [T, num_kv_heads, head_dim] keys/values of the new tokens.
-            kv_cache: this layer's cache, [2, num_blocks, block_size, num_kv_heads, head_dim].
-            md: the step's metadata, shared by all layers.
-            scale: softmax scale, usually head_dim ** -0.5.
-            k_scale, v_scale: the scales of an fp8 cache's keys and values.
-            window: a sliding window (AttentionSpec.sliding_window), or None.
-            softcap: the scores' soft cap (AttentionSpec.logit_softcap), or None.
+            kv_cache, md, k_scale, v_scale: as for forward_qkv.
+            scale, window, softcap: the spec's scale, sliding_window (or None) and
+                logit_softcap (or None).
         Returns:
             [T, num_heads, head_dim] attention output.
         """

@@ -218,9 +218,7 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
         layer, base, kind = match.groups()
         names = _GEMMA_LAYER_NAMES if arch in _NORMS_PLUS_ONE else _LAYER_NAMES
         names = _PHI3_LAYER_NAMES if arch == "phi3" else names
-        if base not in names:
-            return None
-        return f"model.layers.{layer}.{names[base]}.{kind}"
+        return f"model.layers.{layer}.{names[base]}.{kind}" if base in names else None
     base, _, kind = name.rpartition(".")
     if base in _GLOBAL_NAMES and kind in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[base]}.{kind}"
@@ -306,7 +304,7 @@ def iter_gguf_blocks(
         if kind not in BLOCK_TYPES or len(weight.shape) != 2:
             continue
         if part == "bits":
-            bits = torch.tensor(8 if kind == Q8_0 else 4, dtype=torch.uint8)
+            bits = torch.tensor(weight.bits, dtype=torch.uint8)
             yield name, bits.expand(weight.shape[0], weight.shape[1] // 16)
         else:
             yield name, weight.codes() if part == "codes" else weight.groups()
@@ -318,6 +316,7 @@ def _iter_gguf(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, GG
     arch = gguf_file.metadata.get("general.architecture")
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    qk_heads = {"q_proj": num_heads, "k_proj": num_kv_heads}
     # llama.cpp's fallback: an untied model without `output.weight` uses the embedding.
     head_from_embedding = "output.weight" not in gguf_file.tensors and not getattr(
         hf_config, "tie_word_embeddings", False
@@ -328,11 +327,8 @@ def _iter_gguf(path: str, hf_config: PretrainedConfig) -> Iterator[tuple[str, GG
         hf_name = gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
             raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has no HF counterpart")
-        heads = None
-        if arch == "llama" and ".self_attn.q_proj." in hf_name:
-            heads = num_heads
-        elif arch == "llama" and ".self_attn.k_proj." in hf_name:
-            heads = num_kv_heads
+        # llama.cpp permuted the rows of llama's q and k projections (see unpermute_qk).
+        heads = qk_heads.get(hf_name.split(".")[-2]) if arch == "llama" else None
         offset = -1.0 if arch in _NORMS_PLUS_ONE and hf_name.endswith("norm.weight") else 0.0
         yield hf_name, GGUFWeight(tensor, heads, offset)
         if tensor.name == "token_embd.weight" and head_from_embedding:

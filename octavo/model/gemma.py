@@ -137,26 +137,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        self._embed_scale: dict[torch.dtype, float] = {}
+        self.model.embed_scale = config.hidden_size**0.5
 
     def make_layer(self, config: PretrainedConfig, layer: int) -> nn.Module:
         return GemmaDecoderLayer(config, layer, self.qk_norm)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
-    ) -> torch.Tensor:
-        model = self.model
-        hidden = model.embed_tokens(input_ids)
-        scale = self._embed_scale.get(hidden.dtype)
-        if scale is None:  # sqrt(hidden_size) rounded to the dtype, as HF multiplies
-            scale = torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype).item()
-            self._embed_scale[hidden.dtype] = scale
-        hidden = hidden * scale
-        residual = None
-        for layer in model.layers:
-            hidden, residual = layer(positions, hidden, residual, md)
-        hidden, _ = model.norm(hidden, residual)
-        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)

@@ -36,6 +36,11 @@ from octavo.model.parallel import (
 )
 
 
+def read_whole(tensor) -> torch.Tensor:
+    """A lazy tensor (checkpoint/loader.py's LazyTensor) read whole; a tensor as it is."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.narrow(0, 0, tensor.shape[0])
+
+
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """Copies a whole checkpoint tensor into `param` (casting to its dtype and device)."""
     if tuple(param.shape) != tuple(loaded_weight.shape):
@@ -43,9 +48,7 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
             f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
             f"parameter expects {tuple(param.shape)}"
         )
-    if not isinstance(loaded_weight, torch.Tensor):  # a lazy tensor: read it whole
-        loaded_weight = loaded_weight.narrow(0, 0, loaded_weight.shape[0])
-    param.data.copy_(loaded_weight)
+    param.data.copy_(read_whole(loaded_weight))
 
 
 def load_nothing(param: nn.Parameter, loaded_weight, *shard_id) -> None:
@@ -323,9 +326,7 @@ class LMHead(VocabEmbedding):
             logits = self.quant(hidden)
         else:
             logits = self.product(hidden, self.weight, None)
-        if get_tp().size == 1:
-            return logits
-        return all_gather_columns(logits)[:, : self.vocab_size]
+        return logits if get_tp().size == 1 else all_gather_columns(logits)[:, : self.vocab_size]
 
 
 def use_fixed_order_products(model: nn.Module, product: Callable) -> None:

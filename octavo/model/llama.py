@@ -14,6 +14,7 @@ shard: its share of the heads and of the MLP's columns (model/parallel.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -177,6 +178,11 @@ def attention_block(
     return layer.self_attn(positions, hidden, md), residual
 
 
+@functools.cache
+def _rounded(x: float, dtype: torch.dtype) -> float:
+    return torch.tensor(x, dtype=dtype).item()
+
+
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm: token ids [T] -> hidden states [T, hidden]."""
 
@@ -190,11 +196,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = norm(config.hidden_size, config.rms_norm_eps)
+        self.embed_scale: float | None = None  # Gemma: the embeddings times sqrt(hidden_size)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:  # the factor rounded to the dtype, as HF multiplies
+            hidden = hidden * _rounded(self.embed_scale, hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, md)
@@ -324,18 +333,15 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         q = config.num_attention_heads * head_dim
         kv = get_num_kv_heads(config) * head_dim
         inter = config.intermediate_size
+        # Fused name -> (part, first row, rows) of each checkpoint projection it holds.
+        splits = {
+            ".qkv_proj.": (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)),
+            ".gate_up_proj.": (("gate", 0, inter), ("up", inter, inter)),
+        }
         for name, tensor in weights:
-            if ".qkv_proj." in name:
-                for part, start, size in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
-                    yield (
-                        name.replace(".qkv_proj.", f".{part}_proj."),
-                        tensor.narrow(0, start, size),
-                    )
-            elif ".gate_up_proj." in name:
-                for part, start in (("gate", 0), ("up", inter)):
-                    yield (
-                        name.replace(".gate_up_proj.", f".{part}_proj."),
-                        tensor.narrow(0, start, inter),
-                    )
-            else:
+            fused = next((f for f in splits if f in name), None)
+            if fused is None:
                 yield name, tensor
+                continue
+            for part, start, size in splits[fused]:
+                yield name.replace(fused, f".{part}_proj."), tensor.narrow(0, start, size)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from octavo.kernels import cpu as cpu_kernels
-from octavo.model.layers import SiluAndMul, default_weight_loader, stand_in
+from octavo.model.layers import SiluAndMul, default_weight_loader, read_whole, stand_in
 from octavo.model.llama import LlamaForCausalLM, LlamaMLP, Qwen3ForCausalLM
 from octavo.model.parallel import all_reduce, get_tp, shard_range
 
@@ -107,9 +107,7 @@ class FusedMoE(nn.Module):
     def _expert(self, name: str, local: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `local`'s w13 or w2 in `dtype` (dequantized where they hold e4m3 codes)."""
         weight, scale = getattr(self, name)[local], getattr(self, f"{name}_scale")
-        if scale is None:
-            return weight
-        return (weight.float() * scale[local][:, None]).to(dtype)
+        return weight if scale is None else (weight.float() * scale[local][:, None]).to(dtype)
 
     def keep(self, w13: list[nn.Module], w2: list[nn.Module]) -> None:
         """Computes with these in place of w13 and w2 (each expert's, this rank's share);
@@ -261,8 +259,7 @@ class _Stack:
 
     def whole(self) -> torch.Tensor:
         if self.read is None:
-            t = self.tensor
-            self.read = t if isinstance(t, torch.Tensor) else t.narrow(0, 0, t.shape[0])
+            self.read = read_whole(self.tensor)
         return self.read
 
 

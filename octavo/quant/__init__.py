@@ -42,9 +42,8 @@ def get_method(
     """
     if name is not None and name not in METHODS:
         raise ValueError(f"quantization must be None or one of {METHODS}, got {name!r}")
-    found = None
-    if hf_config is not None and load_format != "dummy":
-        found = checkpoint_method(hf_config)
+    read = hf_config is not None and load_format != "dummy"
+    found = checkpoint_method(hf_config) if read else None
     _check_fits(name, found, load_format)
     method = _make(name, found, hf_config)
     method.check(device, model_path, load_format)

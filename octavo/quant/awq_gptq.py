@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from octavo.model.config import get_head_dim
-from octavo.model.layers import Linear
+from octavo.model.layers import Linear, read_whole
 from octavo.quant.method import QuantMethod, Source, place, place_one_at_a_time
 from octavo.quant.weights import Int4Weight
 
@@ -199,16 +199,11 @@ def iter_int4_weights(
                 yield name, tensor
             continue
         layer = pending.setdefault(prefix, {})
-        layer[suffix] = tensor if suffix == "qweight" else _read(tensor)
+        layer[suffix] = tensor if suffix == "qweight" else read_whole(tensor)
         if len(layer) == len(names):
             yield f"{prefix}.weight", _Layer(prefix, pending.pop(prefix), fmt, part)
     if pending:
         raise ValueError(f"checkpoint lacks some of {names} for {sorted(pending)}")
-
-
-def _read(tensor) -> torch.Tensor:
-    """A lazy tensor (checkpoint/loader.py's LazyTensor) read whole; a tensor as it is."""
-    return tensor if isinstance(tensor, torch.Tensor) else tensor.narrow(0, 0, tensor.shape[0])
 
 
 class _Layer:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from octavo.kernels.capability import check_fp8_device
-from octavo.model.layers import Linear
+from octavo.model.layers import Linear, read_whole
 from octavo.quant.fp8 import Fp8BlockWeight
 from octavo.quant.method import QuantMethod, Source, place_one_at_a_time, weight_loaders
 from octavo.quant.rounding import FP8_BLOCK, dequantize_fp8_blocks
@@ -89,10 +89,9 @@ class Fp8BlockCheckpoint(QuantMethod):
         experts = self.experts or {}
         for name, tensor in _codes(source):
             if name in experts:
-                if not isinstance(tensor, torch.Tensor):  # a lazy tensor
-                    tensor = tensor.narrow(0, 0, tensor.shape[0])
-                tensor = dequantize_fp8_blocks(tensor, experts[name], FP8_BLOCK, FP8_BLOCK,
-                                               torch.float32)  # fmt: skip
+                tensor = dequantize_fp8_blocks(
+                    read_whole(tensor), experts[name], FP8_BLOCK, FP8_BLOCK, torch.float32
+                )
             yield name, tensor
 
     def claim(self, net: nn.Module, source: Source, device: torch.device) -> dict[Linear, Any]:
@@ -182,9 +181,7 @@ class _Scales:
         self.shapes: dict[str, tuple[int, int]] = {}  # weight name -> [N, K]
         for name, tensor in weights:
             if name.endswith(SCALE_SUFFIX):
-                if not isinstance(tensor, torch.Tensor):  # a lazy tensor
-                    tensor = tensor.narrow(0, 0, tensor.shape[0])
-                self.scales[name.removesuffix("_scale_inv")] = tensor.float()
+                self.scales[name.removesuffix("_scale_inv")] = read_whole(tensor).float()
             elif name.endswith(".weight"):
                 self.shapes[name] = tuple(tensor.shape)
 

@@ -102,17 +102,14 @@ def _keep_experts(net: nn.Module, source: Source) -> None:
         (gate_c, up_c, down_c), (gate_g, up_g, down_g) = zip(
             *((t.codes(), t.groups()) for t in parts), strict=True
         )
-        rows, cols = (
-            slice(moe.start, moe.start + moe.inter),
-            slice(moe.start // 16, (moe.start + moe.inter) // 16),
-        )
+        rows = slice(moe.start, moe.start + moe.inter)
+        cols = slice(moe.start // 16, (moe.start + moe.inter) // 16)
         w13, w2 = [], []
         for expert in range(moe.first, moe.first + moe.local):
             codes = torch.cat([gate_c[expert, rows], up_c[expert, rows]])
-            w13.append(
-                _blocks_weight(codes, torch.cat([gate_g[expert, rows], up_g[expert, rows]]), dtype)
-            )
-            codes = down_c[expert][:, moe.start : moe.start + moe.inter]
+            groups = torch.cat([gate_g[expert, rows], up_g[expert, rows]])
+            w13.append(_blocks_weight(codes, groups, dtype))
+            codes = down_c[expert][:, rows]
             w2.append(_blocks_weight(codes, down_g[expert][:, cols], dtype))
         moe.keep(w13, w2)
 

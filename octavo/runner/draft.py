@@ -94,8 +94,6 @@ class DraftModel:
         guesses: dict[str, list[int]] = {rid: [] for rid in starts}
         for j in range(max(rounds.values())):
             live = [rid for rid in starts if rounds[rid] > j]
-            if not live:
-                break
             scheduled = [
                 _decode_one(rid, starts[rid][0] + j, (guesses[rid] or [starts[rid][1]])[-1])
                 for rid in live

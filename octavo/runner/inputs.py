@@ -238,10 +238,8 @@ class InputBuilder:
         if graph.decode:
             pad_lens, cu = np.ones(extra_seqs, np.int64), np.arange(graph.num_seqs + 1)
         else:
-            pad_lens, cu = (
-                np.zeros(extra_seqs, np.int64),
-                np.append(cu, np.full(extra_seqs, cu[-1])),
-            )
+            pad_lens = np.zeros(extra_seqs, np.int64)
+            cu = np.append(cu, np.full(extra_seqs, cu[-1]))
         return (
             np.concatenate([input_ids, np.zeros(extra_tokens, np.int64)]),
             np.concatenate([positions, np.zeros(extra_tokens, np.int64)]),
@@ -255,10 +253,7 @@ class InputBuilder:
         pad_tables = np.zeros((graph.num_seqs - tables.shape[0], tables.shape[1]), np.int32)
         pad_tables[:, 0] = scratch
         pad_slots = np.full(graph.num_tokens - len(slots), scratch * self.block_size)
-        return (
-            np.concatenate([slots, pad_slots]),
-            np.concatenate([tables, pad_tables]),
-        )
+        return np.concatenate([slots, pad_slots]), np.concatenate([tables, pad_tables])
 
     def _fill_pending(self, scheduled, cu, pending_rows, last_sampled) -> None:
         """Writes the tokens the previous step sampled, still on the device, into input_ids."""

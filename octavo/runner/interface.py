@@ -38,35 +38,30 @@ class Runner(Protocol):
         self, cache: CacheConfig, max_num_batched_tokens: int, max_num_seqs: int
     ) -> int:
         """The KV blocks the budget in `cache` holds for a step of at most these sizes."""
-        ...
 
     def allocate_kv_cache(
         self, num_blocks: int, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int
     ) -> None:
         """Allocates the cache of `num_blocks` blocks and readies the step buffers, once."""
-        ...
 
     def execute_async(self, so: SchedulerOutput) -> StepResult:
         """Launches the step's forward pass; its tokens come from the result, once sampled."""
-        ...
 
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
         """Samples the launched step, its structured requests under `grammar_bitmask`."""
-        ...
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """A step with no structured requests, launched, sampled and waited for."""
-        ...
+        pending = self.execute_async(so)
+        self.sample_tokens(None)
+        return pending.result()
 
     def release_kv_blocks(self, ids: dict[bool, list[int]]) -> int:
         """Gives the memory of free blocks back to the system where the cache is in host
         memory (`ids[sliding]`: blocks of each pool); the bytes given back."""
-        ...
 
     def cancel_held(self) -> None:
         """Drops a launched step that will never be sampled (the engine failed it)."""
-        ...
 
     def shutdown(self) -> None:
         """Stops whatever the runner started (worker processes)."""
-        ...

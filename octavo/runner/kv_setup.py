@@ -29,12 +29,6 @@ from octavo.sampling_params import SamplingParams
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
-def local_kv_heads(hf_config) -> int:
-    """The KV heads this tensor-parallel rank keeps (all of them at world size 1)."""
-    tp = get_tp()
-    return kv_head_range(get_num_kv_heads(hf_config), tp.rank, tp.size)[1]
-
-
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """CacheConfig.cache_dtype as a torch dtype: "auto" is the model's; "fp8" and "fp8_e4m3"
     are float8_e4m3fn, one byte an element, so a block takes half of bfloat16's memory.
@@ -105,18 +99,19 @@ def _libc():
 
 
 def kv_cache_shape(hf_config, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """One layer's cache: [2 (K, V), num_blocks, block_size, this rank's KV heads, head_dim]."""
-    return (2, num_blocks, block_size, local_kv_heads(hf_config), get_head_dim(hf_config))
+    """One layer's cache: [2 (K, V), num_blocks, block_size, this rank's KV heads, head_dim]
+    (all the KV heads at world size 1)."""
+    tp = get_tp()
+    kv_heads = kv_head_range(get_num_kv_heads(hf_config), tp.rank, tp.size)[1]
+    return (2, num_blocks, block_size, kv_heads, get_head_dim(hf_config))
 
 
 def kv_bytes_per_block(
     hf_config, block_size: int, dtype: torch.dtype, layers: int | None = None
 ) -> int:
-    """layers (all by default) x (K and V) x block_size x this rank's kv_heads x head_dim x
-    dtype bytes."""
-    num_kv_heads = local_kv_heads(hf_config)
+    """layers (all by default) x one block of kv_cache_shape x dtype bytes."""
     layers = hf_config.num_hidden_layers if layers is None else layers
-    return layers * 2 * block_size * num_kv_heads * get_head_dim(hf_config) * dtype.itemsize
+    return layers * math.prod(kv_cache_shape(hf_config, 1, block_size)) * dtype.itemsize
 
 
 def sliding_layers(hf_config) -> list[bool]:
@@ -332,13 +327,8 @@ def warm_up_eager_decode(
     mixed = [random_row if i % 2 == 0 else greedy for i in range(max_num_seqs)]
     for params in ([greedy] * max_num_seqs, mixed):
         for batch in range(1, max_num_seqs + 1):
-            md = SamplingMetadata.build(
-                params[:batch],
-                [[]] * batch,
-                [[]] * batch,
-                config.vocab_size,
-                device,
-            )
+            empty = [[]] * batch  # no prompt or output tokens: nothing reads them
+            md = SamplingMetadata.build(params[:batch], empty, empty, config.vocab_size, device)
             sampled = sampler(model.compute_logits(hidden[:batch]), md)
             index = torch.arange(batch, device=device).repeat(2, 1)  # [2, batch]
             inputs.copy_pending(index, sampled.sampled_token_ids)

@@ -25,7 +25,8 @@ from octavo.runner.draft import DraftModel, DraftOptions
 from octavo.runner.gemm_tuning import tune_linears
 from octavo.runner.host_copy import to_device
 from octavo.runner.inputs import InputBuilder
-from octavo.runner.outputs import ModelRunnerOutput, PendingOutput
+from octavo.runner.interface import Runner
+from octavo.runner.outputs import PendingOutput
 from octavo.runner.prompt_logprobs import prompt_logprobs
 from octavo.runner.sampler import Sampler, SamplerOutput
 from octavo.runner.sampling_metadata import GrammarMasks, SamplingMetadata, seeded_rows
@@ -41,7 +42,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
 
 
-class ModelRunner:
+class ModelRunner(Runner):
     """Loads the model, allocates the paged KV cache, and executes scheduled steps."""
 
     pin_host_memory = property(lambda self: self.device.type == "cuda")
@@ -204,12 +205,6 @@ class ModelRunner:
             return None
         return self.graph_runner.shape_for(so.num_batched_tokens, len(so.scheduled))
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step with no structured outputs, samples it and waits for its tokens."""
-        pending = self.execute_async(so)
-        self.sample_tokens(None)
-        return pending.result()
-
     def _update_states(self, so: SchedulerOutput) -> None:
         """Drops finished and preempted requests, takes new ones, appends output tokens."""
         gone = so.finished_request_ids + so.preempted_request_ids
@@ -337,9 +332,7 @@ class ModelRunner:
             else:
                 rows.append((s.request_id, params, s.num_output_tokens))
                 index.append(last)
-        if index == list(range(len(index))):
-            return rows, None
-        return rows, index
+        return rows, None if index == list(range(len(index))) else index
 
     def _sampling_metadata(
         self, rows: list[tuple[str, SamplingParams, int]], grammar_bitmask: GrammarBitmask | None

@@ -12,6 +12,7 @@ WorkerDied, now and on every later call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import random
@@ -28,6 +29,7 @@ import torch
 
 from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
 from octavo.kernels.capability import usable_cores
+from octavo.runner.interface import Runner
 from octavo.runner.outputs import ModelRunnerOutput
 from octavo.runner.worker import authkey, no_delay, split_addr
 
@@ -106,7 +108,7 @@ class _RemotePending:
         return self.runner._call_first("result", self.step_id)
 
 
-class MultiprocRunner:
+class MultiprocRunner(Runner):
     """ModelRunner's interface for `tensor_parallel_size` workers, spread evenly over
     `nnodes` nodes; this process is on node 0 and holds no model."""
 
@@ -210,11 +212,6 @@ class MultiprocRunner:
             self._unsent = so
         return _RemotePending(self, so.step_id)
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        pending = self.execute_async(so)
-        self.sample_tokens(None)
-        return pending.result()
-
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
         if grammar_bitmask is not None:  # a view of the engine's buffer: send its rows
             grammar_bitmask = _own_rows(grammar_bitmask)
@@ -241,9 +238,8 @@ class MultiprocRunner:
         paths = [f"{prefix}.rank{rank}" for rank in range(self.size)] if prefix else []
         self._check()
         for rank in range(self.size):
-            self._send_bytes(
-                rank, pickle.dumps(("profile", (paths[rank] if paths else None, trace)))
-            )
+            path = paths[rank] if paths else None
+            self._send_bytes(rank, pickle.dumps(("profile", (path, trace))))
         for rank in range(self.size):
             self._receive(rank)
         return paths
@@ -306,13 +302,12 @@ class MultiprocRunner:
         return dead
 
     def _exit_code(self, rank: int) -> str:
-        if rank < len(self._procs):
-            try:
-                code = self._procs[rank].wait(1.0)
-            except subprocess.TimeoutExpired:
-                return ""
-            return f" (exit code {code})"
-        return ""
+        if rank >= len(self._procs):
+            return ""
+        try:
+            return f" (exit code {self._procs[rank].wait(1.0)})"
+        except subprocess.TimeoutExpired:
+            return ""
 
     def _check(self) -> None:
         if self.dead is not None:
@@ -333,15 +328,11 @@ def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
     """Asks the workers to stop, then kills whichever has not within STOP_GRACE_S."""
     data = pickle.dumps(("stop", None))
     for conn in conns:
-        try:
+        with contextlib.suppress(OSError):
             conn.send_bytes(data)
-        except OSError:
-            pass
     for proc in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
     _kill(procs)
     for conn in conns:
         conn.close()

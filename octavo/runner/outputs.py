@@ -152,9 +152,7 @@ def _collect_prompt_logprobs(
 def _collect_logprobs(
     rows, logprob_token_ids, logprobs, sampled_ranks, result: ModelRunnerOutput
 ) -> None:
-    token_ids = logprob_token_ids.tolist()
-    values = logprobs.tolist()
-    ranks = sampled_ranks.tolist()
+    token_ids, values, ranks = logprob_token_ids.tolist(), logprobs.tolist(), sampled_ranks.tolist()
     for row, (request_id, params, _) in enumerate(rows):
         k = params.logprobs
         if k is None:

@@ -81,9 +81,8 @@ def build_bans(
     banned: dict[int, set[int]] = {}
     for row, (p, num_output) in enumerate(zip(params, num_output_tokens, strict=True)):
         if num_output < p.min_tokens:
-            banned[row] = {
-                t for t in p.all_stop_token_ids if t < vocab_size
-            }  # the others are never sampled
+            # Ids past the vocabulary are never sampled.
+            banned[row] = {t for t in p.all_stop_token_ids if t < vocab_size}
         if not p.bad_words:
             continue
         output = output_token_ids[row]

@@ -161,9 +161,7 @@ class Sampler:
         given = logits
         if not (logits.is_cuda and md.is_plain):
             logits = logits.float()
-        raw_logprobs = None
-        if md.max_num_logprobs is not None:
-            raw_logprobs = logits.log_softmax(-1)  # [B, V]
+        raw_logprobs = None if md.max_num_logprobs is None else logits.log_softmax(-1)  # [B, V]
         grammar_only = None  # the grammar rows as their grammars alone leave them
         if md.grammar_bans is not None:
             if logits is given:  # float() made no copy: leave the caller's logits alone

@@ -93,15 +93,9 @@ class SamplingMetadata:
     @property
     def is_plain(self) -> bool:
         """Only temperature (or greedy): the logits need no float32 copy."""
-        return (
-            self.max_num_logprobs is None
-            and self.banned is None
-            and self.disallowed is None
-            and self.grammar_bans is None
-            and self.logit_bias is None
-            and self.penalties is None
-            and not self.has_filters
-        )
+        extras = (self.max_num_logprobs, self.banned, self.disallowed, self.grammar_bans,
+                  self.logit_bias, self.penalties)  # fmt: skip
+        return all(x is None for x in extras) and not self.has_filters
 
     @classmethod
     def build(

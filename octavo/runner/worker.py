@@ -68,9 +68,9 @@ def connect(addr: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
             time.sleep(0.2)
 
 
-def init_distributed(args, device_type: str, timeout_s: float, nnodes: int) -> torch.device:
+def init_distributed(args, options: dict) -> torch.device:
     """Joins the process group (NCCL on CUDA, gloo on the CPU) and sets the layers' group."""
-    if device_type == "cuda":
+    if options["device_type"] == "cuda":
         device = torch.device("cuda", args.local_rank)
         torch.cuda.set_device(device)
     else:
@@ -80,11 +80,12 @@ def init_distributed(args, device_type: str, timeout_s: float, nnodes: int) -> t
         init_method=f"tcp://{args.dist_addr}",
         rank=args.rank,
         world_size=args.world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=options["timeout_s"]),
         device_id=device if device.type == "cuda" else None,
     )
-    set_tp(args.rank, args.world_size, dist.group.WORLD)
-    if device.type == "cuda" and nnodes == 1:  # peers' memory is reachable within a node
+    set_tp(args.rank, args.world_size, dist.group.WORLD, options.get("expert_parallel", False))
+    # Peers' memory is reachable within a node.
+    if device.type == "cuda" and options.get("nnodes", 1) == 1:
         use_symmetric_memory(device)
     return device
 
@@ -94,10 +95,7 @@ def serve(conn: Connection, args) -> None:
     options = conn.recv()
     if options.get("cpu_threads"):
         torch.set_num_threads(options["cpu_threads"])
-    device = init_distributed(
-        args, options["device_type"], options["timeout_s"], options.get("nnodes", 1)
-    )
-    set_tp(args.rank, args.world_size, dist.group.WORLD, options.get("expert_parallel", False))
+    device = init_distributed(args, options)
     runner = ModelRunner(device=device, **options["runner"])
     conn.send(("ok", None))
     pending = {}  # rank 0: step id -> its PendingOutput, until the engine takes the result

@@ -155,17 +155,14 @@ class FastTokenizer:
 
     # --- special tokens -----------------------------------------------------------------
 
-    def _special(self, name: str) -> str | None:
-        return self.special_tokens_map.get(name)
-
     def _special_id(self, name: str) -> int | None:
         token = self.special_tokens_map.get(name)
         return None if token is None else self.backend_tokenizer.token_to_id(token)
 
-    bos_token = property(lambda self: self._special("bos_token"))
-    eos_token = property(lambda self: self._special("eos_token"))
-    unk_token = property(lambda self: self._special("unk_token"))
-    pad_token = property(lambda self: self._special("pad_token"))
+    bos_token = property(lambda self: self.special_tokens_map.get("bos_token"))
+    eos_token = property(lambda self: self.special_tokens_map.get("eos_token"))
+    unk_token = property(lambda self: self.special_tokens_map.get("unk_token"))
+    pad_token = property(lambda self: self.special_tokens_map.get("pad_token"))
     bos_token_id = property(lambda self: self._special_id("bos_token"))
     eos_token_id = property(lambda self: self._special_id("eos_token"))
     unk_token_id = property(lambda self: self._special_id("unk_token"))

@@ -90,9 +90,7 @@ def _load_cached(path: str) -> AnyTokenizer | None:
             shutil.rmtree(cache, ignore_errors=True)
     tokenizer = _convert_gguf_tokenizer(path)
     if not tokenizer.chat_template:
-        template = read_gguf_chat_template(path)
-        if template is not None:
-            tokenizer.chat_template = template
+        tokenizer.chat_template = read_gguf_chat_template(path) or tokenizer.chat_template
     if cache is not None and _save(tokenizer, cache):
         return FastTokenizer.from_directory(cache) or tokenizer
     with tempfile.TemporaryDirectory(prefix="octavo-tokenizer-") as staging:
@@ -117,9 +115,7 @@ def _convert_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     directory, filename = os.path.split(path)
-    cls = _gguf_tokenizer_class(path)
-    if cls is None:
-        return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    cls = _gguf_tokenizer_class(path) or AutoTokenizer
     return cls.from_pretrained(directory, gguf_file=filename)
 
 
@@ -183,13 +179,8 @@ def eos_token_ids(
 ) -> list[int]:
     """The ids that end generation: the tokenizer's EOS, then the model config's
     `eos_token_id` (an int or a list of ints; None when absent), without duplicates."""
-    candidates: list[int | None] = []
-    if tokenizer is not None:
-        candidates.append(tokenizer.eos_token_id)
-    if isinstance(hf_config_eos, Sequence):
-        candidates.extend(hf_config_eos)
-    else:
-        candidates.append(hf_config_eos)
+    candidates = [] if tokenizer is None else [tokenizer.eos_token_id]
+    candidates += hf_config_eos if isinstance(hf_config_eos, Sequence) else [hf_config_eos]
     given = [t for t in candidates if t is not None]
     bad = [t for t in given if not isinstance(t, int) or isinstance(t, bool)]
     if bad:
