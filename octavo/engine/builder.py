@@ -153,8 +153,8 @@ def build_engine(
         "model_path": model_path, "hf_config": hf_config, "dtype": torch_dtype,
         "block_size": block_size, "load_format": load_format, "seed": seed,
         "attention_backend": attention_backend, "enforce_eager": enforce_eager,
-        "cuda_graph_max_tokens": cuda_graph_max_tokens,
-        "quantization": quantization, "kv_cache_dtype": kv_dtype,
+        "cuda_graph_max_tokens": cuda_graph_max_tokens, "quantization": quantization,
+        "kv_cache_dtype": kv_dtype,
         "draft": _draft_options(speculative, hf_config, dev, parallel, load_format),
         "deterministic": deterministic,
     }  # fmt: skip
