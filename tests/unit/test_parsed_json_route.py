@@ -66,6 +66,9 @@ def test_json_items_and_values_over_their_limits_are_refused_before_parsing():
     assert not check({"prompt": [[1]] * (MAX_JSON_ITEMS - 2)})
     # Inside strings, brackets, colons and commas are text.
     assert check({"prompt": "[{:," * (MAX_JSON_ARRAY_VALUES + MAX_JSON_ITEMS)})
+    # Bodies with more quotes than commas are counted item by item, the others string by string.
+    assert check({"prompt": ["a,"] * (MAX_JSON_ARRAY_VALUES // 2 + 10)})
+    assert not check({"prompt": ["a"] * (MAX_JSON_ARRAY_VALUES + 2)})
 
 
 def _post_scope() -> dict:
