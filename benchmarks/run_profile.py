@@ -4,10 +4,12 @@ the rest of the layers, the LM head and sampler).
 
 It answers one question: how close could the run come to its floor if all of a decode step's
 work besides attention (GEMMs, norms, activations, LM head, sampler) took only its own floor,
-max(weight bytes / B, 2 x params x batch / F), and nothing else changed? That is the most
-any faster GEMM, fusion or megakernel outside attention could give. Two more lines add decode
-attention at its KV read (KV bytes / B), then the prefill steps at their GEMMs' FLOPs / F:
-the run of a serial engine whose every kernel ran at its floor, its host gaps kept.
+max(weight bytes / B, 2 x params x batch / F), and nothing else changed (of a mixture of
+experts' experts, the bytes count those the batch reaches, bench_floor's step_weight_bytes,
+and the parameters the k a token multiplies by)? That is the most any faster GEMM, fusion
+or megakernel outside attention could give. Two more lines add decode attention at its KV read
+(KV bytes / B), then the prefill steps at their GEMMs' FLOPs / F: the run of a serial engine
+whose every kernel ran at its floor, its host gaps kept.
 
 Each `engine.step()` call runs inside a profiler annotation, and the shape of the step it
 schedules (and launches) is kept. A kernel belongs to the step whose annotation holds the
@@ -165,10 +167,10 @@ def main() -> None:
     totals, lost, by_name = attribute(prof.profiler.kineto_results.events(), shapes)
 
     bandwidth, flops = ceil.copy_bytes_per_s, ceil.matmul_flops
-    num_params = fl.weight_bytes / torch.empty((), dtype=runner.dtype).element_size()
+    num_params = fl.active_params  # of a mixture of experts' experts, the k a token reaches
 
-    def rest_floor_us(batch: int) -> float:
-        return 1e6 * max(fl.weight_bytes / bandwidth, 2 * num_params * batch / flops)
+    def rest_floor_us(batch: int) -> float:  # the weights a step of `batch` tokens reaches
+        return 1e6 * max(fl.step_weight_bytes(batch) / bandwidth, 2 * num_params * batch / flops)
 
     steps: dict[tuple[str, int], int] = defaultdict(int)
     contexts: dict[tuple[str, int], int] = defaultdict(int)  # positions attended, summed
