@@ -224,7 +224,7 @@ def print_summary(s: dict) -> None:
     ):
         print(f"{title:-^50}")
         for stat in ("mean", "median", "p99"):
-            label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {name.upper()} (ms):"
+            label = f"{stat.capitalize()} {name.upper()} (ms):"  # Mean, Median, P99
             print(f"{label:<40}{s[f'{stat}_{name}_ms']:<10.2f}")
     for error in s["errors"]:
         print(f"error: {error}")

@@ -81,20 +81,18 @@ class LLM:
             raise ValueError("messages must be a non-empty list of conversations or messages")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [
-            {
-                "prompt_token_ids": apply_chat_template(
-                    tokenizer,
-                    conv,
-                    add_generation_prompt,
-                    continue_final_message,
-                    tools=tools,
-                    template_kwargs=chat_template_kwargs,
-                    chat_template=chat_template,
-                )
-            }
+            apply_chat_template(
+                tokenizer,
+                conv,
+                add_generation_prompt,
+                continue_final_message,
+                tools=tools,
+                template_kwargs=chat_template_kwargs,
+                chat_template=chat_template,
+            )
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm)  # lists of token ids
 
     def beam_search(
         self,

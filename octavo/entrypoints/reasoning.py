@@ -54,7 +54,6 @@ class ReasoningStream:
     may still become a tag, so that the pieces assemble to `split_reasoning`'s parts."""
 
     def __init__(self, fmt: ReasoningFormat) -> None:
-        self.fmt = fmt
         self.text = ""
         self.state = "thinking" if fmt.starts_inside else "undecided"
         self.sent = 0  # characters of the text handed out (either part)

@@ -9,7 +9,7 @@ from octavo.entrypoints.reasoning import before_partial
 from octavo.entrypoints.tool_calls import (
     ToolCall,
     ToolFormat,
-    bare_start,
+    find_calls,
     parse_tool_calls,
     scan_calls,
     trigger_of,
@@ -38,14 +38,14 @@ class ToolCallStream:
         self.content_sent = 0
         self.calls_start: int | None = None
         self.sent: list[tuple[str, int]] = []  # per call: its id, arguments characters sent
-        self.done = False
 
     def feed(self, delta: str, finished: bool) -> tuple[str, list[ToolCallDelta]]:
         """The new content and call pieces once `delta` is added to the text."""
         self.text += delta
         content, pieces = "", []
         if self.calls_start is None:
-            self.calls_start = self._find_start()
+            start = find_calls(self.fmt, self.text)
+            self.calls_start = start if start >= 0 else None
         end = self.calls_start if self.calls_start is not None else self._safe_end(finished)
         if self.calls_start is not None and not trigger_of(self.fmt):
             self.content_sent = max(self.content_sent, end)  # before bare calls: a tag at most
@@ -61,11 +61,6 @@ class ToolCallStream:
         if self.calls_start is not None and self.content_sent == self.calls_start:
             content = content.rstrip()
         return content, pieces
-
-    def _find_start(self) -> int | None:
-        trigger = trigger_of(self.fmt)
-        i = self.text.find(trigger) if trigger else bare_start(self.text)
-        return i if i >= 0 else None
 
     def _safe_end(self, finished: bool) -> int:
         """How much of the text is surely content."""

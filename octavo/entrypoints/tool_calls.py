@@ -196,7 +196,7 @@ def tool_grammar(
 def parse_tool_calls(fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a whole reply; a reply whose calls do not parse is all content
     (never an error)."""
-    start = text.find(trigger_of(fmt)) if trigger_of(fmt) else bare_start(text)
+    start = find_calls(fmt, text)
     if start < 0:
         return text, []
     calls = []
@@ -215,12 +215,13 @@ def parse_tool_calls(fmt: ToolFormat, text: str) -> tuple[str | None, list[ToolC
     return content or None, calls
 
 
-def bare_start(text: str) -> int:
-    """Where a llama3_json reply's calls start: at its first character if that opens an
-    object (after <|python_tag|>), else nowhere."""
-    stripped = text.lstrip()
-    if stripped.startswith("<|python_tag|>"):
-        stripped = stripped[len("<|python_tag|>") :].lstrip()
+def find_calls(fmt: ToolFormat, text: str) -> int:
+    """Where a reply's calls start (-1: nowhere): at the format's trigger, or for calls
+    written bare (llama3_json) at the first character if that opens an object (after
+    <|python_tag|>)."""
+    if trigger_of(fmt):
+        return text.find(trigger_of(fmt))
+    stripped = text.lstrip().removeprefix("<|python_tag|>").lstrip()
     return len(text) - len(stripped) if stripped.startswith("{") else -1
 
 
@@ -262,7 +263,9 @@ def _scan_object(fmt: ToolFormat, text: str, i: int) -> tuple[_CallScan, int]:
         key_end = _value_end(text, i)
         if text[i] != '"' or key_end is None:
             return scan, n
-        key = json.loads(text[i:key_end])
+        key = _string(text[i:key_end])
+        if key is None:  # not valid JSON (a raw control character): not a call
+            return scan, n
         i = _skip(text, key_end, " \t\r\n")
         if i >= n or text[i] != ":":
             return scan, n
@@ -271,10 +274,17 @@ def _scan_object(fmt: ToolFormat, text: str, i: int) -> tuple[_CallScan, int]:
         if key in (fmt.args_key, "arguments", "parameters"):
             scan.args_start, scan.args_end = i, end
         elif key == "name" and end is not None and text[i] == '"':
-            scan.name = json.loads(text[i:end])
+            scan.name = _string(text[i:end])
         if end is None:
             return scan, n
         i = end
+
+
+def _string(quoted: str) -> str | None:
+    try:
+        return json.loads(quoted)
+    except json.JSONDecodeError:
+        return None
 
 
 def _skip(text: str, i: int, chars: str) -> int:
@@ -288,17 +298,7 @@ def _value_end(text: str, i: int) -> int | None:
     n = len(text)
     if i >= n:
         return None
-    if text[i] == '"':
-        j = i + 1
-        while j < n:
-            if text[j] == "\\":
-                j += 2
-                continue
-            if text[j] == '"':
-                return j + 1
-            j += 1
-        return None
-    if text[i] in "{[":
+    if text[i] in '"{[':  # a string, or an array or object (whose strings may hold brackets)
         depth, j, in_string = 0, i, False
         while j < n:
             c = text[j]
@@ -307,6 +307,8 @@ def _value_end(text: str, i: int) -> int | None:
                     j += 1
                 elif c == '"':
                     in_string = False
+                    if depth == 0:
+                        return j + 1
             elif c == '"':
                 in_string = True
             elif c in "{[":

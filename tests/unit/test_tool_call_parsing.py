@@ -64,6 +64,8 @@ MALFORMED = [
     (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>'),
     (HERMES, "<tool_call>\nnot json at all\n</tool_call>"),
     (HERMES, '<tool_call>\n{"arguments": {}}\n</tool_call>'),  # no name
+    (HERMES, '<tool_call>\n{"na\nme": "f"}\n</tool_call>'),  # a raw newline in a key
+    (HERMES, '<tool_call>\n{"name": "f\x01", "arguments": {}}\n</tool_call>'),  # ... in a name
     (LLAMA3_JSON, '{"name": "get_time", "parameters": {"tz": "UTC"'),
     (MISTRAL, '[TOOL_CALLS][{"name": "get_time", "arguments": [1, 2'),
 ]

@@ -8,8 +8,10 @@ import json
 from dataclasses import dataclass, field
 
 from octavo.entrypoints.openai.protocol import (
+    AssistantMessage,
     ChatCompletionRequest,
     DeltaFunctionCall,
+    DeltaMessage,
     DeltaToolCall,
     FunctionCall,
     ToolCallItem,
@@ -121,14 +123,7 @@ def _as_lark(given: StructuredOutputsParams) -> str:
 # ---- replies -----------------------------------------------------------------------------
 
 
-@dataclass
-class Reply:
-    content: str | None
-    reasoning: str | None = None
-    tool_calls: list[ToolCallItem] | None = None
-
-
-def read_reply(plan: ReplyPlan, text: str) -> Reply:
+def read_reply(plan: ReplyPlan, text: str) -> AssistantMessage:
     """A whole reply split into reasoning, content and tool calls."""
     reasoning, answer = None, text
     if plan.reasoning is not None:
@@ -140,19 +135,19 @@ def read_reply(plan: ReplyPlan, text: str) -> Reply:
         ToolCallItem(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in calls
     ]
-    return Reply(answer, reasoning, items or None)
+    return AssistantMessage(content=answer, reasoning_content=reasoning, tool_calls=items)
 
 
 class ReplyStream:
     """One choice's streamed reply: each new piece of text in, the delta's reasoning,
-    content and tool-call pieces out."""
+    content and tool-call pieces out (as a chunk's DeltaMessage)."""
 
     def __init__(self, plan: ReplyPlan) -> None:
         self.reasoning = ReasoningStream(plan.reasoning) if plan.reasoning else None
         self.tools = ToolCallStream(plan.tool_format) if plan.tool_format else None
         self.made_calls = False
 
-    def feed(self, text: str, finished: bool) -> tuple[str, str, list[DeltaToolCall]]:
+    def feed(self, text: str, finished: bool) -> DeltaMessage:
         reasoning, answer = "", text
         if self.reasoning is not None:
             reasoning, answer = self.reasoning.feed(text, finished)
@@ -163,4 +158,8 @@ class ReplyStream:
                 function = DeltaFunctionCall(name=c.name, arguments=c.arguments)
                 pieces.append(DeltaToolCall(index=c.index, id=c.id, function=function))
             self.made_calls = self.made_calls or bool(pieces)
-        return reasoning, answer, pieces
+        return DeltaMessage(
+            content=answer or None if reasoning or pieces else answer,
+            reasoning_content=reasoning or None,
+            tool_calls=pieces or None,
+        )

@@ -8,7 +8,7 @@ across prompts and counts their tokens for `usage`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from octavo.entrypoints.openai.protocol import (
     ChatLogprobs,
@@ -17,31 +17,20 @@ from octavo.entrypoints.openai.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from octavo.outputs import Logprob, RequestOutput
-
-
-@dataclass
-class ChoiceDelta:
-    """The part of one choice not sent yet."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None
-    stop_reason: int | str | None = None
+from octavo.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 @dataclass
 class ChoiceTracker:
-    """Turns (prompt index, DELTA output) into choice deltas; counts tokens for usage."""
+    """Turns (prompt index, DELTA output) into choice deltas, each the part of one choice not
+    sent yet: its CompletionOutput, numbered across prompts. Counts tokens for usage."""
 
     n: int
     _tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens sent
     _finished: set[int] = field(default_factory=set)
     _prompt_tokens: dict[int, int] = field(default_factory=dict)
 
-    def update(self, prompt_index: int, out: RequestOutput) -> list[ChoiceDelta]:
+    def update(self, prompt_index: int, out: RequestOutput) -> list[CompletionOutput]:
         self._prompt_tokens[prompt_index] = len(out.prompt_token_ids)
         deltas = []
         for c in out.outputs:
@@ -52,11 +41,7 @@ class ChoiceTracker:
             if c.finish_reason is not None:
                 self._finished.add(index)
             if c.text or c.token_ids or c.finish_reason:
-                deltas.append(
-                    ChoiceDelta(
-                        index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason
-                    )
-                )
+                deltas.append(c if c.index == index else replace(c, index=index))
         return deltas
 
     def usage(self) -> UsageInfo:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -32,8 +33,7 @@ class ServerMetrics:
     ) -> None:
         """`engine_stats` gives the engine's stats snapshot, or None while it is down;
         `engine_restarts` how many times the engine was started again after it died."""
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "octavo_requests",
             "Finished requests by outcome: the finish reason (stop, length, abort) or error",
@@ -73,7 +73,7 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Times one engine request from arrival to finish and records it once. It reads the
+    """Times one engine request from arrival to `finish`, which records it. It reads the
     request's DELTA outputs (what is new since the last), as the server asks for them."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
@@ -84,7 +84,6 @@ class RequestTimer:
         self.num_tokens: dict[int, int] = {}  # completion index -> tokens so far
         self.finish_reasons: dict[int, str] = {}
         self.finished = False
-        self.recorded = False
 
     def observe(self, out: RequestOutput) -> None:
         if self.first_token is None and any(c.token_ids for c in out.outputs):
@@ -99,9 +98,6 @@ class RequestTimer:
 
     def finish(self, outcome: str | None = None) -> None:
         """Records the request; `outcome` defaults to the first completion's finish reason."""
-        if self.recorded:
-            return
-        self.recorded = True
         m = self.metrics
         if outcome is None:
             first = min(self.finish_reasons, default=None)
@@ -118,16 +114,12 @@ class RequestTimer:
             m.tpot.observe((e2e - (self.first_token - self.arrival)) / (longest - 1))
 
 
+@dataclass(eq=False)  # hashed as itself: the registry keys its collectors by them
 class _EngineStatsCollector:
     """Turns the engine's stats snapshot into gauges and counters at scrape time."""
 
-    def __init__(
-        self,
-        engine_stats: Callable[[], dict[str, int | float | str] | None],
-        engine_restarts: Callable[[], int],
-    ) -> None:
-        self.engine_stats = engine_stats
-        self.engine_restarts = engine_restarts
+    engine_stats: Callable[[], dict[str, int | float | str] | None]
+    engine_restarts: Callable[[], int]
 
     def describe(self):
         return []  # unchecked collector: names are not reserved in the registry

@@ -61,13 +61,10 @@ class NullMeansDefault(BaseModel):
             field = fields.get(name)
             if value is not None or field is None or field.is_required():
                 return True
-            return _accepts_none(field.annotation)
+            annotation = field.annotation
+            return annotation is None or type(None) in getattr(annotation, "__args__", ())
 
         return {k: v for k, v in data.items() if keep(k, v)}
-
-
-def _accepts_none(annotation: Any) -> bool:
-    return annotation is None or type(None) in getattr(annotation, "__args__", ())
 
 
 def limits(default: Any = None, **schema: Any) -> Any:

@@ -33,21 +33,18 @@ def sampling_params(
     for name in ("stop_token_ids", "allowed_token_ids"):
         _check_in_vocab(name, getattr(req, name) or (), vocab_size)
     fields: dict[str, Any] = {
-        "n": req.n,
         "max_tokens": max_tokens,
-        "ignore_eos": req.ignore_eos,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
-        "include_stop_str_in_output": req.include_stop_str_in_output,
-        "skip_special_tokens": req.skip_special_tokens,
         # What is new in each step: a step's message from the engine process stays small,
         # whatever the lengths so far (choices.py turns deltas into chunks).
         "output_kind": RequestOutputKind.DELTA,
     }
-    for name in (
-        "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
+    for name in (  # the request's fields of the same name, where set
+        "n", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop",
         "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
-        "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+        "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "ignore_eos",
+        "include_stop_str_in_output", "skip_special_tokens",
     ):  # fmt: skip
         value = getattr(req, name)
         if value is not None:

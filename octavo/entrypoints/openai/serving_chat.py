@@ -19,13 +19,11 @@ from octavo.entrypoints.openai.chat_tools import (
     read_reply,
 )
 from octavo.entrypoints.openai.choices import (
-    ChoiceDelta,
     ChoiceTracker,
     chat_logprobs,
     prompt_logprobs_field,
 )
 from octavo.entrypoints.openai.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -43,7 +41,7 @@ from octavo.entrypoints.openai.serving import (
     start_stream,
     unless_disconnected,
 )
-from octavo.outputs import RequestOutput
+from octavo.outputs import CompletionOutput, RequestOutput
 from octavo.sampling_params import SamplingParams
 from octavo.tokenizer.tokenizer import apply_chat_template
 
@@ -70,23 +68,19 @@ async def create_chat_completion(
     await unless_disconnected(raw, collect())
     tracker = ChoiceTracker(req.n)
     deltas = sorted(tracker.update(0, final[0]), key=lambda d: d.index)
-    replies = [read_reply(plan, d.text) for d in deltas]
+    messages = [read_reply(plan, d.text) for d in deltas]
     response = ChatCompletionResponse(
         id=request_id,
         model=ctx.model_name,
         choices=[
             ChatChoice(
                 index=d.index,
-                message=AssistantMessage(
-                    content=reply.content,
-                    reasoning_content=reply.reasoning,
-                    tool_calls=reply.tool_calls or [],
-                ),
+                message=message,
                 logprobs=formatter.logprobs(d),
-                finish_reason=_finish_reason(d.finish_reason, bool(reply.tool_calls)),
+                finish_reason=_finish_reason(d.finish_reason, bool(message.tool_calls)),
                 stop_reason=d.stop_reason,
             )
-            for d, reply in zip(deltas, replies, strict=True)
+            for d, message in zip(deltas, messages, strict=True)
         ],
         usage=tracker.usage(),
         prompt_logprobs=prompt_logprobs_field(final[0].prompt_logprobs),
@@ -223,23 +217,18 @@ class _Formatter:
         self.plain = plan.tool_format is None and plan.reasoning is None
         self.readers: dict[int, ReplyStream] = {}  # per choice
 
-    def logprobs(self, delta: ChoiceDelta):
+    def logprobs(self, delta: CompletionOutput):
         if delta.logprobs is None or self.num_logprobs is None:
             return None
         return chat_logprobs(delta.token_ids, delta.logprobs, self.num_logprobs)
 
-    def chunk_choice(self, delta: ChoiceDelta) -> ChatChunkChoice:
+    def chunk_choice(self, delta: CompletionOutput) -> ChatChunkChoice:
         finish_reason = delta.finish_reason
         if self.plain:
             message = DeltaMessage(content=delta.text)
         else:
             reader = self.readers.setdefault(delta.index, ReplyStream(self.plan))
-            reasoning, content, calls = reader.feed(delta.text, finish_reason is not None)
-            message = DeltaMessage(
-                content=content or None if reasoning or calls else content,
-                reasoning_content=reasoning or None,
-                tool_calls=calls or None,
-            )
+            message = reader.feed(delta.text, finish_reason is not None)
             finish_reason = _finish_reason(finish_reason, reader.made_calls)
         return ChatChunkChoice(
             index=delta.index,

@@ -11,7 +11,6 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 
 from octavo.entrypoints.openai.choices import (
-    ChoiceDelta,
     ChoiceTracker,
     completion_logprobs,
     prompt_logprobs_field,
@@ -30,7 +29,7 @@ from octavo.entrypoints.openai.serving import (
     start_stream,
     unless_disconnected,
 )
-from octavo.outputs import PromptLogprobs, RequestOutput
+from octavo.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from octavo.sampling_params import SamplingParams
 from octavo.tokenizer.tokenizer import encode_text
 
@@ -117,16 +116,10 @@ def _echoes(
     token ids decoded (every prompt's, when `prompt` is None)."""
     if ctx.tokenizer is None:
         raise OpenAIError("`echo` needs a tokenizer, and this model has none", param="echo")
-    if isinstance(prompt, str):
-        texts = [prompt]
-    elif prompt is None or (prompt and isinstance(prompt[0], int)):
+    texts = [prompt] if isinstance(prompt, str) else prompt  # not empty: _prompt_ids checked
+    if texts is None or not isinstance(texts[0], str):
         texts = [None] * len(prompts)  # token ids
-    else:
-        texts = list(prompt)
-    return [
-        _Echo(text if isinstance(text, str) else None, ids)
-        for text, ids in zip(texts, prompts, strict=True)
-    ]
+    return [_Echo(text, ids) for text, ids in zip(texts, prompts, strict=True)]
 
 
 def _prompt_ids(
@@ -183,7 +176,7 @@ class _Formatter:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = out.prompt_logprobs
 
-    def choice(self, delta: ChoiceDelta) -> CompletionChoice:
+    def choice(self, delta: CompletionOutput) -> CompletionChoice:
         text, token_ids, entries = delta.text, delta.token_ids, delta.logprobs
         if self.echo_only:  # the one generated token is left out
             text, token_ids, entries = "", [], None if entries is None else []
