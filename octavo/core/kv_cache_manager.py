@@ -26,15 +26,6 @@ from octavo.core.request import Request
 
 
 @dataclass
-class PrefixCacheStats:
-    """Prefix cache counters, in tokens: `prefix_cache_queries` tokens looked up at admission,
-    `prefix_cache_hits` of them found in the cache."""
-
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-
-@dataclass
 class SharingStats:
     """Block sharing between sequences of one prompt (n > 1, beam search)."""
 
@@ -62,7 +53,9 @@ class KVCacheManager:
         self.num_out_of_window = 0  # table entries given back: blocks the window saves now
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.stats = PrefixCacheStats()
+        # Prefix cache counters, in tokens: looked up at admission, and found in the cache.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         self.sharing = SharingStats()
         # (source, destination) block ids the runner must copy before this step's writes.
         self.pending_copies: list[tuple[int, int]] = []
@@ -148,8 +141,8 @@ class KVCacheManager:
         if table is None:
             hits = new_computed_blocks or []
             if new_computed_blocks is not None and self._looks_up(request):
-                self.stats.prefix_cache_queries += request.num_tokens
-                self.stats.prefix_cache_hits += len(hits) * self.block_size
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += len(hits) * self.block_size
             self.pool.touch(block for block in hits if block is not None)
             table = self._block_tables[request_id] = list(hits)
             # A hit's entries before the window are None: id 0 stands in, read only masked.
@@ -343,5 +336,3 @@ class KVCacheManager:
     num_total_blocks = property(lambda self: self.pool.num_total_blocks)
     # Blocks saved by sharing right now: every reference beyond a block's first.
     num_shared_block_refs = property(lambda self: self.pool.num_shared_refs)
-    prefix_cache_queries = property(lambda self: self.stats.prefix_cache_queries)
-    prefix_cache_hits = property(lambda self: self.stats.prefix_cache_hits)

@@ -186,7 +186,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         engine_id = self._engine_ids[request_id] = f"{self._calls}#{request_id}"
         self._calls += 1
-        self._send(AddCommand(engine_id, prompt, params))
+        self._commands.put(AddCommand(engine_id, prompt, params))
         deltas = params.output_kind is RequestOutputKind.DELTA
         finished = False
         try:
@@ -203,15 +203,12 @@ class AsyncEngine:
         finally:
             self._forget(request_id)
             if not finished:  # aborting an id the engine no longer has is a no-op
-                self._send(AbortCommand([engine_id]))
+                self._commands.put(AbortCommand([engine_id]))
 
     def _forget(self, request_id: str) -> None:
         """On the event loop: the request's consumer is gone."""
         self._streams.pop(request_id, None)
         self._engine_ids.pop(request_id, None)
-
-    def _send(self, command: AddCommand | AbortCommand) -> None:
-        self._commands.put(command)
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Asks the engine to abort the requests of running generate calls (one id or
@@ -220,7 +217,7 @@ class AsyncEngine:
         ids = request_id_list(request_ids)
         engine_ids = [self._engine_ids[r] for r in ids if r in self._engine_ids]
         if engine_ids:
-            self._send(AbortCommand(engine_ids))
+            self._commands.put(AbortCommand(engine_ids))
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Runs `fn(engine)` on the engine thread between two steps and returns its result:

@@ -146,17 +146,15 @@ def build_engine(
     quantization = _quantization(quantization, model_path, hf_config, dev, load_format)
     torch_dtype = resolve_dtype(dtype, dev)
     kv_dtype = kv_setup.kv_cache_dtype(cache.cache_dtype, torch_dtype, dev)
-    packed = quantization not in (None, "fp8")  # fp8 is emulated in float off the GPU
-    mode = _compute_mode(dev, torch_dtype, kv_dtype, packed, hf_config, deterministic)
+    mode = _compute_mode(dev, torch_dtype, kv_dtype, quantization, hf_config, deterministic)
     tok = load_tokenizer(resolve_model(tokenizer, revision) if tokenizer else model_path)
     runner_options = {
         "model_path": model_path, "hf_config": hf_config, "dtype": torch_dtype,
         "block_size": block_size, "load_format": load_format, "seed": seed,
         "attention_backend": attention_backend, "enforce_eager": enforce_eager,
         "cuda_graph_max_tokens": cuda_graph_max_tokens, "quantization": quantization,
-        "kv_cache_dtype": kv_dtype,
+        "kv_cache_dtype": kv_dtype, "deterministic": deterministic,
         "draft": _draft_options(speculative, hf_config, dev, parallel, load_format),
-        "deterministic": deterministic,
     }  # fmt: skip
     runner = _make_runner(runner_options, dev, parallel, threads)
     sched, num_blocks = _allocate_kv_cache(
@@ -176,9 +174,10 @@ def _cache_config(hf_config, *options) -> CacheConfig:
     return CacheConfig(*options, sliding_window=sliding, hybrid_window=hybrid_window(hf_config))
 
 
-def _compute_mode(dev, dtype, kv_dtype, packed: bool, hf_config, deterministic: bool):
+def _compute_mode(dev, dtype, kv_dtype, quantization, hf_config, deterministic: bool):
     """(the products' dtype, whether a token's result is independent of the batch);
     ValueError for deterministic=True where the CPU path cannot promise it."""
+    packed = quantization not in (None, "fp8")  # fp8 is emulated in float off the GPU
     mode = compute_mode(dev, dtype, kv_dtype, packed, get_head_dim(hf_config))
     if not deterministic or dev.type == "cuda":
         return (mode[0], True) if deterministic else mode

@@ -161,9 +161,7 @@ class Engine(DrivenSequences):
         outputs = []
         for group_id in request_id_list(request_ids):
             members = self.outputs.members(group_id)
-            aborted = self.scheduler.abort_requests([m.request_id for m in members])
-            for request in aborted:
-                self._count_outcome(request)
+            self.scheduler.abort_requests([m.request_id for m in members])
             if members:
                 outputs.append(self.outputs.make_output(group_id))
         return outputs
@@ -346,15 +344,9 @@ class Engine(DrivenSequences):
             status = check_text(request, status, stop)
             if status is not None:
                 self.scheduler.finish_request(request.request_id, status)
-                self._count_outcome(request)
             kind = request.sampling_params.output_kind
             if status is not None or kind is not RequestOutputKind.FINAL_ONLY:
                 groups[request.group_id] = kind  # a FINAL_ONLY group ends with a member
-
-    def _count_outcome(self, request: Request) -> None:
-        reason = request.status.finish_reason or "unknown"
-        by_outcome = self.stats.requests_by_outcome
-        by_outcome[reason] = by_outcome.get(reason, 0) + 1
 
     def shutdown(self) -> None:
         """Stops the tensor-parallel workers, if any; the engine cannot step afterwards."""

@@ -78,7 +78,7 @@ class EngineProcess(AsyncEngine):
         self._options = options  # build_engine's, for a restart
         self._process = process
         self._conn = conn
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # commands for the writer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # for the writer thread
         self._writer: threading.Thread | None = None
         self._max_model_len = max_model_len
         self._vocab_size = vocab_size
@@ -111,7 +111,7 @@ class EngineProcess(AsyncEngine):
         self._process, self._conn, (_, _, self._stats) = await asyncio.to_thread(
             _spawn, self._options
         )
-        self._outbox = queue.SimpleQueue()  # aborts for the old process: nobody to read them
+        self._commands = queue.SimpleQueue()  # aborts for the old process: nobody to read them
         self._closed, self.error = False, None
         self.start()
         self.restarts += 1
@@ -144,7 +144,7 @@ class EngineProcess(AsyncEngine):
         if self._conn.closed:
             return
         if self._writer is not None:
-            self._send(_Stop())
+            self._commands.put(_Stop())
         else:  # never started: no writer thread
             with contextlib.suppress(OSError):
                 self._conn.send(_Stop())
@@ -158,14 +158,11 @@ class EngineProcess(AsyncEngine):
         self._conn.close()
         self._thread = self._writer = self._loop = None
 
-    def _send(self, command: Any) -> None:
-        self._outbox.put(command)
-
     def _write(self) -> None:
         """The writer thread: sends each command in order until _Stop. If the engine process
         is gone, a new request fails and anything else has nothing left to do."""
         while True:
-            command = self._outbox.get()
+            command = self._commands.get()
             try:
                 self._conn.send(command)
             except Exception as e:  # noqa: BLE001 - the process is gone, or pickle refused

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -10,7 +10,6 @@ class EngineStats:
     num_steps: int = 0
     num_tokens_computed: int = 0
     num_generated_tokens: int = 0
-    requests_by_outcome: dict[str, int] = field(default_factory=dict)
 
 
 def engine_stats(engine) -> dict[str, int | float | str | list]:

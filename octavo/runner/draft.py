@@ -46,7 +46,6 @@ class DraftModel:
     ) -> None:
         self.hf_config = options.hf_config
         self.k = options.num_speculative_tokens
-        self.dtype = dtype
         self.device = device
         self.model = load_model(
             options.model_path, options.hf_config, dtype, device, load_format, seed,

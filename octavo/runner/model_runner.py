@@ -19,7 +19,7 @@ from octavo.core.sched_output import GrammarBitmask, SchedulerOutput
 from octavo.model.moe import expert_load, reset_expert_load
 from octavo.model.parallel import broadcast_from_first
 from octavo.runner import kv_setup
-from octavo.runner.cuda_graph import CudaGraphRunner, GraphShape, capture_sizes, mixed_capture_sizes
+from octavo.runner.cuda_graph import CudaGraphRunner, capture_sizes, mixed_capture_sizes
 from octavo.runner.deterministic import fixed_split, make_deterministic
 from octavo.runner.draft import DraftModel, DraftOptions
 from octavo.runner.gemm_tuning import tune_linears
@@ -199,12 +199,6 @@ class ModelRunner(Runner):
     def shutdown(self) -> None:
         """Nothing to stop: the model lives in this process (see MultiprocRunner)."""
 
-    def _graph_shape(self, so: SchedulerOutput) -> GraphShape | None:
-        """The CUDA graph to replay for this step, if one fits it."""
-        if self.graph_runner is None:
-            return None
-        return self.graph_runner.shape_for(so.num_batched_tokens, len(so.scheduled))
-
     def _update_states(self, so: SchedulerOutput) -> None:
         """Drops finished and preempted requests, takes new ones, appends output tokens."""
         gone = so.finished_request_ids + so.preempted_request_ids
@@ -243,7 +237,9 @@ class ModelRunner(Runner):
             raise RuntimeError("the previous step was never sampled (sample_tokens)")
         self._update_states(so)
         self._copy_blocks(so.block_copies, so.sliding_block_copies)
-        graph = self._graph_shape(so)
+        graph = None  # the CUDA graph to replay for this step, if one fits it
+        if self.graph_runner is not None:
+            graph = self.graph_runner.shape_for(so.num_batched_tokens, len(so.scheduled))
         last_rows, last_sampled = self._last_sampled or ({}, None)
         step = self.inputs.build(so.scheduled, graph, last_rows, last_sampled)
         self._before_step(step.md.num_tokens)
@@ -258,14 +254,14 @@ class ModelRunner(Runner):
         rows, logits_index = self._sampling_rows(so, step.md)
         self._last_sampled = None
         if not rows:
-            return PendingOutput([], None, prompt)
+            return PendingOutput([], prompt)
         if logits_index is None:  # one row per token, in order
             hidden = hidden[: len(rows)]
         else:
             hidden = hidden[to_device(logits_index, torch.int64, self.device)]
         logits = self.model.compute_logits(hidden)  # [R, V]
         guesses = {s.request_id: s.spec_token_ids for s in so.scheduled if s.spec_token_ids}
-        pending = PendingOutput(rows, None, prompt, guesses)
+        pending = PendingOutput(rows, prompt, guesses)
         if self.draft is not None:  # its guesses from the kept tokens, unless a later step
             launched = self._num_launched  # has launched over the inputs since
             pending.then = lambda result: (

@@ -23,6 +23,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from dataclasses import replace
 from multiprocessing.connection import Connection, Listener, wait
 
 import torch
@@ -161,8 +162,7 @@ class MultiprocRunner(Runner):
         }
         for conn in self._conns:
             conn.send(options)
-        for rank in range(self.size):  # each has built its shard
-            self._receive(rank)
+        self._receive_all()  # each has built its shard
 
     def _accept(self, listener: Listener) -> list[Connection]:
         """Every worker's connection, in rank order; fails if a local worker exits first."""
@@ -195,13 +195,11 @@ class MultiprocRunner(Runner):
     def num_kv_blocks(self, cache, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """Each worker sizes its cache, and all agree on the smallest count."""
         self._send("size", (cache, max_num_batched_tokens, max_num_seqs))
-        counts = [self._receive(rank) for rank in range(self.size)]  # all the same
-        return counts[0]
+        return self._receive_all()[0]  # all the same
 
     def allocate_kv_cache(self, *args) -> None:
         self._send("allocate", args)
-        for rank in range(self.size):
-            self._receive(rank)
+        self._receive_all()
 
     def execute_async(self, so: SchedulerOutput) -> _RemotePending:
         """A structured step's forward starts on the workers now (its bitmask may come
@@ -214,7 +212,7 @@ class MultiprocRunner(Runner):
 
     def sample_tokens(self, grammar_bitmask: GrammarBitmask | None) -> None:
         if grammar_bitmask is not None:  # a view of the engine's buffer: send its rows
-            grammar_bitmask = _own_rows(grammar_bitmask)
+            grammar_bitmask = replace(grammar_bitmask, bitmask=grammar_bitmask.bitmask.clone())
         so, self._unsent = self._unsent, None
         if so is not None:
             self._send("step", so)
@@ -229,7 +227,7 @@ class MultiprocRunner(Runner):
     def release_kv_blocks(self, ids: dict[bool, list[int]]) -> int:
         """Each worker gives these free blocks' memory back (ModelRunner's): the bytes, summed."""
         self._send("release", ids)
-        return sum(self._receive(rank) for rank in range(self.size))
+        return sum(self._receive_all())
 
     def profile(self, prefix: str | None = None, trace: bool = False) -> list[str]:
         """Starts cProfile (`trace`: torch.profiler's device trace) on every worker (no
@@ -240,8 +238,7 @@ class MultiprocRunner(Runner):
         for rank in range(self.size):
             path = paths[rank] if paths else None
             self._send_bytes(rank, pickle.dumps(("profile", (path, trace))))
-        for rank in range(self.size):
-            self._receive(rank)
+        self._receive_all()
         return paths
 
     def shutdown(self) -> None:
@@ -285,6 +282,10 @@ class MultiprocRunner(Runner):
                 self._die(dead)
         return self._inbox[rank].popleft()
 
+    def _receive_all(self) -> list:
+        """Every rank's answer, in rank order."""
+        return [self._receive(rank) for rank in range(self.size)]
+
     def _dead_worker(self, other_than: int | None = None) -> str | None:
         """Which local worker (other than `other_than`) has exited, as the error to report."""
         for rank, proc in enumerate(self._procs):
@@ -318,10 +319,6 @@ class MultiprocRunner(Runner):
         _kill(self._procs)
         self._finalizer()
         raise WorkerDied(message)
-
-
-def _own_rows(grammar_bitmask: GrammarBitmask) -> GrammarBitmask:
-    return GrammarBitmask(grammar_bitmask.request_ids, grammar_bitmask.bitmask.clone())
 
 
 def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:

@@ -47,7 +47,6 @@ class PendingOutput:
     def __init__(
         self,
         rows: list[tuple[str, SamplingParams, int]],
-        out: SamplerOutput | None,
         prompt: tuple[list[PromptLogprobSpan], tuple[torch.Tensor, ...]] | None = None,
         guesses: dict[str, list[int]] | None = None,
     ):
@@ -55,14 +54,17 @@ class PendingOutput:
         self.guesses = guesses or {}  # request id -> the speculative guesses it verifies
         # Runs on the result once it is complete (a draft model's guesses for the next step).
         self.then: Callable[[ModelRunnerOutput], None] | None = None
-        self._spans = prompt[0] if prompt is not None else []
-        self._prompt_host, self._prompt_event = _copy_to_host(prompt[1] if prompt else ())
-        self._host, self._event = _copy_to_host(_sampler_tensors(out))
-        self._sampled = out is not None or not rows
+        self._spans, prompt_tensors = prompt or ([], ())
+        self._prompt_host, self._prompt_event = _copy_to_host(prompt_tensors)
+        self._host, self._event = [], None  # the sampler's output, once attached
+        self._sampled = not rows
 
     def attach(self, out: SamplerOutput) -> None:
         """Queues the copies of the sampler's output."""
-        self._host, self._event = _copy_to_host(_sampler_tensors(out))
+        tensors = [out.sampled_token_ids]
+        if out.logprobs is not None:
+            tensors += [out.logprob_token_ids, out.logprobs, out.sampled_token_ranks]
+        self._host, self._event = _copy_to_host(tensors)
         self._sampled = True
 
     def result(self) -> ModelRunnerOutput:
@@ -110,14 +112,6 @@ def _keep_verified(result: ModelRunnerOutput, request_id: str, guesses: list[int
     entries = result.logprobs.get(request_id)
     if entries is not None:
         del entries[kept:]
-
-
-def _sampler_tensors(out: SamplerOutput | None) -> list[torch.Tensor]:
-    if out is None:
-        return []
-    if out.logprobs is None:
-        return [out.sampled_token_ids]
-    return [out.sampled_token_ids, out.logprob_token_ids, out.logprobs, out.sampled_token_ranks]
 
 
 def _copy_to_host(tensors) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
