@@ -79,12 +79,6 @@ def test_batch_preemption_chunks_and_prefix_hits_change_nothing(llm_factory, pro
     _check_table(llm_factory, prompt_ids[:6], PATHS[path], 12)
 
 
-@pytest.mark.slow  # the issue's table in full: 16 chat questions, 48 greedy tokens
-@pytest.mark.parametrize("path", PATHS)
-def test_the_full_table_on_sixteen_questions(llm_factory, prompt_ids, path):
-    _check_table(llm_factory, prompt_ids, PATHS[path], 48)
-
-
 def test_default_path_answers_as_float32(llm_factory, prompt_ids):
     """Greedy tokens of the default path equal float32's on 16 questions, or part where
     float32's two best tokens are within 1e-3 nats (a tie no float rounding can settle)."""
