@@ -13,11 +13,13 @@
 #                  nano-vllm workload; moefp8 the same with quantization="fp8"; moethru the
 #                  workload alone, bf16 then fp8
 #   moekernels     one MoE layer at 1-4,096 rows against its floor (moe_kernels.py), bf16 and fp8
+#   moegrid        the same layer at 256 rows over a grid of tiles, bf16 and fp8
 #   serve          `octavo serve` end to end on the dummy Qwen3-0.6B: its start-up, then 64
 #                  requests at once through `octavo bench serve` (a failed one is counted)
 #   serve06, serve8b  `octavo bench serve` against `octavo serve` at two Poisson rates
 #   timeline06, timeline8b, timelineg3  the workload step by step against each step's floor (step_timeline.py)
-#   runprof06, runprof8b, runprofg3, runprofmoe, runprofdet (8B deterministic)  the workload's kernels by step, and its bounds (run_profile.py)
+#   runprof06, runprof8b, runprofg3, runprofmoe, runprofmoefp8, runprofdet (8B deterministic)
+#                  the workload's kernels by step, and its bounds (run_profile.py)
 #   hostprof06, hostprofg3  the workload's host time by Python function (host_profile.py)
 #   kernels, kernels-sweep, prefill-sweep  the attention kernels against the copy ceiling
 #                  (gpu_kernels.py)
@@ -123,6 +125,10 @@ for stage in $stages; do
             --json "$OUT/throughput_qwen3_30b_a3b_fp8.json" 2>&1 | tee "$OUT/moe_thru_fp8.log" | tail -4 ;;
     moekernels) timeout 150 python3 benchmarks/moe_kernels.py --json "$OUT/moe_kernels.json" 2>&1 | tail -8
          timeout 150 python3 benchmarks/moe_kernels.py --fp8 --json "$OUT/moe_kernels_fp8.json" 2>&1 | tail -8 ;;
+    moegrid) for q in "" --fp8; do  # one MoE layer at 256 rows, bf16 then fp8, over a grid of tiles
+           timeout 250 python3 benchmarks/moe_kernels.py --rows 256 --grid $q \
+             --json "$OUT/moe_grid${q/--/_}.json" 2>&1 | tail -3
+         done ;;
     serve) serve_bench qwen3-0.6b 64 inf 2>&1 | tee "$OUT/serve.log" | grep -E "^(/health|Successful|Failed)" ;;
     serve06) serve_bench qwen3-0.6b 256 16 64 2>&1 | tee "$OUT/serve06.log" | grep -E "^(Request rate|Output token|Mean|P99)" ;;
     serve8b) serve_bench qwen3-8b 128 4 16 2>&1 | tee "$OUT/serve8b.log" | grep -E "^(Request rate|Output token|Mean|P99)" ;;
@@ -135,12 +141,14 @@ for stage in $stages; do
             2>&1 | tee "$OUT/host_profile_$m.txt" | head -30 ;;
     timeline8b) timeout 300 python3 benchmarks/step_timeline.py --model qwen3-8b \
             --json "$OUT/timeline_8b${TAG:-}.json" 2>&1 | tee "$OUT/timeline_8b${TAG:-}.log" | tail -30 ;;
-    runprof06|runprof8b|runprofg3|runprofdet|runprofmoe) m=qwen3-0.6b; [ "$stage" = runprofg3 ] && m=gemma-3-1b
-            [ "$stage" = runprofmoe ] && m=qwen3-30b-a3b
+    runprof06|runprof8b|runprofg3|runprofdet|runprofmoe|runprofmoefp8) m=qwen3-0.6b
+            [ "$stage" = runprofg3 ] && m=gemma-3-1b
+            [ "${stage#runprofmoe}" != "$stage" ] && m=qwen3-30b-a3b
             flag=; [ "$stage" = runprofdet ] && flag=--deterministic
+            [ "$stage" = runprofmoefp8 ] && flag="--quantization fp8"
             [ "$stage" = runprof8b ] || [ "$stage" = runprofdet ] && m=qwen3-8b
             timeout 400 python3 benchmarks/run_profile.py --model $m $flag \
-            --json "$OUT/run_profile_$m$flag.json" 2>&1 | tee "$OUT/run_profile_$m$flag.log" | tail -27 ;;
+            --json "$OUT/run_profile_$m${flag// /_}.json" 2>&1 | tee "$OUT/run_profile_$m${flag// /_}.log" | tail -29 ;;
     host) kind=${STRUCTURED:-plain}
             timeout 400 python3 benchmarks/step_timeline.py --host ${STRUCTURED:+--structured $STRUCTURED} \
             ${HOST_ARGS:-} --json "$OUT/decode_host_$kind.json" 2>&1 | grep -v '^{' \

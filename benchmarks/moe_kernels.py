@@ -8,10 +8,10 @@ the sum over k) against its floor, at Qwen3-30B-A3B's shapes (128 experts, top 8
 
 The router picks from random logits (every expert equally likely, as dummy weights do).
 Each M is also timed without PDL, and where the small path (no sort) runs, on the sorted
-path. `--sweep` also times the rule's tiles with one field changed at a time (the small
+path (bf16 only). `--sweep` also times the rule's tiles with one field changed at a time (the small
 path's down tiles from a short list), to check the rule.
 
-    python benchmarks/moe_kernels.py [--rows 1 16 256 4096] [--sweep] [--fp8] [--json out.json]
+    python benchmarks/moe_kernels.py [--rows 1 16 256 4096] [--sweep | --grid] [--fp8] [--json out.json]
 """
 
 from __future__ import annotations
@@ -85,10 +85,17 @@ def _neighbours(rule: fused_moe.TileConfig) -> list[fused_moe.TileConfig]:
             if v != getattr(rule, field)]  # fmt: skip
 
 
+def _grid() -> list[fused_moe.TileConfig]:
+    """Every combination of the tile sizes that suit decode's few rows an expert."""
+    return [fused_moe.TileConfig(bm, bn, bk, warps, stages) for bm in (16, 32)
+            for bn in (64, 128) for bk in (128, 256) for warps in (4, 8) for stages in (3, 4, 5)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16, 256, 4096])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--grid", action="store_true", help="time _grid()'s tiles instead")
     parser.add_argument("--fp8", action="store_true", help="e4m3 experts, a scale per row")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -109,32 +116,31 @@ def main() -> None:
         scales = (s13.view(E, -1), s2.view(E, -1))
     results, sweeps = [], []
     for rows in args.rows:
-        if scales is not None:  # fp8: the layer at each M, nothing else
-            results.append(_case(rows, ceilings, w13, w2, router, scales=scales) |
-                           {"no_pdl_us": float("nan")})  # fmt: skip
-            continue
-        results.append(_case(rows, ceilings, w13, w2, router))
-        if rows * TOP_K <= fused_moe.SMALL_MAX_PAIRS:  # the small path against the sorted
+        results.append(_case(rows, ceilings, w13, w2, router, scales=scales))
+        results[-1]["no_pdl_us"] = float("nan")
+        if scales is None and rows * TOP_K <= fused_moe.SMALL_MAX_PAIRS:  # small vs sorted
             small, fused_moe.SMALL_MAX_PAIRS = fused_moe.SMALL_MAX_PAIRS, 0
             results[-1]["sorted_path_us"] = _case(rows, ceilings, w13, w2, router)["us"]
             fused_moe.SMALL_MAX_PAIRS = small
-        pdl.ENABLED = False
-        results[-1]["no_pdl_us"] = _case(rows, ceilings, w13, w2, router)["us"]
-        pdl.ENABLED = True
+        if scales is None:
+            pdl.ENABLED = False
+            results[-1]["no_pdl_us"] = _case(rows, ceilings, w13, w2, router)["us"]
+            pdl.ENABLED = True
         if args.sweep and rows * TOP_K <= fused_moe.SMALL_MAX_PAIRS:
             rule = fused_moe.SMALL_DOWN_TILES
             for tiles in ((4, 256), (8, 128), (8, 256), (16, 128), (16, 256), (32, 64)):
                 fused_moe.SMALL_DOWN_TILES = tiles
-                r = _case(rows, ceilings, w13, w2, router, repeats=10)
+                r = _case(rows, ceilings, w13, w2, router, repeats=10, scales=scales)
                 sweeps.append(r | {"small_down_tiles": list(tiles)})
                 print(f"rows {rows}: small down tiles {tiles}: {r['us']:.1f} us", flush=True)
             fused_moe.SMALL_DOWN_TILES = rule
             continue
-        if args.sweep:
-            for cfg in _neighbours(fused_moe.tile_config(rows * TOP_K, E)):
+        if args.sweep or args.grid:
+            rule = fused_moe.tile_config(rows * TOP_K, E)
+            for cfg in _grid() if args.grid else _neighbours(rule):
                 bm, bn, bk, warps, stages = astuple(cfg)
                 try:
-                    r = _case(rows, ceilings, w13, w2, router, cfg, repeats=10)
+                    r = _case(rows, ceilings, w13, w2, router, cfg, repeats=10, scales=scales)
                 except Exception as exc:  # out of shared memory, say
                     print(f"  {cfg}: {type(exc).__name__}")
                     continue

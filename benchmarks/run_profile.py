@@ -19,6 +19,7 @@ of the same lengths (so the prefix cache holds none of them), in the same proces
 
     python benchmarks/run_profile.py [--model qwen3-0.6b] [--json out.json]
         [--decode-config block_n=64,num_stages=3] [--unfused-decode] [--deterministic]
+        [--quantization fp8]
 
 `--decode-config` overrides the decode attention kernel's tile; `--unfused-decode` makes
 decode steps store K/V with a kernel of their own instead of inside the attention kernel.
@@ -128,6 +129,7 @@ def main() -> None:
         help="decode steps store K/V in a kernel of their own, not in the attention kernel",
     )
     parser.add_argument("--deterministic", action="store_true", help="LLM(deterministic=True)")
+    parser.add_argument("--quantization", default="none", help="LLM(quantization=...)")
     args = parser.parse_args()
     if args.unfused_decode:
         from octavo.attention.triton_backend import TritonAttentionBackend
@@ -143,7 +145,7 @@ def main() -> None:
         )
     # nano-vllm's settings for its workload, as `octavo bench throughput --workload nanovllm`.
     llm = LLM(args.model, load_format="dummy", max_model_len=4096, max_num_batched_tokens=16384,
-              deterministic=args.deterministic)  # fmt: skip
+              deterministic=args.deterministic, quantization=args.quantization)  # fmt: skip
     runner = llm.engine.runner
     w = nanovllm_workload()
     fl, ceil = measured_floor(llm, w)
@@ -215,6 +217,9 @@ def main() -> None:
         f"{args.model}: copy {bandwidth / 1e12:.2f} TB/s, matmul {flops / 1e12:.0f} TFLOP/s; "
         f"workload floor {fl.seconds:.2f} s"
     )
+    kv, sched = llm.engine.kv, llm.engine.scheduler
+    print(f"KV cache: {kv.pool.num_total_blocks * kv.block_size} tokens; "
+          f"{sched.num_preemptions} preemptions over both runs")  # fmt: skip
     print(
         f"timed run {plain_s:.2f} s ({fl.seconds / plain_s:.1%} of the floor); under the "
         f"profiler {profiled_s:.2f} s, device busy {busy:.2f} s in steps; outside any step: "
