@@ -38,7 +38,7 @@ from step_timeline import describe
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from octavo import LLM, SamplingParams
-from octavo.entrypoints.bench_floor import lm_head_params
+from octavo.entrypoints.bench_floor import lm_head_params, serial_work
 from octavo.entrypoints.bench_throughput import measured_floor, nanovllm_workload
 
 BUCKETS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256)]
@@ -169,10 +169,12 @@ def main() -> None:
     totals, lost, by_name = attribute(prof.profiler.kineto_results.events(), shapes)
 
     bandwidth, flops = ceil.copy_bytes_per_s, ceil.matmul_flops
-    num_params = fl.active_params  # of a mixture of experts' experts, the k a token reaches
+    work = serial_work(runner.model, runner.hf_config, runner.kv_cache_dtype,
+                       [len(p) for p in w.prompts], w.max_tokens)  # fmt: skip
+    num_params = work.active_params  # of a mixture of experts' experts, the k a token reaches
 
     def rest_floor_us(batch: int) -> float:  # the weights a step of `batch` tokens reaches
-        return 1e6 * max(fl.step_weight_bytes(batch) / bandwidth, 2 * num_params * batch / flops)
+        return 1e6 * max(work.step_weight_bytes(batch) / bandwidth, 2 * num_params * batch / flops)
 
     steps: dict[tuple[str, int], int] = defaultdict(int)
     contexts: dict[tuple[str, int], int] = defaultdict(int)  # positions attended, summed
@@ -180,6 +182,13 @@ def main() -> None:
         if shape is not None:
             steps[step_key(shape)] += 1
             contexts[step_key(shape)] += shape["context"]
+    # Each step the run scheduled at its own floor: the weights its tokens reach or its
+    # FLOPs, then its KV reads. Against the workload floor it prices the schedule (how many
+    # steps, at which batches, as the KV cache's size allows); against the run, the kernels.
+    schedule_s = sum(
+        rest_floor_us(shape["tokens"]) / 1e6 + shape["context"] * fl.kv_bytes_per_token / bandwidth
+        for shape in shapes if shape is not None
+    )  # fmt: skip
     rows = []
     groups = [("prefill", lambda k, b: k == "prefill")] + [
         (f"decode {lo}-{hi}", lambda k, b, lo=lo, hi=hi: k == "decode" and lo <= b <= hi)
@@ -226,6 +235,11 @@ def main() -> None:
         f"{ {c: round(us / 1e6, 3) for c, us in lost.items()} } s"
     )
     print(
+        f"the profiled run's {sum(steps.values())} steps, each at its own floor: {schedule_s:.2f} s "
+        f"(the workload floor is {fl.seconds / schedule_s:.1%} of it, the profiled run "
+        f"{schedule_s / profiled_s:.1%})"
+    )
+    print(
         f"{'steps':<15}{'n':>6}{'attention s':>13}{'KV read s':>11}{'rest s':>9}"
         f"{'rest floor s':>14}"
     )
@@ -266,6 +280,7 @@ def main() -> None:
                     "device_busy_s": busy,
                     "outside_steps_us": lost,
                     "groups": rows,
+                    "schedule_floor_s": schedule_s,
                     "bound_s": bound,
                     "bound_with_attention_s": both,
                     "bound_with_prefill_s": every,

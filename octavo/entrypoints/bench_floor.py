@@ -128,6 +128,26 @@ def bytes_read_per_token(model: torch.nn.Module) -> float:
     return sum(p.numel() * p.element_size() * share.get(id(p), 1.0) for p in params)
 
 
+def serial_work(
+    model: torch.nn.Module, hf_config, kv_dtype: torch.dtype, prompt_lens: list[int],
+    output_lens: list[int],
+) -> SerialWork:  # fmt: skip
+    """What the workload asks of the device running `model`, its KV cache in `kv_dtype`."""
+    from octavo.model.config import get_head_dim, layer_windows
+
+    params = weights_read_per_step(model)
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    num_params = sum(p.numel() for p in params)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    kv_per_token = hf_config.num_hidden_layers * 2 * kv_heads * get_head_dim(hf_config) * elem
+    return SerialWork(
+        prompt_lens, output_lens, weight_bytes, num_params,
+        lm_head_params(model), kv_per_token, *_expert_parts(model),
+        windows=tuple(layer_windows(hf_config)),
+    )  # fmt: skip
+
+
 def workload_floor(
     model: torch.nn.Module,
     hf_config,
@@ -140,19 +160,8 @@ def workload_floor(
     compute floor = 2 x active params x all tokens / matmul rate; the floor is the larger.
     A step reads every weight, but of a mixture of experts' experts only those its tokens
     reach (SerialWork.step_weight_bytes). The KV cache holds `kv_dtype`."""
-    from octavo.model.config import get_head_dim, layer_windows
-
-    params = weights_read_per_step(model)
-    weight_bytes = sum(p.numel() * p.element_size() for p in params)
-    num_params = sum(p.numel() for p in params)
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    elem = torch.empty((), dtype=kv_dtype).element_size()
-    kv_per_token = hf_config.num_hidden_layers * 2 * kv_heads * get_head_dim(hf_config) * elem
-    work = SerialWork(
-        prompt_lens, output_lens, weight_bytes, num_params,
-        lm_head_params(model), kv_per_token, *_expert_parts(model),
-        windows=tuple(layer_windows(hf_config)),
-    )  # fmt: skip
+    work = serial_work(model, hf_config, kv_dtype, prompt_lens, output_lens)
+    weight_bytes, kv_per_token = work.weight_bytes, work.kv_bytes_per_token
     kv_read = sum(work.kv_bytes_read(p, o) for p, o in zip(prompt_lens, output_lens, strict=True))
     steps = max(output_lens, default=0)
     weight_read = sum(work.step_weight_bytes(work.running(t)) for t in range(steps))
