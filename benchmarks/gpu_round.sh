@@ -126,8 +126,8 @@ for stage in $stages; do
     moekernels) timeout 150 python3 benchmarks/moe_kernels.py --json "$OUT/moe_kernels.json" 2>&1 | tail -8
          timeout 150 python3 benchmarks/moe_kernels.py --fp8 --json "$OUT/moe_kernels_fp8.json" 2>&1 | tail -8 ;;
     moegrid) for q in "" --fp8; do  # one MoE layer at 256 rows, bf16 then fp8, over a grid of tiles
-           timeout 250 python3 benchmarks/moe_kernels.py --rows 256 --grid $q \
-             --json "$OUT/moe_grid${q/--/_}.json" 2>&1 | tail -3
+           timeout 250 python3 benchmarks/moe_kernels.py --rows 256 --grid --kernels $q \
+             --json "$OUT/moe_grid${q/--/_}.json" 2>&1 | grep -v "^  TileConfig" | tail -16
          done ;;
     serve) serve_bench qwen3-0.6b 64 inf 2>&1 | tee "$OUT/serve.log" | grep -E "^(/health|Successful|Failed)" ;;
     serve06) serve_bench qwen3-0.6b 256 16 64 2>&1 | tee "$OUT/serve06.log" | grep -E "^(Request rate|Output token|Mean|P99)" ;;

@@ -11,7 +11,7 @@ Each M is also timed without PDL, and where the small path (no sort) runs, on th
 path (bf16 only). `--sweep` also times the rule's tiles with one field changed at a time (the small
 path's down tiles from a short list), to check the rule.
 
-    python benchmarks/moe_kernels.py [--rows 1 16 256 4096] [--sweep | --grid] [--fp8] [--json out.json]
+    python benchmarks/moe_kernels.py [--rows 1 16 256 4096] [--sweep | --grid] [--fp8] [--kernels] [--json out.json]
 """
 
 from __future__ import annotations
@@ -48,8 +48,25 @@ def _graph_time(fn, repeats: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _kernel_times(fn, repeats: int = 20) -> dict[str, float]:
+    """Each kernel's mean device microseconds over `repeats` eager calls of `fn`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            totals[e.key] = e.device_time_total / repeats
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def _case(rows: int, ceilings, w13, w2, router, config=None, repeats: int = 50,
-          scales=None) -> dict:  # fmt: skip
+          scales=None, kernels: bool = False) -> dict:  # fmt: skip
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
 
@@ -58,6 +75,9 @@ def _case(rows: int, ceilings, w13, w2, router, config=None, repeats: int = 50,
         return fused_moe.fused_experts(x, w13, w2, ids, weights, config=config, scales=scales)
 
     seconds = _graph_time(layer, repeats)
+    if kernels:
+        for name, us in _kernel_times(layer).items():
+            print(f"  rows {rows}: {us:8.1f} us  {name[:90]}")
     ids, _ = fused_moe.route(F.linear(x, router), TOP_K, True)
     reached = torch.unique(ids).numel()
     elem = 2
@@ -88,13 +108,14 @@ def _neighbours(rule: fused_moe.TileConfig) -> list[fused_moe.TileConfig]:
 def _grid() -> list[fused_moe.TileConfig]:
     """Every combination of the tile sizes that suit decode's few rows an expert."""
     return [fused_moe.TileConfig(bm, bn, bk, warps, stages) for bm in (16, 32)
-            for bn in (64, 128) for bk in (128, 256) for warps in (4, 8) for stages in (3, 4, 5)]
+            for bn in (64, 128) for bk in (128, 256) for warps in (4, 8) for stages in (3, 4, 5)]  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 16, 256, 4096])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--kernels", action="store_true", help="each kernel's time too")
     parser.add_argument("--grid", action="store_true", help="time _grid()'s tiles instead")
     parser.add_argument("--fp8", action="store_true", help="e4m3 experts, a scale per row")
     parser.add_argument("--json")
@@ -116,7 +137,8 @@ def main() -> None:
         scales = (s13.view(E, -1), s2.view(E, -1))
     results, sweeps = [], []
     for rows in args.rows:
-        results.append(_case(rows, ceilings, w13, w2, router, scales=scales))
+        results.append(_case(rows, ceilings, w13, w2, router, scales=scales,
+                             kernels=args.kernels))  # fmt: skip
         results[-1]["no_pdl_us"] = float("nan")
         if scales is None and rows * TOP_K <= fused_moe.SMALL_MAX_PAIRS:  # small vs sorted
             small, fused_moe.SMALL_MAX_PAIRS = fused_moe.SMALL_MAX_PAIRS, 0
@@ -145,9 +167,9 @@ def main() -> None:
                     print(f"  {cfg}: {type(exc).__name__}")
                     continue
                 sweeps.append(r | {"config": [bm, bn, bk, warps, stages]})
-            best = min((s for s in sweeps if s["rows"] == rows), key=lambda s: s["us"])
-            print(f"rows {rows}: rule {results[-1]['us']:.1f} us, best {best['us']:.1f} us "
-                  f"with {best['config']}", flush=True)  # fmt: skip
+            best = sorted((s for s in sweeps if s["rows"] == rows), key=lambda s: s["us"])[:3]
+            print(f"rows {rows}: rule {astuple(rule)} {results[-1]['us']:.1f} us, best "
+                  + ", ".join(f"{b['config']} {b['us']:.1f} us" for b in best), flush=True)  # fmt: skip
     print(f"copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, matmul "
           f"{ceilings.matmul_flops / 1e12:.0f} TFLOP/s, {torch.cuda.get_device_name()}")  # fmt: skip
     print(f"{'rows':>6} {'experts':>7} {'us':>9} {'floor us':>9} {'x floor':>8} {'GB/s':>7} "
