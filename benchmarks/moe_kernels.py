@@ -107,8 +107,8 @@ def _neighbours(rule: fused_moe.TileConfig) -> list[fused_moe.TileConfig]:
 
 def _grid() -> list[fused_moe.TileConfig]:
     """Every combination of the tile sizes that suit decode's few rows an expert."""
-    return [fused_moe.TileConfig(bm, bn, bk, 4, stages, swap) for bm in (16, 32)
-            for bn in (64, 128) for bk in (128, 256) for stages in (3, 4) for swap in (False, True)]  # fmt: skip
+    return [fused_moe.TileConfig(bm, bn, bk, warps, stages) for bm in (16, 32)
+            for bn in (64, 128) for bk in (128, 256) for warps in (4, 8) for stages in (3, 4, 5)]  # fmt: skip
 
 
 def main() -> None:
@@ -160,13 +160,13 @@ def main() -> None:
         if args.sweep or args.grid:
             rule = fused_moe.tile_config(rows * TOP_K, E)
             for cfg in _grid() if args.grid else _neighbours(rule):
-                bm, bn, bk, warps, stages, swap = astuple(cfg)
+                bm, bn, bk, warps, stages = astuple(cfg)
                 try:
                     r = _case(rows, ceilings, w13, w2, router, cfg, repeats=10, scales=scales)
                 except Exception as exc:  # out of shared memory, say
                     print(f"  {cfg}: {type(exc).__name__}")
                     continue
-                sweeps.append(r | {"config": [bm, bn, bk, warps, stages, swap]})
+                sweeps.append(r | {"config": [bm, bn, bk, warps, stages]})
             best = sorted((s for s in sweeps if s["rows"] == rows), key=lambda s: s["us"])[:3]
             print(f"rows {rows}: rule {astuple(rule)} {results[-1]['us']:.1f} us, best "
                   + ", ".join(f"{b['config']} {b['us']:.1f} us" for b in best), flush=True)  # fmt: skip

@@ -131,22 +131,11 @@ def _moe_gemm_kernel(
     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr, USE_PDL: tl.constexpr,
-    SWAP: tl.constexpr = False,
 ):  # fmt: skip
     """c[pair, n] = sum_k a[pair // ROWS_PER_A, k] b[expert, n, k] over the block's pairs;
     GATED: silu(that) * (the same over b's rows n + up_offset); WEIGHTED: times the pair's
     routing weight. b [E, rows, K] has unit stride along K; SCALED: b holds e4m3 codes,
-    widened to a's dtype for the dot, and row r of expert e is times b_scale[e, r].
-    SWAP: the tile is computed transposed, b's [BLOCK_N, BLOCK_K] tile as the dot's left
-    operand (BLOCK_N rows fill the tensor cores' wide side where BLOCK_M rows would not)."""
-    if SWAP:
-        _moe_gemm_swapped(
-            a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-            b_scale_ptr, N, K, num_pairs, up_offset, stride_am, stride_be, stride_bn,
-            stride_cm, stride_se, ROWS_PER_A, GATED, WEIGHTED, BLOCK_M, BLOCK_N, BLOCK_K,
-            EVEN_K, IEEE, SCALED, USE_PDL,
-        )  # fmt: skip
-        return
+    widened to a's dtype for the dot, and row r of expert e is times b_scale[e, r]."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     num_n = tl.cdiv(N, BLOCK_N)
@@ -187,58 +176,6 @@ def _moe_gemm_kernel(
         acc = acc * tl.load(weights_ptr + pairs, mask=real, other=0.0)[:, None]
     c_ptrs = c_ptr + tl.where(real, pairs, 0).to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=real[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _moe_gemm_swapped(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr, b_scale_ptr,
-    N, K, num_pairs, up_offset,
-    stride_am, stride_be, stride_bn, stride_cm, stride_se,
-    ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """_moe_gemm_kernel's tile as c^T [BLOCK_N, BLOCK_M] = b [BLOCK_N, K] a^T [K, BLOCK_M]."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
-    block, pid_n = pid // num_n, pid % num_n
-    if block * BLOCK_M >= tl.load(total_ptr):
-        return
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    pairs = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    real = pairs < num_pairs
-    a_rows = tl.where(real, pairs // ROWS_PER_A, 0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[None, :] * stride_am + offs_k[:, None]
-    b_ptrs = b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (offs_k < K - k0) | EVEN_K
-        a = tl.load(a_ptrs, mask=real[None, :] & k_ok[:, None], other=0.0)
-        b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(a.dtype)
-        acc = _dot(b, a, acc, IEEE)
-        if GATED:
-            b_up = tl.load(b_ptrs + up_offset * stride_bn, mask=n_ok[:, None] & k_ok[None, :],
-                           other=0.0).to(a.dtype)  # fmt: skip
-            acc_up = _dot(b_up, a, acc_up, IEEE)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    if SCALED:
-        scale_row = b_scale_ptr + expert * stride_se + offs_n
-        acc = acc * tl.load(scale_row, mask=n_ok, other=0.0)[:, None]
-        if GATED:
-            acc_up = acc_up * tl.load(scale_row + up_offset, mask=n_ok, other=0.0)[:, None]
-    if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-    if WEIGHTED:
-        acc = acc * tl.load(weights_ptr + pairs, mask=real, other=0.0)[None, :]
-    c_ptrs = c_ptr + tl.where(real, pairs, 0).to(tl.int64)[None, :] * stride_cm + offs_n[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=real[None, :] & n_ok[:, None])
 
 
 @triton.jit
@@ -331,7 +268,6 @@ class TileConfig:
     block_k: int
     num_warps: int
     num_stages: int
-    swap: bool = False  # the weights' tile as the dot's left operand (_moe_gemm_swapped)
 
 
 def tile_config(num_pairs: int, num_experts: int, element_size: int = 2) -> TileConfig:
@@ -452,8 +388,7 @@ def fused_experts(
     ieee = x.dtype == torch.float32
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=ieee,
-                  SWAP=cfg.swap, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  **pdl_args(x.device))  # fmt: skip
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))  # fmt: skip
     _moe_gemm_kernel[(num_blocks * triton.cdiv(inter, cfg.block_n),)](
         x, w13, h, weights, sorted_ids, block_expert, total, s13, inter, hidden, num_pairs,
         inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), s13.stride(0),

@@ -166,27 +166,6 @@ def test_fp8_experts_match_their_dequantized_weights(tokens, experts, top_k, hid
     torch.testing.assert_close(out.float().cpu(), ref, **_tolerance(dtype))
 
 
-@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", CASES)
-@pytest.mark.parametrize("fp8", [False, True])
-def test_swapped_tiles_match_reference(tokens, experts, top_k, hidden, inter, fp8):
-    """The sorted path with its tiles computed transposed (TileConfig.swap), bf16 and fp8."""
-    dtype = torch.float32 if INTERPRET else torch.bfloat16
-    if INTERPRET and tokens > 17:
-        pytest.skip("slow in the interpreter")
-    x, w13, w2, ids, weights = _layer_inputs(
-        tokens, experts, top_k, hidden, inter, dtype, seed=tokens * 5 + hidden
-    )
-    scales = None
-    if fp8:
-        (w13, s13, d13), (w2, s2, d2) = _to_fp8(w13), _to_fp8(w2)
-        scales = (s13, s2)
-    cfg = fused_moe.tile_config(tokens * top_k, experts, x.element_size())
-    cfg = fused_moe.TileConfig(cfg.block_m, cfg.block_n, cfg.block_k, 4, 3, swap=True)
-    out = fused_moe.fused_experts(x, w13, w2, ids, weights, config=cfg, scales=scales)
-    ref = _reference(x, d13 if fp8 else w13, d2 if fp8 else w2, ids, weights)
-    torch.testing.assert_close(out.float().cpu(), ref, **_tolerance(dtype))
-
-
 @pytest.mark.parametrize("first,num_local", [(0, 4), (4, 4), (2, 3)])
 def test_fused_experts_of_one_rank(first, num_local, path):
     """Expert parallelism: a rank with experts first .. first + num_local - 1 gives their
