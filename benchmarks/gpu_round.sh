@@ -13,6 +13,8 @@
 #                  nano-vllm workload; moefp8 the same with quantization="fp8"; moethru the
 #                  workload alone, bf16 then fp8
 #   moekernels     one MoE layer at 1-4,096 rows against its floor (moe_kernels.py), bf16 and fp8
+#   moetests       the MoE GPU tests (fused kernels, then models against HF)
+#   moeprefill     the layer at 16,384 rows (a prefill step's) with its tiles' neighbours
 #   moegrid        the same layer at 256 rows over a grid of tiles, bf16 and fp8
 #   serve          `octavo serve` end to end on the dummy Qwen3-0.6B: its start-up, then 64
 #                  requests at once through `octavo bench serve` (a failed one is counted)
@@ -125,6 +127,10 @@ for stage in $stages; do
             --json "$OUT/throughput_qwen3_30b_a3b_fp8.json" 2>&1 | tee "$OUT/moe_thru_fp8.log" | tail -4 ;;
     moekernels) timeout 150 python3 benchmarks/moe_kernels.py --json "$OUT/moe_kernels.json" 2>&1 | tail -8
          timeout 150 python3 benchmarks/moe_kernels.py --fp8 --json "$OUT/moe_kernels_fp8.json" 2>&1 | tail -8 ;;
+    moetests) timeout 240 python3 -m pytest tests/gpu/test_fused_moe.py tests/gpu/test_moe_gpu.py -q \
+            -p no:cacheprovider 2>&1 | tee "$OUT/moe_tests.log" | tail -4 ;;
+    moeprefill) timeout 150 python3 benchmarks/moe_kernels.py --rows 16384 --sweep --kernels \
+            --json "$OUT/moe_prefill_sweep.json" 2>&1 | grep -v "^  TileConfig" | tail -12 ;;
     moegrid) for q in "" --fp8; do  # one MoE layer at 256 rows, bf16 then fp8, over a grid of tiles
            timeout 250 python3 benchmarks/moe_kernels.py --rows 256 --grid --kernels $q \
              --json "$OUT/moe_grid${q/--/_}.json" 2>&1 | grep -v "^  TileConfig" | tail -16

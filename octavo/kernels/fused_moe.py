@@ -74,46 +74,37 @@ def _route_kernel(
 @triton.jit
 def _align_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, num_pairs, first, num_local,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BINS: tl.constexpr, PAIRS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """One program: counts, padded runs, each block's expert, then each pair's slot. Pairs
-    routed to an expert outside first .. first + num_local - 1 (another rank's) get none."""
+    """A program per local expert: every program counts all the pairs' experts (a histogram,
+    whose last bin takes the pairs of experts outside first .. first + num_local - 1, another
+    rank's), so each knows where its run starts; then it places its own pairs in pair order,
+    pads its run and names its blocks."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1) - first
-        hit = (ids[:, None] == experts[None, :]) & (experts < num_local)[None, :]
-        counts += tl.sum(hit.to(tl.int32), 0)
+    expert = tl.program_id(0)
+    offs = tl.arange(0, PAIRS)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1) - first
+    ours = (offs < num_pairs) & (ids >= 0) & (ids < num_local)
+    counts = tl.histogram(tl.where(ours, ids, BINS - 1), BINS)
+    bins = tl.arange(0, BINS)
+    counts = tl.where(bins < num_local, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    starts = ends - padded
-    total = tl.sum(padded, 0)
-    tl.store(total_ptr, total)
-    # Each real block's expert: the number of runs that end at or before its first slot.
-    for b0 in range(0, total // BLOCK_M, CHUNK):
-        blocks = b0 + tl.arange(0, CHUNK)
-        before = (ends[None, :] <= (blocks * BLOCK_M)[:, None]) & (experts < num_local)[None, :]
-        tl.store(block_expert_ptr + blocks, tl.sum(before.to(tl.int32), 1),
-                 mask=blocks * BLOCK_M < total)  # fmt: skip
-    # Padding: the slots after each run's pairs, up to its block's end.
+    starts = tl.cumsum(padded, 0) - padded
+    start = tl.sum(tl.where(bins == expert, starts, 0), 0)
+    count = tl.sum(tl.where(bins == expert, counts, 0), 0)
+    if expert == 0:
+        tl.store(total_ptr, tl.sum(padded, 0))
+    hit = ours & (ids == expert)
+    rank = tl.cumsum(hit.to(tl.int32), 0) - 1
+    tl.store(sorted_ptr + start + rank, offs, mask=hit)
     pad = tl.arange(0, BLOCK_M)
-    slot = (starts + counts)[:, None] + pad[None, :]
-    is_pad = pad[None, :] < (padded - counts)[:, None]
-    tl.store(sorted_ptr + slot, tl.full([BLOCK_E, BLOCK_M], 0, tl.int32) + num_pairs, mask=is_pad)
-    # Each pair's slot: its run's start + how many pairs of its expert came before it.
-    offset = starts
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1) - first
-        hit = ((ids[:, None] == experts[None, :]) & (experts < num_local)[None, :]).to(tl.int32)
-        rank = tl.cumsum(hit, 0) - hit
-        dest = tl.sum(hit * (rank + offset[None, :]), 1)
-        ours = (offs < num_pairs) & (ids >= 0) & (ids < num_local)
-        tl.store(sorted_ptr + dest, offs, mask=ours)
-        offset += tl.sum(hit, 0)
+    tl.store(sorted_ptr + start + count + pad, tl.full([BLOCK_M], 0, tl.int32) + num_pairs,
+             mask=pad < (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M - count)  # fmt: skip
+    blocks = tl.arange(0, MAX_BLOCKS)
+    tl.store(block_expert_ptr + start // BLOCK_M + blocks, tl.full([MAX_BLOCKS], 0, tl.int32)
+             + expert, mask=blocks < tl.cdiv(count, BLOCK_M))  # fmt: skip
 
 
 @triton.jit
@@ -272,13 +263,14 @@ class TileConfig:
 
 def tile_config(num_pairs: int, num_experts: int, element_size: int = 2) -> TileConfig:
     """Tiles by the mean rows an expert gets: 16-row blocks while most experts see a few
-    rows (decode: every block is weight reads), larger ones as the rows per expert grow.
-    float32 halves BLOCK_K to fit shared memory."""
+    rows (decode: every block is weight reads), 32-row ones from 8 rows (so that one block,
+    one read of the weights, holds nearly every expert's rows), larger ones as the rows per
+    expert grow. float32 halves BLOCK_K to fit shared memory."""
     rows = num_pairs / num_experts
-    if rows <= 16:
+    if rows <= 8:
         cfg = TileConfig(16, 64, 128, 4, 4)
     elif rows <= 64:
-        cfg = TileConfig(32, 64, 128, 4, 4)
+        cfg = TileConfig(32, 64, 128, 4, 3)
     elif rows <= 256:
         cfg = TileConfig(64, 128, 64, 4, 4)
     else:
@@ -286,7 +278,7 @@ def tile_config(num_pairs: int, num_experts: int, element_size: int = 2) -> Tile
     return cfg if element_size <= 2 else replace(cfg, block_k=cfg.block_k // 2)
 
 
-# Pairs up to which the one-program align kernel runs; beyond, torch's sort does it.
+# Pairs up to which the align kernel runs (each program holds every pair); beyond, torch sorts.
 ALIGN_KERNEL_MAX_PAIRS = 4096
 # Pairs up to which the small path runs (no sort: two kernels on the FMA units).
 SMALL_MAX_PAIRS = 32
@@ -326,9 +318,11 @@ def align(
     block_expert = torch.empty(slots // block_m, dtype=torch.int32, device=device)
     total = torch.empty(1, dtype=torch.int32, device=device)
     if num_pairs <= ALIGN_KERNEL_MAX_PAIRS:
-        _align_kernel[(1,)](
+        pairs = triton.next_power_of_2(num_pairs)
+        _align_kernel[(num_local,)](
             ids, sorted_ids, block_expert, total, num_pairs, first, num_local,
-            BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_local), CHUNK=64, num_warps=4,
+            BLOCK_M=block_m, BINS=triton.next_power_of_2(num_local + 1), PAIRS=pairs,
+            MAX_BLOCKS=max(triton.cdiv(pairs, block_m), 2), num_warps=4 if pairs <= 1024 else 8,
             **pdl_args(device),
         )  # fmt: skip
         return sorted_ids, block_expert, total
