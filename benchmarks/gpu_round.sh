@@ -127,7 +127,7 @@ for stage in $stages; do
             --json "$OUT/throughput_qwen3_30b_a3b_fp8.json" 2>&1 | tee "$OUT/moe_thru_fp8.log" | tail -4 ;;
     moekernels) timeout 150 python3 benchmarks/moe_kernels.py --json "$OUT/moe_kernels.json" 2>&1 | tail -8
          timeout 150 python3 benchmarks/moe_kernels.py --fp8 --json "$OUT/moe_kernels_fp8.json" 2>&1 | tail -8 ;;
-    moetests) timeout 240 python3 -m pytest tests/gpu/test_fused_moe.py tests/gpu/test_moe_gpu.py -q \
+    moetests) timeout 400 python3 -m pytest tests/gpu/test_fused_moe.py tests/gpu/test_moe_gpu.py -q \
             -p no:cacheprovider 2>&1 | tee "$OUT/moe_tests.log" | tail -4 ;;
     moeprefill) timeout 150 python3 benchmarks/moe_kernels.py --rows 16384 --sweep --kernels \
             --json "$OUT/moe_prefill_sweep.json" 2>&1 | grep -v "^  TileConfig" | tail -12 ;;

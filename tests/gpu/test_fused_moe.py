@@ -29,17 +29,16 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
 
 
 def _reference(x, w13, w2, ids, weights, first=0):
-    """Each token's sum over its k experts, in float32."""
+    """Each token's sum over its k experts, in float32 (an expert's tokens at a time)."""
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32)
     x, w13, w2 = x.float().cpu(), w13.float().cpu(), w2.float().cpu()
-    for t in range(x.shape[0]):
-        for e, w in zip(ids[t].tolist(), weights[t].tolist()):
-            local = e - first
-            if not 0 <= local < w13.shape[0]:
-                continue
-            h = w13[local] @ x[t]
-            out[t] += w * (w2[local] @ (F.silu(h[:inter]) * h[inter:]))
+    ids, weights = ids.long().cpu() - first, weights.float().cpu()
+    for local in range(w13.shape[0]):
+        tokens, slots = (ids == local).nonzero(as_tuple=True)
+        h = x[tokens] @ w13[local].T
+        y = (F.silu(h[:, :inter]) * h[:, inter:]) @ w2[local].T
+        out.index_add_(0, tokens, weights[tokens, slots, None] * y)
     return out
 
 
