@@ -133,3 +133,16 @@ def test_fused_moe_gemms_compile(weights, gated):
             "weights_ptr": "*fp32", "scale_ptr": "*fp32"}  # fmt: skip
     assert _compile(fused_moe._small_down_kernel, down,
                     common | {"K_POW2": 8, "BLOCK_N": 4, "BLOCK_K": 256})["cubin"]  # fmt: skip
+
+
+@pytest.mark.parametrize("pairs", [8, 4096])  # one token's pairs; the most the kernel takes
+def test_fused_moe_align_compiles(pairs):
+    from octavo.kernels import fused_moe
+
+    types = {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+             "total_ptr": "*i32"}  # fmt: skip
+    asm = _compile(fused_moe._align_kernel, types, {
+        "BLOCK_M": 16, "BINS": 256, "PAIRS": pairs, "MAX_BLOCKS": max(pairs // 16, 2),
+        "USE_PDL": True,
+    }, num_warps=4 if pairs <= 1024 else 8)  # fmt: skip
+    assert asm["cubin"]
