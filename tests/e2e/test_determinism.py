@@ -54,15 +54,17 @@ def alone(llm, prompts, params) -> list:
     return [results(llm.generate(prompts_of([p]), params, use_tqdm=False))[0] for p in prompts]
 
 
-def _check_table(llm_factory, prompts, quantization, max_tokens):
-    """The issue's table: alone, in one batch, preempted, in 32-token prefill chunks and
-    from the prefix cache, each bitwise the same."""
+def _check_table(llm_factory, prompts, quantization, max_tokens, kv_blocks=10):
+    """The issue's table: alone, in one batch, preempted (a cache of `kv_blocks` blocks), in
+    32-token prefill chunks and from the prefix cache, each bitwise the same."""
     params = greedy(max_tokens)
     llm = llm_factory(quantization=quantization, enable_prefix_caching=False)
     want = alone(llm, prompts, params)
     assert results(llm.generate(prompts_of(prompts), params, use_tqdm=False)) == want
 
-    small = llm_factory(quantization=quantization, num_kv_blocks=10, enable_prefix_caching=False)
+    small = llm_factory(
+        quantization=quantization, num_kv_blocks=kv_blocks, enable_prefix_caching=False
+    )
     before = small.get_stats()["num_preemptions"]
     assert results(small.generate(prompts_of(prompts), params, use_tqdm=False)) == want
     assert small.get_stats()["num_preemptions"] > before
