@@ -38,7 +38,7 @@ from step_timeline import describe
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from octavo import LLM, SamplingParams
-from octavo.entrypoints.bench_floor import lm_head_params, serial_work
+from octavo.entrypoints.bench_floor import serial_work
 from octavo.entrypoints.bench_throughput import measured_floor, nanovllm_workload
 
 BUCKETS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256)]
@@ -171,10 +171,9 @@ def main() -> None:
     bandwidth, flops = ceil.copy_bytes_per_s, ceil.matmul_flops
     work = serial_work(runner.model, runner.hf_config, runner.kv_cache_dtype,
                        [len(p) for p in w.prompts], w.max_tokens)  # fmt: skip
-    num_params = work.active_params  # of a mixture of experts' experts, the k a token reaches
 
     def rest_floor_us(batch: int) -> float:  # the weights a step of `batch` tokens reaches
-        return 1e6 * max(work.step_weight_bytes(batch) / bandwidth, 2 * num_params * batch / flops)
+        return 1e6 * work.gemm_seconds(batch, ceil)
 
     steps: dict[tuple[str, int], int] = defaultdict(int)
     contexts: dict[tuple[str, int], int] = defaultdict(int)  # positions attended, summed
@@ -217,8 +216,7 @@ def main() -> None:
     decode_attn = sum(r["attention_s"] for r in rows if r["rest_floor_s"] is not None)
     both = bound - decode_attn + fl.kv_read_bytes / bandwidth  # attention at its KV read too
     # and the prefill steps at their GEMMs' FLOPs (prompts use the LM head at their last token)
-    head = lm_head_params(runner.model)
-    prefill_flops = 2 * ((num_params - head) * sum(map(len, w.prompts)) + head * len(w.prompts))
+    prefill_flops = work.prefill_flops()
     prefill_s = rows[0]["attention_s"] + rows[0]["rest_s"]
     every = both - prefill_s + prefill_flops / flops
 

@@ -71,14 +71,13 @@ def main() -> None:
     model = meta_model(cfg, torch.bfloat16)
     lens = [len(p) for p in prompts]
     work = serial_work(model, cfg, torch.bfloat16, lens, max_tokens)
-    copy, flops = args.copy_tb_s * 1e12, args.matmul_tflop_s * 1e12
-    workload_s = workload_floor(model, cfg, torch.bfloat16, lens, max_tokens,
-                                DeviceCeilings(copy, flops)).seconds  # fmt: skip
+    ceilings = DeviceCeilings(args.copy_tb_s * 1e12, args.matmul_tflop_s * 1e12)
+    workload_s = workload_floor(model, cfg, torch.bfloat16, lens, max_tokens, ceilings).seconds
 
     def floor(steps) -> float:
         return sum(
-            max(work.step_weight_bytes(tokens) / copy, 2 * work.active_params * tokens / flops)
-            + attended * work.kv_bytes_per_token / copy
+            work.gemm_seconds(tokens, ceilings)
+            + attended * work.kv_bytes_per_token / ceilings.copy_bytes_per_s
             for tokens, attended in steps
         )
 

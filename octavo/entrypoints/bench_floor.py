@@ -247,6 +247,12 @@ class SerialWork:
         missed = (1 - self.expert_share) ** max(tokens, 1)
         return self.weight_bytes - self.expert_bytes * missed
 
+    def gemm_seconds(self, tokens: int, ceilings: DeviceCeilings) -> float:
+        """The floor of a step's GEMMs over `tokens` tokens: the weights they reach or their
+        FLOPs, whichever takes longer."""
+        return max(self.step_weight_bytes(tokens) / ceilings.copy_bytes_per_s,
+                   2.0 * self.active_params * tokens / ceilings.matmul_flops)  # fmt: skip
+
     def prefill_flops(self) -> float:
         prompt_params = self.active_params - self.head_params
         return 2.0 * (
@@ -317,8 +323,6 @@ def fcfs_serial_estimate(work: SerialWork, ceilings: DeviceCeilings) -> float:
     bandwidth, flops = ceilings.copy_bytes_per_s, ceilings.matmul_flops
     seconds = max(work.weight_bytes / bandwidth, work.prefill_flops() / flops)
     for t in range(1, max(work.output_lens, default=0)):
-        running = work.running(t)
-        gemm_s = max(work.step_weight_bytes(running) / bandwidth,
-                     2.0 * work.active_params * running / flops)  # fmt: skip
-        seconds += work.decode_kv_bytes(t) / bandwidth + gemm_s
+        kv_s = work.decode_kv_bytes(t) / bandwidth
+        seconds += kv_s + work.gemm_seconds(work.running(t), ceilings)
     return seconds
