@@ -94,6 +94,7 @@ def _align_kernel(
     starts = tl.cumsum(padded, 0) - padded
     start = tl.sum(tl.where(bins == expert, starts, 0), 0)
     count = tl.sum(tl.where(bins == expert, counts, 0), 0)
+    size = tl.sum(tl.where(bins == expert, padded, 0), 0)  # its run, padded
     if expert == 0:
         tl.store(total_ptr, tl.sum(padded, 0))
     hit = ours & (ids == expert)
@@ -101,10 +102,10 @@ def _align_kernel(
     tl.store(sorted_ptr + start + rank, offs, mask=hit)
     pad = tl.arange(0, BLOCK_M)
     tl.store(sorted_ptr + start + count + pad, tl.full([BLOCK_M], 0, tl.int32) + num_pairs,
-             mask=pad < (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M - count)  # fmt: skip
+             mask=pad < size - count)  # fmt: skip
     blocks = tl.arange(0, MAX_BLOCKS)
     tl.store(block_expert_ptr + start // BLOCK_M + blocks, tl.full([MAX_BLOCKS], 0, tl.int32)
-             + expert, mask=blocks < tl.cdiv(count, BLOCK_M))  # fmt: skip
+             + expert, mask=blocks < size // BLOCK_M)  # fmt: skip
 
 
 @triton.jit
